@@ -1,0 +1,59 @@
+from glmimage.v1 import common_pb2 as _common_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DenoiseRequest(_message.Message):
+    __slots__ = ("prompt", "prior_tokens", "height", "width", "num_inference_steps", "guidance_scale", "seed", "output_format", "output_compression", "request_id")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prior_tokens: _common_pb2.TokenRow
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    output_format: _common_pb2.ImageFormat
+    output_compression: int
+    request_id: str
+    def __init__(self, prompt: _Optional[str] = ..., prior_tokens: _Optional[_Union[_common_pb2.TokenRow, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class DenoiseTimings(_message.Message):
+    __slots__ = ("denoise_seconds", "decode_seconds", "encode_seconds")
+    DENOISE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    denoise_seconds: float
+    decode_seconds: float
+    encode_seconds: float
+    def __init__(self, denoise_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ...) -> None: ...
+
+class DenoiseResponse(_message.Message):
+    __slots__ = ("image", "output_format", "height", "width", "steps_completed", "seed", "timings")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    image: bytes
+    output_format: _common_pb2.ImageFormat
+    height: int
+    width: int
+    steps_completed: int
+    seed: int
+    timings: DenoiseTimings
+    def __init__(self, image: _Optional[bytes] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., steps_completed: _Optional[int] = ..., seed: _Optional[int] = ..., timings: _Optional[_Union[DenoiseTimings, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,117 @@
+from glmimage.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_AVAILABLE: _ClassVar[WorkerState]
+    WORKER_STATE_BUSY: _ClassVar[WorkerState]
+    WORKER_STATE_UNHEALTHY: _ClassVar[WorkerState]
+    WORKER_STATE_DRAINING: _ClassVar[WorkerState]
+
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_AR: _ClassVar[WorkerRole]
+    WORKER_ROLE_DENOISER: _ClassVar[WorkerRole]
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_AVAILABLE: WorkerState
+WORKER_STATE_BUSY: WorkerState
+WORKER_STATE_UNHEALTHY: WorkerState
+WORKER_STATE_DRAINING: WorkerState
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_AR: WorkerRole
+WORKER_ROLE_DENOISER: WorkerRole
+
+class GenerateImagesRequest(_message.Message):
+    __slots__ = ("prompt", "n", "height", "width", "output_format", "output_compression", "num_inference_steps", "guidance_scale", "seed", "sampling", "request_id")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    n: int
+    height: int
+    width: int
+    output_format: _common_pb2.ImageFormat
+    output_compression: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    sampling: _common_pb2.SamplingParams
+    request_id: str
+    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class GeneratedImage(_message.Message):
+    __slots__ = ("index", "image", "seed", "usage")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    image: bytes
+    seed: int
+    usage: _common_pb2.Usage
+    def __init__(self, index: _Optional[int] = ..., image: _Optional[bytes] = ..., seed: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class GenerateImagesResponse(_message.Message):
+    __slots__ = ("images", "usage", "height", "width", "output_format", "request_id")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[GeneratedImage]
+    usage: _common_pb2.Usage
+    height: int
+    width: int
+    output_format: _common_pb2.ImageFormat
+    request_id: str
+    def __init__(self, images: _Optional[_Iterable[_Union[GeneratedImage, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("address", "role", "state", "inflight", "current_job")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_JOB_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    role: WorkerRole
+    state: WorkerState
+    inflight: int
+    current_job: str
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., inflight: _Optional[int] = ..., current_job: _Optional[str] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("pending_ar_requests", "pending_ar_outputs", "pending_denoise_outputs", "active_requests", "workers")
+    PENDING_AR_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_AR_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_DENOISE_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    pending_ar_requests: int
+    pending_ar_outputs: int
+    pending_denoise_outputs: int
+    active_requests: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, pending_ar_requests: _Optional[int] = ..., pending_ar_outputs: _Optional[int] = ..., pending_denoise_outputs: _Optional[int] = ..., active_requests: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
