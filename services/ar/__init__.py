@@ -1,0 +1,1 @@
+"""The AR service: prompt -> visual prior token rows (GLM-Image's autoregressive stage)."""

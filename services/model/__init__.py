@@ -1,0 +1,1 @@
+"""Model loading shared by the AR and denoiser services: the tiny default checkpoint, devices, dtypes."""

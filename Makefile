@@ -1,0 +1,53 @@
+# Every target sets up what it needs: a fresh clone only needs `make run` or `make test`.
+PYTHON        ?= python3
+VENV          ?= .venv
+# Installed first and explicitly: a bare `torch` requirement can pull a multi-GB CUDA build.
+TORCH_VERSION ?= 2.13.0
+TORCH_SPEC    ?= torch==$(TORCH_VERSION)
+EXTRAS        ?= server,gateway,dev
+PYTEST_ARGS   ?=
+
+REST_PORT      ?= 8000
+GATEWAY_PORT   ?= 50050
+AR_PORT        ?= 50051
+DENOISER_PORTS ?= 50061,50062
+
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+
+.PHONY: help venv run test lint protos tiny clean
+
+help:
+	@echo "make run     start the whole stack on the embedded tiny GLM-Image (REST :$(REST_PORT), gRPC :$(GATEWAY_PORT))"
+	@echo "make test    run the test suite (contracts, lint, unit, end-to-end)"
+	@echo "make protos  regenerate the Python stubs from protos/"
+	@echo "make lint    buf lint (STANDARD) + stub drift check"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $@
+
+run: venv
+	$(BIN)/python -m services.stack --rest-port $(REST_PORT) --gateway-port $(GATEWAY_PORT) \
+		--ar-port $(AR_PORT) --denoiser-ports $(DENOISER_PORTS)
+
+test: venv
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/buf lint protos
+	$(BIN)/python -m pytest -q tests/test_contracts.py
+
+protos: venv
+	$(BIN)/python protos/gen_python.py
+
+tiny: venv
+	$(BIN)/python -m services.model.tiny
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,81 @@
+"""`python -m gateway.rest`: serve the OpenAI-compatible REST front with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+from pathlib import Path
+from collections.abc import Sequence
+
+import uvicorn
+
+from .app import RestSettings, create_app
+
+_DEFAULTS = RestSettings()
+
+
+def _size(value: str) -> tuple[int, int]:
+    width, sep, height = value.lower().partition("x")
+    if not sep or not width.isdigit() or not height.isdigit() or int(width) <= 0 or int(height) <= 0:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, got {value!r}")
+    return int(width), int(height)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="glmimage-rest", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--port-file", type=Path, default=None,
+                   help="write the bound port here once listening (for supervisors and tests using --port 0)")
+    p.add_argument("--gateway-address", default=_DEFAULTS.gateway_address, help="GatewayService host:port")
+    p.add_argument("--served-model", default=_DEFAULTS.served_model)
+    p.add_argument("--model-alias", action="append", default=None,
+                   help="accepted alias of the served model "
+                   f"(repeatable; default {list(_DEFAULTS.model_aliases)})")
+    p.add_argument("--default-size", type=_size, default=_DEFAULTS.default_size, help="size used for 'auto'")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accepted Bearer key (repeatable; also GLMIMAGE_API_KEYS, comma-separated)")
+    p.add_argument("--enable-cache-report", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens")
+    p.add_argument("--request-timeout", type=float, default=_DEFAULTS.request_timeout, help="seconds")
+    p.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace) -> RestSettings:
+    env_keys = [k.strip() for k in os.environ.get("GLMIMAGE_API_KEYS", "").split(",")]
+    api_keys = tuple(dict.fromkeys(k for k in [*args.api_key, *env_keys] if k))
+    return RestSettings(
+        gateway_address=args.gateway_address,
+        served_model=args.served_model,
+        model_aliases=tuple(args.model_alias) if args.model_alias is not None else _DEFAULTS.model_aliases,
+        default_size=args.default_size,
+        api_keys=api_keys,
+        request_timeout=args.request_timeout,
+        enable_cache_report=args.enable_cache_report,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(settings_from_args(args))
+    # Bind here rather than in uvicorn so that --port 0 can report the port it got.
+    sock = socket.create_server((args.host, args.port), reuse_port=False)
+    if args.port_file is not None:
+        tmp = args.port_file.with_suffix(".tmp")
+        tmp.write_text(str(sock.getsockname()[1]))
+        tmp.replace(args.port_file)
+    logging.getLogger("gateway.rest").info("REST front listening on %s:%d", args.host, sock.getsockname()[1])
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on")
+    # uvicorn installs its own SIGINT/SIGTERM handlers and shuts down gracefully.
+    asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Pydantic models for the OpenAI-compatible Images API.
+
+Only shape and range checks live here; checks that depend on RestSettings (model
+names, the pixel budget) are done by the route, which has the settings.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Quality = Literal["low", "medium", "high", "auto", "standard", "hd"]
+OutputFormat = Literal["png", "jpeg", "webp"]
+
+UINT32_MAX = 2**32 - 1
+
+
+class ImageGenerationRequest(BaseModel):
+    """Body of `POST /v1/images/generations` (OpenAI Images API plus GLM-Image extensions)."""
+
+    # strict: "2" is not an int and true is not 1, as in the OpenAI API; unknown fields
+    # (style, moderation, ...) are ignored so that newer SDKs keep working.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    prompt: str = Field(
+        max_length=32000, description="Text description of the desired image(s). Must not be empty."
+    )
+    model: str | None = Field(
+        None, description="Served model name or one of its aliases (e.g. `gpt-image-1`). Defaults to it."
+    )
+    n: int | None = Field(None, ge=1, le=10, description="Number of images to generate, 1 to 10.")
+    size: str | None = Field(
+        None,
+        description="`WIDTHxHEIGHT` in pixels, or `auto` for the server default. "
+        "The services round each side to a multiple of 32.",
+    )
+    quality: Quality | None = Field(
+        None,
+        description="Maps to a number of denoising steps (configurable). `auto` uses the denoiser "
+        "default; `standard` and `hd` are accepted as aliases of `medium` and `high`.",
+    )
+    response_format: Literal["b64_json", "url"] | None = Field(
+        None, description="Only `b64_json` is supported: this server has no image store for `url`."
+    )
+    output_format: OutputFormat | None = Field(
+        None, description="Image encoding: png (default), jpeg or webp."
+    )
+    output_compression: int | None = Field(
+        None, ge=0, le=100, description="Compression level 0-100 for jpeg and webp."
+    )
+    background: Literal["auto", "opaque", "transparent"] | None = Field(
+        None, description="`auto` or `opaque`; transparent backgrounds are not supported."
+    )
+    user: str | None = Field(None, description="End-user identifier; only logged.")
+    stream: bool | None = Field(None, description="Streaming is not supported yet; must be false or absent.")
+    partial_images: int | None = Field(
+        None, ge=0, le=3, description="Accepted for compatibility; only meaningful with streaming."
+    )
+    # GLM-Image extensions.
+    seed: int | None = Field(
+        None, ge=0, le=UINT32_MAX, description="Extension: base seed; image i uses seed + i."
+    )
+    num_inference_steps: int | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="Extension: denoising steps, overrides `quality`. 0 means the denoiser default.",
+    )
+    guidance_scale: float | None = Field(
+        None, ge=0.0, le=30.0, description="Extension: classifier-free guidance scale, 0 to 30."
+    )
+
+
+class ImageData(BaseModel):
+    b64_json: str = Field(description="Base64-encoded image bytes.")
+
+
+class InputTokensDetails(BaseModel):
+    text_tokens: int
+    image_tokens: int
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class ImagesUsage(BaseModel):
+    """Both usage families: OpenAI's (input/output tokens) and sglang's (prompt/completion)."""
+
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+    image_count: int
+    # Only present when the server enables cache reporting and something was cached.
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int = Field(description="Unix timestamp (seconds).")
+    data: list[ImageData]
+    size: str = Field(description="`WIDTHxHEIGHT` actually generated.")
+    output_format: OutputFormat
+    quality: str
+    background: Literal["opaque"]
+    usage: ImagesUsage
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,868 @@
+"""Pure scheduling core of the gateway (functional core, imperative shell).
+
+The scheduler is a deterministic state machine: ``Scheduler.handle(event)`` is the only mutator and returns
+the actions an asyncio driver must perform (dispatch/cancel RPCs, finish client calls). It does no I/O, reads
+no clock and imports nothing outside the standard library, so it can be tested in microseconds and with
+property-based tests. Time only enters through ``event.now`` (monotonic seconds).
+
+Pipeline: admitted requests wait in a pending-AR queue grouped by resolution; AR batches (capacity counted in
+output slots) are formed just in time when an AR worker has room; each request's n AR outputs then enter the
+pending-denoise queue and fan out to n batch-1 denoisers at once.
+
+Invariants (checked by tests/test_scheduler.py):
+- every admitted request ends exactly once (CompleteRequest or FailRequest);
+- a denoiser never holds more than one job;
+- a result from a superseded attempt, a finished request or the wrong worker is fenced: it completes nothing and
+  frees only a slot that is really held by exactly that job;
+- a worker that is healthy again gets work immediately (every handle() ends with the dispatch loop).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+__all__ = [
+    "ErrorCode",
+    "WorkerRole",
+    "WorkerState",
+    "SchedulerConfig",
+    "JobId",
+    "RequestArrived",
+    "ArBatchSucceeded",
+    "ArBatchFailed",
+    "DenoiseSucceeded",
+    "DenoiseFailed",
+    "WorkerAdded",
+    "WorkerRemoved",
+    "WorkerHealthy",
+    "WorkerUnhealthy",
+    "RequestCancelled",
+    "Tick",
+    "Event",
+    "DispatchArBatch",
+    "CancelArBatch",
+    "DispatchDenoise",
+    "CancelDenoise",
+    "CompleteRequest",
+    "FailRequest",
+    "Action",
+    "WorkerSnapshot",
+    "Snapshot",
+    "Counters",
+    "Scheduler",
+]
+
+
+class ErrorCode(enum.Enum):
+    """Failure classes; the driver maps them to gRPC status codes of the same name."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    CANCELLED = "CANCELLED"
+    INTERNAL = "INTERNAL"
+
+
+class WorkerRole(enum.Enum):
+    AR = "AR"
+    DENOISER = "DENOISER"
+
+
+class WorkerState(enum.Enum):
+    """Externally visible worker state (snapshots only; internally health and draining are separate flags)."""
+
+    AVAILABLE = "AVAILABLE"  # healthy, not draining, has room for work
+    BUSY = "BUSY"  # healthy, not draining, no room
+    UNHEALTHY = "UNHEALTHY"
+    DRAINING = "DRAINING"  # removed while busy: finishes what it holds, takes nothing new
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_queued_outputs: int = 256  # admission bound on the pending-AR queue, counted in output slots
+    ar_batch_max_outputs: int = 8  # AR batch capacity in output slots
+    ar_batch_delay: float = 0.005  # a batch leaves when full or when its oldest member waited this long
+    ar_max_inflight_batches: int = 1  # per AR worker
+    ar_retries: int = 0  # extra tries for a failed AR batch before failing its requests
+    max_attempts: int = 3  # per denoise output (the first try counts)
+
+    def __post_init__(self) -> None:
+        if self.max_queued_outputs < 1:
+            raise ValueError("max_queued_outputs must be >= 1")
+        if self.ar_batch_max_outputs < 1:
+            raise ValueError("ar_batch_max_outputs must be >= 1")
+        if self.ar_batch_delay < 0:
+            raise ValueError("ar_batch_delay must be >= 0")
+        if self.ar_max_inflight_batches < 1:
+            raise ValueError("ar_max_inflight_batches must be >= 1")
+        if self.ar_retries < 0:
+            raise ValueError("ar_retries must be >= 0")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+
+
+@dataclass(frozen=True, order=True)
+class JobId:
+    """Fencing token for one denoise dispatch: a result is accepted only for the current attempt."""
+
+    request_id: str
+    index: int  # output index within the request
+    attempt: int  # 1, 2, ... (continues above an earlier request with the same id, see Scheduler)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Events (inputs). Every event carries ``now``, so the core never reads a clock.
+
+
+@dataclass(frozen=True)
+class RequestArrived:
+    now: float
+    request_id: str
+    n: int
+    height: int
+    width: int
+    deadline: float | None = None  # absolute, same monotonic clock as ``now``
+
+
+@dataclass(frozen=True)
+class ArBatchSucceeded:
+    now: float
+    batch_id: int
+    outputs: dict[str, list[object]]  # request_id -> n opaque per-output AR results, in index order
+
+
+@dataclass(frozen=True)
+class ArBatchFailed:
+    now: float
+    batch_id: int
+    message: str
+
+
+@dataclass(frozen=True)
+class DenoiseSucceeded:
+    now: float
+    job: JobId
+    worker: str
+    result: object
+
+
+@dataclass(frozen=True)
+class DenoiseFailed:
+    now: float
+    job: JobId
+    worker: str
+    message: str
+    retryable: bool
+
+
+@dataclass(frozen=True)
+class WorkerAdded:
+    now: float
+    worker: str
+    role: WorkerRole
+
+
+@dataclass(frozen=True)
+class WorkerRemoved:
+    now: float
+    worker: str
+
+
+@dataclass(frozen=True)
+class WorkerHealthy:
+    now: float
+    worker: str
+
+
+@dataclass(frozen=True)
+class WorkerUnhealthy:
+    now: float
+    worker: str
+
+
+@dataclass(frozen=True)
+class RequestCancelled:
+    now: float
+    request_id: str
+    message: str = "cancelled by client"
+
+
+@dataclass(frozen=True)
+class Tick:
+    now: float
+
+
+Event = Union[
+    RequestArrived,
+    ArBatchSucceeded,
+    ArBatchFailed,
+    DenoiseSucceeded,
+    DenoiseFailed,
+    WorkerAdded,
+    WorkerRemoved,
+    WorkerHealthy,
+    WorkerUnhealthy,
+    RequestCancelled,
+    Tick,
+]
+
+# ---------------------------------------------------------------------------------------------------------------
+# Actions (outputs), performed by the driver in list order.
+
+
+@dataclass(frozen=True)
+class DispatchArBatch:
+    batch_id: int
+    worker: str
+    height: int
+    width: int
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CancelArBatch:
+    """The worker carrying the batch went unhealthy; its result, if it ever arrives, is fenced."""
+
+    batch_id: int
+    worker: str
+
+
+@dataclass(frozen=True)
+class DispatchDenoise:
+    job: JobId
+    worker: str
+    ar_output: object
+
+
+@dataclass(frozen=True)
+class CancelDenoise:
+    """Cancel the RPC. The worker slot stays held until a result for ``job`` arrives or the worker goes
+    unhealthy/removed, so a denoiser that is still computing is never handed a second job."""
+
+    job: JobId
+    worker: str
+
+
+@dataclass(frozen=True)
+class CompleteRequest:
+    request_id: str
+    results: tuple[object, ...]  # index order
+    ar_outputs: tuple[object, ...]  # index order
+
+
+@dataclass(frozen=True)
+class FailRequest:
+    request_id: str
+    code: ErrorCode
+    message: str
+
+
+Action = Union[DispatchArBatch, CancelArBatch, DispatchDenoise, CancelDenoise, CompleteRequest, FailRequest]
+
+# ---------------------------------------------------------------------------------------------------------------
+# Observability
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    address: str
+    role: WorkerRole
+    state: WorkerState
+    inflight: int  # AR: batches in flight; denoiser: 0 or 1
+    current_job: JobId | None  # denoisers only
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    pending_ar_requests: int
+    pending_ar_outputs: int
+    pending_denoise_outputs: int
+    active_requests: int
+    workers: tuple[WorkerSnapshot, ...]
+
+
+REQUEUE_REASONS: tuple[str, ...] = ("worker_unhealthy", "denoise_failed", "ar_failed")
+
+
+@dataclass
+class Counters:
+    """Monotonic counters for the driver's Prometheus metrics.
+
+    ``admitted`` = ``completed`` + sum(``failed``) + active requests. Admission rejections are only in
+    ``rejected``. ``requeues`` counts AR requeues per request and denoise requeues per output.
+    """
+
+    admitted: int = 0
+    rejected: int = 0
+    completed: int = 0
+    failed: dict[ErrorCode, int] = field(default_factory=lambda: {c: 0 for c in ErrorCode})
+    requeues: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REQUEUE_REASONS})
+    fenced_results: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Internal state
+
+
+class _Stage(enum.Enum):
+    PENDING_AR = enum.auto()
+    AR_INFLIGHT = enum.auto()
+    DENOISING = enum.auto()
+
+
+class _OutState(enum.Enum):
+    IDLE = enum.auto()  # neither queued nor running: before the AR result, or its attempt just ended
+    QUEUED = enum.auto()
+    INFLIGHT = enum.auto()
+    DONE = enum.auto()
+
+
+@dataclass(eq=False)
+class _Output:
+    index: int
+    attempt: int  # JobId.attempt of the latest dispatch (starts at the request's attempt base)
+    state: _OutState = _OutState.IDLE
+    worker: str | None = None
+    result: object = None
+
+
+@dataclass(eq=False)  # identity equality: deque.remove must not confuse two requests
+class _Request:
+    request_id: str
+    seq: int  # admission order; also distinguishes incarnations of a reused request_id
+    n: int
+    height: int
+    width: int
+    deadline: float | None
+    arrived_at: float  # AR queue age; kept across AR retries so a retried request is not starved
+    attempt_base: int
+    outputs: list[_Output]
+    stage: _Stage = _Stage.PENDING_AR
+    ar_batch: int | None = None
+    ar_failures: int = 0
+    ar_outputs: tuple[object, ...] = ()
+    done: int = 0
+
+
+@dataclass(eq=False)
+class _Worker:
+    address: str
+    role: WorkerRole
+    added_seq: int  # tie-break for LRU so choices are deterministic
+    healthy: bool = False  # a new worker is unhealthy until its first health check passes
+    draining: bool = False
+    last_used: int = 0
+    job: JobId | None = None  # denoisers: the one job whose slot this worker holds
+    batches: set[int] = field(default_factory=set)  # AR: batch ids in flight
+
+    def busy(self) -> bool:
+        return self.job is not None or bool(self.batches)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    batch_id: int
+    worker: str
+    height: int
+    width: int
+    request_ids: tuple[str, ...]
+
+
+# A denoise queue entry: (class, admission seq, index, request_id). Class 0 = requeued (goes to the front),
+# class 1 = fresh. (class, seq, index) is unique, so request_id never takes part in comparisons.
+_QueueKey = tuple[int, int, int, str]
+_FRONT, _FRESH = 0, 1
+
+# How many ended request ids remember their highest attempt number. A reused id continues above it, so a late
+# result of the previous incarnation cannot pass the fencing check of the new one.
+_ATTEMPT_MEMORY = 4096
+
+
+class Scheduler:
+    """Deterministic two-stage scheduler. See the module docstring."""
+
+    def __init__(self, config: SchedulerConfig = SchedulerConfig()) -> None:
+        self.config = config
+        self.counters = Counters()
+        self._now: float = float("-inf")
+        self._seq = itertools.count(1)
+        self._batch_ids = itertools.count(1)
+        self._use_clock = itertools.count(1)  # logical clock for least-recently-used choices
+        self._active: dict[str, _Request] = {}
+        self._pending_ar: dict[tuple[int, int], deque[_Request]] = {}
+        self._pending_ar_outputs = 0
+        self._denoise_q: list[_QueueKey] = []
+        self._batches: dict[int, _Batch] = {}
+        self._workers: dict[str, _Worker] = {}
+        self._deadlines: list[tuple[float, int, str]] = []  # heap, lazily pruned
+        self._attempt_floor: OrderedDict[str, int] = OrderedDict()
+        self._handlers: dict[type, Callable[[object, list[Action]], None]] = {
+            RequestArrived: self._on_arrived,  # type: ignore[dict-item]
+            ArBatchSucceeded: self._on_ar_succeeded,  # type: ignore[dict-item]
+            ArBatchFailed: self._on_ar_failed,  # type: ignore[dict-item]
+            DenoiseSucceeded: self._on_denoise_succeeded,  # type: ignore[dict-item]
+            DenoiseFailed: self._on_denoise_failed,  # type: ignore[dict-item]
+            WorkerAdded: self._on_worker_added,  # type: ignore[dict-item]
+            WorkerRemoved: self._on_worker_removed,  # type: ignore[dict-item]
+            WorkerHealthy: self._on_worker_healthy,  # type: ignore[dict-item]
+            WorkerUnhealthy: self._on_worker_unhealthy,  # type: ignore[dict-item]
+            RequestCancelled: self._on_cancelled,  # type: ignore[dict-item]
+            Tick: lambda ev, actions: None,
+        }
+
+    # ------------------------------------------------------------------------------------------------ public API
+
+    @property
+    def fenced_results(self) -> int:
+        return self.counters.fenced_results
+
+    def handle(self, event: Event) -> list[Action]:
+        """Apply one event; return the actions to perform, in order."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"unknown event type {type(event).__name__}")
+        # Time never goes backwards, even if the driver delivers slightly out-of-order timestamps.
+        self._now = max(self._now, event.now)
+        actions: list[Action] = []
+        # Deadlines first: a result that arrives at or after the deadline must not complete the request.
+        self._expire_deadlines(actions)
+        handler(event, actions)
+        # Work conservation: every event may have freed a worker or queued work.
+        self._dispatch_ar(actions)
+        self._dispatch_denoise(actions)
+        self._prune_deadlines()
+        return actions
+
+    def next_wakeup(self) -> float | None:
+        """Earliest time at which a Tick would change something, or None."""
+        candidates: list[float] = []
+        if self._deadlines:
+            candidates.append(self._deadlines[0][0])  # pruned after every handle(): the top is live
+        # A batch delay expiry matters only if some AR worker could take the batch; otherwise the event that
+        # frees a worker triggers the dispatch. (Without this, an expired group would make the driver spin.)
+        if self._pending_ar and self._free_ar_worker() is not None:
+            delay = self.config.ar_batch_delay
+            candidates.extend(self._oldest(q)[0] + delay for q in self._pending_ar.values())
+        return min(candidates) if candidates else None
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            pending_ar_requests=sum(len(q) for q in self._pending_ar.values()),
+            pending_ar_outputs=self._pending_ar_outputs,
+            pending_denoise_outputs=len(self._denoise_q),
+            active_requests=len(self._active),
+            workers=tuple(self._worker_snapshot(w) for w in self._workers.values()),
+        )
+
+    # --------------------------------------------------------------------------------------------- event handlers
+
+    def _on_arrived(self, ev: RequestArrived, actions: list[Action]) -> None:
+        cfg = self.config
+        rid = ev.request_id
+        reject: tuple[ErrorCode, str] | None = None
+        if not isinstance(ev.n, int) or ev.n < 1:
+            reject = (ErrorCode.INVALID_ARGUMENT, f"n must be >= 1, got {ev.n!r}")
+        elif ev.height <= 0 or ev.width <= 0:
+            reject = (ErrorCode.INVALID_ARGUMENT, f"size must be positive, got {ev.width}x{ev.height}")
+        elif rid in self._active:
+            reject = (ErrorCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
+        elif ev.n > cfg.max_queued_outputs:
+            # Could never be admitted: INVALID_ARGUMENT, not RESOURCE_EXHAUSTED, so clients do not retry it.
+            reject = (
+                ErrorCode.INVALID_ARGUMENT,
+                f"n={ev.n} exceeds the gateway limit --max-queued-outputs={cfg.max_queued_outputs}",
+            )
+        elif self._pending_ar_outputs + ev.n > cfg.max_queued_outputs:
+            reject = (
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"pending-AR queue is full ({self._pending_ar_outputs} queued output slots + n={ev.n} "
+                f"> --max-queued-outputs={cfg.max_queued_outputs}); retry later",
+            )
+        if reject is not None:
+            self.counters.rejected += 1
+            actions.append(FailRequest(rid, *reject))
+            return
+
+        base = self._attempt_floor.pop(rid, 0)
+        req = _Request(
+            request_id=rid,
+            seq=next(self._seq),
+            n=ev.n,
+            height=ev.height,
+            width=ev.width,
+            deadline=ev.deadline,
+            arrived_at=self._now,
+            attempt_base=base,
+            outputs=[_Output(index=i, attempt=base) for i in range(ev.n)],
+        )
+        self._active[rid] = req
+        self.counters.admitted += 1
+        self._enqueue_ar(req, front=False)
+        if ev.deadline is not None and ev.deadline <= self._now:
+            # Admitted and ended at once, so every admitted request still ends exactly once.
+            self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded on arrival", actions)
+        elif ev.deadline is not None:
+            heapq.heappush(self._deadlines, (ev.deadline, req.seq, rid))
+
+    def _on_cancelled(self, ev: RequestCancelled, actions: list[Action]) -> None:
+        req = self._active.get(ev.request_id)
+        if req is not None:
+            self._fail(req, ErrorCode.CANCELLED, ev.message, actions)
+
+    def _on_ar_succeeded(self, ev: ArBatchSucceeded, actions: list[Action]) -> None:
+        batch = self._take_batch(ev.batch_id)
+        if batch is None:
+            return
+        for rid in batch.request_ids:
+            req = self._active.get(rid)
+            if req is None or req.ar_batch != batch.batch_id:
+                continue  # ended (cancel/deadline) while the batch was in flight: just drop it
+            req.ar_batch = None
+            outs = ev.outputs.get(rid)
+            if outs is None or len(outs) != req.n:
+                got = "no" if outs is None else str(len(outs))
+                self._fail(req, ErrorCode.INTERNAL, f"AR stage returned {got} outputs, expected {req.n}", actions)
+                continue
+            req.stage = _Stage.DENOISING
+            req.ar_outputs = tuple(outs)
+            for out in req.outputs:
+                self._enqueue_output(req, out, front=False)
+
+    def _on_ar_failed(self, ev: ArBatchFailed, actions: list[Action]) -> None:
+        batch = self._take_batch(ev.batch_id)
+        if batch is not None:
+            self._ar_batch_failed(batch, f"AR stage failed: {ev.message}", "ar_failed", actions)
+
+    def _on_denoise_succeeded(self, ev: DenoiseSucceeded, actions: list[Action]) -> None:
+        found = self._take_job(ev.job, ev.worker)
+        if found is None:
+            return
+        req, out = found
+        out.state = _OutState.DONE
+        out.worker = None
+        out.result = ev.result
+        req.done += 1
+        if req.done == req.n:
+            self._end(req, actions)
+            self.counters.completed += 1
+            actions.append(
+                CompleteRequest(
+                    req.request_id, tuple(o.result for o in req.outputs), req.ar_outputs
+                )
+            )
+
+    def _on_denoise_failed(self, ev: DenoiseFailed, actions: list[Action]) -> None:
+        found = self._take_job(ev.job, ev.worker)
+        if found is None:
+            return
+        req, out = found
+        out.state, out.worker = _OutState.IDLE, None
+        if ev.retryable:
+            self._retry_output(req, out, "denoise_failed", ev.message, actions)
+        else:
+            self._fail(req, ErrorCode.INTERNAL, f"denoise failed: {ev.message}", actions)
+
+    def _on_worker_added(self, ev: WorkerAdded, actions: list[Action]) -> None:
+        w = self._workers.get(ev.worker)
+        if w is None:
+            self._workers[ev.worker] = _Worker(ev.worker, ev.role, added_seq=next(self._seq))
+        elif w.role is ev.role:
+            w.draining = False  # re-added while draining (endpoint flap): keep it
+        # A different role under a live address is a discovery glitch: keep the known worker until it is gone.
+
+    def _on_worker_removed(self, ev: WorkerRemoved, actions: list[Action]) -> None:
+        w = self._workers.get(ev.worker)
+        if w is None:
+            return
+        if w.busy():
+            w.draining = True
+        else:
+            del self._workers[w.address]
+
+    def _on_worker_healthy(self, ev: WorkerHealthy, actions: list[Action]) -> None:
+        w = self._workers.get(ev.worker)
+        if w is not None:
+            w.healthy = True  # the dispatch loop at the end of handle() hands it work right away
+
+    def _on_worker_unhealthy(self, ev: WorkerUnhealthy, actions: list[Action]) -> None:
+        w = self._workers.get(ev.worker)
+        if w is None or not w.healthy:
+            return  # an unhealthy worker holds nothing (released when it went down)
+        w.healthy = False
+        reason = f"{w.role.value} worker {w.address} became unhealthy"
+        if w.role is WorkerRole.AR:
+            for bid in sorted(w.batches):
+                actions.append(CancelArBatch(bid, w.address))
+                batch = self._batches.pop(bid)  # fence: its result is ignored from now on
+                self._ar_batch_failed(batch, f"AR stage failed: {reason}", "worker_unhealthy", actions)
+            w.batches.clear()
+        elif w.job is not None:
+            job, w.job = w.job, None  # the slot is free; the old attempt is fenced by the attempt number
+            found = self._live_output(job, w.address)
+            if found is not None:
+                req, out = found
+                actions.append(CancelDenoise(job, w.address))
+                out.state, out.worker = _OutState.IDLE, None
+                self._retry_output(req, out, "worker_unhealthy", reason, actions)
+            # else: the request already ended and CancelDenoise was sent then.
+        if w.draining:
+            del self._workers[w.address]
+
+    # ----------------------------------------------------------------------------------------- request lifecycle
+
+    def _fail(self, req: _Request, code: ErrorCode, message: str, actions: list[Action]) -> None:
+        self._end(req, actions)
+        self.counters.failed[code] += 1
+        actions.append(FailRequest(req.request_id, code, message))
+
+    def _end(self, req: _Request, actions: list[Action]) -> None:
+        """Remove an active request from every queue and cancel its in-flight denoise jobs."""
+        del self._active[req.request_id]
+        if req.stage is _Stage.PENDING_AR:
+            q = self._pending_ar[(req.height, req.width)]
+            q.remove(req)
+            if not q:
+                del self._pending_ar[(req.height, req.width)]
+            self._pending_ar_outputs -= req.n
+        elif req.stage is _Stage.DENOISING:
+            if any(o.state is _OutState.QUEUED for o in req.outputs):
+                self._denoise_q = [k for k in self._denoise_q if k[1] != req.seq]
+            for out in req.outputs:
+                if out.state is _OutState.INFLIGHT and out.worker is not None:
+                    # The worker keeps the slot until the RPC ends, so it is never oversubscribed.
+                    actions.append(CancelDenoise(JobId(req.request_id, out.index, out.attempt), out.worker))
+        # AR_INFLIGHT: nothing to do; the batch result drops this request (ar_batch no longer matches).
+        top = max(o.attempt for o in req.outputs)
+        if top > 0:
+            self._attempt_floor[req.request_id] = top
+            self._attempt_floor.move_to_end(req.request_id)
+            if len(self._attempt_floor) > _ATTEMPT_MEMORY:
+                self._attempt_floor.popitem(last=False)
+
+    def _expire_deadlines(self, actions: list[Action]) -> None:
+        while self._deadlines and self._deadlines[0][0] <= self._now:
+            _, seq, rid = heapq.heappop(self._deadlines)
+            req = self._active.get(rid)
+            if req is not None and req.seq == seq:
+                self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", actions)
+
+    def _prune_deadlines(self) -> None:
+        # Drop entries of requests that ended otherwise, so next_wakeup() can peek at a live top.
+        while self._deadlines:
+            _, seq, rid = self._deadlines[0]
+            req = self._active.get(rid)
+            if req is not None and req.seq == seq:
+                break
+            heapq.heappop(self._deadlines)
+
+    # ------------------------------------------------------------------------------------------------- AR stage
+
+    def _enqueue_ar(self, req: _Request, front: bool) -> None:
+        req.stage = _Stage.PENDING_AR
+        q = self._pending_ar.setdefault((req.height, req.width), deque())
+        if front:
+            q.appendleft(req)
+        else:
+            q.append(req)
+        self._pending_ar_outputs += req.n
+
+    def _take_batch(self, batch_id: int) -> _Batch | None:
+        """Pop an in-flight batch and free its AR slot; None (and counted as fenced) if unknown."""
+        batch = self._batches.pop(batch_id, None)
+        if batch is None:
+            self.counters.fenced_results += 1
+            return None
+        w = self._workers.get(batch.worker)
+        if w is not None:
+            w.batches.discard(batch_id)
+            if w.draining and not w.busy():
+                del self._workers[w.address]
+        return batch
+
+    def _ar_batch_failed(self, batch: _Batch, message: str, reason: str, actions: list[Action]) -> None:
+        retry: list[_Request] = []
+        for rid in batch.request_ids:
+            req = self._active.get(rid)
+            if req is None or req.ar_batch != batch.batch_id:
+                continue
+            req.ar_batch = None
+            req.ar_failures += 1
+            if req.ar_failures > self.config.ar_retries:
+                self._fail(req, ErrorCode.UNAVAILABLE, message, actions)
+            else:
+                retry.append(req)
+        # Front of the queue in their original order, keeping their age, so they leave in the next batch.
+        for req in reversed(retry):
+            self._enqueue_ar(req, front=True)
+        self.counters.requeues[reason] += len(retry)
+
+    def _free_ar_worker(self) -> _Worker | None:
+        best: _Worker | None = None
+        for w in self._workers.values():
+            if (
+                w.role is WorkerRole.AR
+                and w.healthy
+                and not w.draining
+                and len(w.batches) < self.config.ar_max_inflight_batches
+            ):
+                if best is None or (len(w.batches), w.last_used, w.added_seq) < (
+                    len(best.batches),
+                    best.last_used,
+                    best.added_seq,
+                ):
+                    best = w
+        return best
+
+    @staticmethod
+    def _oldest(q: deque[_Request]) -> tuple[float, int]:
+        return min((r.arrived_at, r.seq) for r in q)
+
+    def _eligible_group(self) -> tuple[int, int] | None:
+        """The resolution whose batch may leave now and whose oldest request is oldest."""
+        cfg = self.config
+        best: tuple[tuple[float, int], tuple[int, int]] | None = None
+        for key, q in self._pending_ar.items():
+            oldest = self._oldest(q)
+            full = sum(r.n for r in q) >= cfg.ar_batch_max_outputs
+            if full or self._now >= oldest[0] + cfg.ar_batch_delay:
+                if best is None or oldest < best[0]:
+                    best = (oldest, key)
+        return None if best is None else best[1]
+
+    def _pack(self, q: deque[_Request]) -> list[_Request]:
+        """Oldest first; skip what does not fit and keep scanning. An oversized head goes alone."""
+        cap = self.config.ar_batch_max_outputs
+        if q[0].n > cap:
+            return [q[0]]
+        taken: list[_Request] = []
+        room = cap
+        for r in q:
+            if r.n <= room:
+                taken.append(r)
+                room -= r.n
+                if room == 0:
+                    break
+        return taken
+
+    def _dispatch_ar(self, actions: list[Action]) -> None:
+        # Just in time: a batch is formed only when a worker can take it, so late arrivals can still join.
+        while True:
+            w = self._free_ar_worker()
+            if w is None:
+                return
+            key = self._eligible_group()
+            if key is None:
+                return
+            q = self._pending_ar[key]
+            taken = self._pack(q)
+            ids = {id(r) for r in taken}
+            rest = deque(r for r in q if id(r) not in ids)
+            if rest:
+                self._pending_ar[key] = rest
+            else:
+                del self._pending_ar[key]
+            batch = _Batch(next(self._batch_ids), w.address, key[0], key[1], tuple(r.request_id for r in taken))
+            for r in taken:
+                r.stage = _Stage.AR_INFLIGHT
+                r.ar_batch = batch.batch_id
+                self._pending_ar_outputs -= r.n
+            self._batches[batch.batch_id] = batch
+            w.batches.add(batch.batch_id)
+            w.last_used = next(self._use_clock)
+            actions.append(DispatchArBatch(batch.batch_id, w.address, batch.height, batch.width, batch.request_ids))
+
+    # -------------------------------------------------------------------------------------------- denoise stage
+
+    def _enqueue_output(self, req: _Request, out: _Output, front: bool) -> None:
+        out.state = _OutState.QUEUED
+        bisect.insort(self._denoise_q, (_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
+
+    def _live_output(self, job: JobId, worker: str) -> tuple[_Request, _Output] | None:
+        """The output ``job`` is the current, in-flight attempt of, on ``worker``; else None (stale)."""
+        req = self._active.get(job.request_id)
+        if req is None or req.stage is not _Stage.DENOISING or not 0 <= job.index < req.n:
+            return None
+        out = req.outputs[job.index]
+        if out.state is not _OutState.INFLIGHT or out.attempt != job.attempt or out.worker != worker:
+            return None
+        return req, out
+
+    def _take_job(self, job: JobId, worker: str) -> tuple[_Request, _Output] | None:
+        """Handle the end of a denoise RPC: free the worker only if it holds exactly ``job``.
+
+        Returns the live output the result belongs to, or None if the result is fenced."""
+        w = self._workers.get(worker)
+        if w is None or w.role is not WorkerRole.DENOISER or w.job != job:
+            # Superseded (worker went unhealthy and maybe took another job), unknown, or duplicated.
+            self.counters.fenced_results += 1
+            return None
+        found = self._live_output(job, worker)
+        w.job = None
+        if w.draining:
+            del self._workers[w.address]
+        if found is None:
+            # The request ended while this RPC ran (cancel/deadline/failure); the slot is freed above.
+            self.counters.fenced_results += 1
+        return found
+
+    def _retry_output(self, req: _Request, out: _Output, reason: str, message: str, actions: list[Action]) -> None:
+        used = out.attempt - req.attempt_base
+        if used >= self.config.max_attempts:
+            self._fail(
+                req, ErrorCode.UNAVAILABLE, f"denoise failed after {used} attempt(s): {message}", actions
+            )
+            return
+        self.counters.requeues[reason] += 1
+        self._enqueue_output(req, out, front=True)
+
+    def _free_denoiser(self) -> _Worker | None:
+        best: _Worker | None = None
+        for w in self._workers.values():
+            if w.role is WorkerRole.DENOISER and w.healthy and not w.draining and w.job is None:
+                if best is None or (w.last_used, w.added_seq) < (best.last_used, best.added_seq):
+                    best = w
+        return best
+
+    def _dispatch_denoise(self, actions: list[Action]) -> None:
+        # One output per free denoiser, so a request's n outputs fan out to n workers at once.
+        while self._denoise_q:
+            w = self._free_denoiser()
+            if w is None:
+                return
+            _, _, index, rid = self._denoise_q.pop(0)
+            req = self._active[rid]
+            out = req.outputs[index]
+            out.attempt += 1
+            out.state = _OutState.INFLIGHT
+            out.worker = w.address
+            job = JobId(rid, index, out.attempt)
+            w.job = job
+            w.last_used = next(self._use_clock)
+            actions.append(DispatchDenoise(job, w.address, req.ar_outputs[index]))
+
+    # ---------------------------------------------------------------------------------------------- snapshots
+
+    def _worker_snapshot(self, w: _Worker) -> WorkerSnapshot:
+        if w.role is WorkerRole.AR:
+            inflight = len(w.batches)
+            full = inflight >= self.config.ar_max_inflight_batches
+        else:
+            inflight = 0 if w.job is None else 1
+            full = w.job is not None
+        if w.draining:
+            state = WorkerState.DRAINING
+        elif not w.healthy:
+            state = WorkerState.UNHEALTHY
+        elif full:
+            state = WorkerState.BUSY
+        else:
+            state = WorkerState.AVAILABLE
+        return WorkerSnapshot(w.address, w.role, state, inflight, w.job)
+

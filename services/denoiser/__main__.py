@@ -1,0 +1,44 @@
+"""`python -m services.denoiser`: a batch-1 denoiser server (DiT + VAE)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+
+from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc
+from services.denoiser.engine import DenoiseEngine, DenoiseLimits
+from services.denoiser.servicer import DenoiserServicer
+from services.model.serving import model_args, serve_model
+from services.runtime.logs import configure_logging
+from services.runtime.server import common_server_args
+
+SERVICE_NAME = denoiser_service_pb2.DESCRIPTOR.services_by_name["DenoiserService"].full_name
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="GLM-Image denoiser server (prior tokens -> image), batch 1",
+                                parents=[common_server_args(50061), model_args()])
+    p.add_argument("--default-steps", type=int, default=DenoiseLimits.default_steps,
+                   help="steps when the request gives none (the tiny model needs 2; real weights ~50)")
+    p.add_argument("--default-guidance", type=float, default=DenoiseLimits.default_guidance)
+    p.add_argument("--max-steps", type=int, default=DenoiseLimits.max_steps)
+    p.add_argument("--max-pixels", type=int, default=DenoiseLimits.max_pixels)
+    p.add_argument("--max-prompt-chars", type=int, default=DenoiseLimits.max_prompt_chars)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    limits = DenoiseLimits(max_prompt_chars=args.max_prompt_chars, max_pixels=args.max_pixels,
+                           max_steps=args.max_steps, default_steps=args.default_steps,
+                           default_guidance=args.default_guidance)
+    asyncio.run(serve_model(
+        args, name="denoise-engine", service_name=SERVICE_NAME,
+        load=functools.partial(DenoiseEngine.load, args.model_path, args.device, args.dtype, limits),
+        make_servicer=DenoiserServicer,
+        register=denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Image encoding with Pillow: PNG, JPEG and WebP."""
+from __future__ import annotations
+
+import enum
+import io
+
+from PIL import Image
+
+
+class ImageFormat(enum.Enum):
+    PNG = "png"
+    JPEG = "jpeg"
+    WEBP = "webp"
+
+
+DEFAULT_QUALITY = 90  # JPEG/WebP when the request gives no output_compression
+DEFAULT_PNG_LEVEL = 6  # zlib's own default: a good size/time balance
+
+
+def encode(image: Image.Image, fmt: ImageFormat, compression: int | None = None) -> bytes:
+    """compression is OpenAI's output_compression, 0-100: quality for JPEG/WebP, scaled to zlib 0-9 for PNG."""
+    buf = io.BytesIO()
+    if fmt is ImageFormat.PNG:
+        level = DEFAULT_PNG_LEVEL if compression is None else round(compression * 9 / 100)
+        image.save(buf, format="PNG", compress_level=level)
+    elif fmt is ImageFormat.JPEG:
+        image.convert("RGB").save(buf, format="JPEG", quality=DEFAULT_QUALITY if compression is None else compression)
+    else:
+        image.save(buf, format="WEBP", quality=DEFAULT_QUALITY if compression is None else compression)
+    return buf.getvalue()

@@ -1,0 +1,53 @@
+"""The start-up sequence both model servers share: load, bind, warm up, SERVING, drain on SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import torch
+
+from services.model.device import DEVICE_CHOICES, DTYPE_CHOICES
+from services.runtime.executor import SerialExecutor
+from services.runtime.server import announce, run_until_signalled, start_server
+
+log = logging.getLogger(__name__)
+
+
+def model_args() -> argparse.ArgumentParser:
+    """Flags every model server shares; use as an argparse parent."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model-path", default=None,
+                   help="GLM-Image checkpoint directory; default: the embedded tiny model (built offline)")
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    p.add_argument("--torch-threads", type=int, default=0, help="0 keeps torch's default")
+    return p
+
+
+async def serve_model(
+    args: argparse.Namespace,
+    *,
+    name: str,
+    service_name: str,
+    load: Callable[[], Any],
+    make_servicer: Callable[[Any, SerialExecutor], Any],
+    register: Callable[[Any, grpc.aio.Server], None],
+) -> None:
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    executor = SerialExecutor(name)
+    # Load before binding, so nothing can reach a half-loaded model; health stays NOT_SERVING through warm-up.
+    engine = await executor.run(load)
+    servicer = make_servicer(engine, executor)
+    server = await start_server(lambda s: register(servicer, s), [service_name], f"{args.host}:{args.port}")
+    announce(server, args, service_name)
+    await executor.run(engine.warm_up)
+    await server.set_serving(True)
+    log.info("%s SERVING", service_name)
+    try:
+        await run_until_signalled(server, grace=args.drain_seconds)
+    finally:
+        executor.shutdown()

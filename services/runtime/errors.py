@@ -1,0 +1,51 @@
+"""Domain errors. Engines and the scheduler raise these; only the gRPC edge maps them to status codes.
+
+Kept free of grpc imports so engines stay transport-agnostic.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.Enum):
+    INVALID_ARGUMENT = "invalid_argument"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"
+
+
+class ServiceError(Exception):
+    """An error meant for the client: its message is shown as is, so it must not leak internals."""
+
+    kind = ErrorKind.INTERNAL
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class InvalidArgument(ServiceError):
+    kind = ErrorKind.INVALID_ARGUMENT
+
+    def __init__(self, field: str, message: str) -> None:
+        # The field leads the message so grpcurl users and REST mappers can see what to fix.
+        super().__init__(f"{field}: {message}", field=field)
+
+
+class ResourceExhausted(ServiceError):
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServiceError):
+    kind = ErrorKind.UNAVAILABLE
+
+
+class Cancelled(ServiceError):
+    kind = ErrorKind.CANCELLED
+
+
+class DeadlineExceeded(ServiceError):
+    kind = ErrorKind.DEADLINE_EXCEEDED

@@ -1,0 +1,191 @@
+"""Building and running a grpc.aio server the same way for every role.
+
+Every server gets: the error interceptor (domain errors -> status codes, no stack traces to clients),
+request ids from the ``x-request-id`` metadata, grpc.health.v1 and server reflection.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.runtime.errors import ErrorKind, ServiceError
+from services.runtime.logs import new_request_id, request_id_var
+
+log = logging.getLogger(__name__)
+
+STATUS_OF = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+REQUEST_ID_KEY = "x-request-id"
+
+
+def request_id_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key == REQUEST_ID_KEY and value:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Sets the request id for the call, and turns exceptions into statuses.
+
+    A ServiceError keeps its message; anything else is logged with its traceback and the
+    client only sees INTERNAL with the request id, so nothing internal leaks.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        rid = request_id_from(handler_call_details.invocation_metadata) or new_request_id()
+        method = handler_call_details.method
+
+        async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+            if isinstance(exc, ServiceError):
+                log.info("%s failed: %s: %s", method, exc.kind.value, exc.message)
+                await context.abort(STATUS_OF[exc.kind], exc.message)
+            log.exception("%s: unexpected error", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {rid})")
+
+        if handler.unary_unary:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request, context):
+                request_id_var.set(rid)
+                try:
+                    return await inner_uu(request, context)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the edge is where everything is mapped
+                    await _fail(context, exc)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request, context):
+                request_id_var.set(rid)
+                try:
+                    stream = inner_us(request, context)
+                    if inspect.isasyncgen(stream):
+                        async for item in stream:
+                            yield item
+                    else:  # a handler that writes with context.write(), like the health Watch
+                        await stream
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await _fail(context, exc)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer)
+        return handler
+
+
+@dataclass
+class GrpcServer:
+    """A started server plus its health servicer; ``port`` is the bound port (useful with port 0)."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    service_names: tuple[str, ...]
+    _serving: bool = field(default=False, init=False)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self._serving = serving
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def start_server(
+    add_servicers: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+    address: str,
+    *,
+    max_message_mb: int = 64,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+) -> GrpcServer:
+    """Start a server with health (NOT_SERVING until the caller says otherwise) and reflection."""
+    options = [
+        ("grpc.max_receive_message_length", max_message_mb * 1024 * 1024),
+        ("grpc.max_send_message_length", max_message_mb * 1024 * 1024),
+        ("grpc.so_reuseport", 0),  # two servers on one port must fail loudly, not share traffic
+    ]
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(), *interceptors], options=options)
+    add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(service_names)
+    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind {address}")
+    await server.start()
+    grpc_server = GrpcServer(server=server, health=health_servicer, port=port, service_names=names)
+    await grpc_server.set_serving(False)
+    return grpc_server
+
+
+def install_shutdown_signals() -> asyncio.Event:
+    """An event set on SIGTERM or SIGINT, so servers drain instead of dying mid-request."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def run_until_signalled(
+    server: GrpcServer, *, grace: float, on_drain: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Serve until SIGTERM/SIGINT, then go NOT_SERVING, let in-flight RPCs finish (up to grace) and stop."""
+    stop = install_shutdown_signals()
+    await stop.wait()
+    log.info("shutdown requested: draining for up to %.0fs", grace)
+    await server.set_serving(False)
+    if on_drain is not None:
+        await on_drain()
+    await server.server.stop(grace)
+    log.info("stopped")
+
+
+def common_server_args(default_port: int) -> argparse.ArgumentParser:
+    """Flags every gRPC server shares; use as an argparse parent."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
+    p.add_argument("--port-file", type=Path, default=None,
+                   help="write the bound port here once listening (for supervisors and tests using --port 0)")
+    p.add_argument("--drain-seconds", type=float, default=60.0, help="grace period for in-flight work on SIGTERM")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def announce(server: GrpcServer, args: argparse.Namespace, what: str) -> None:
+    log.info("%s listening on %s:%d", what, args.host, server.port)
+    if args.port_file is not None:
+        tmp = args.port_file.with_suffix(".tmp")
+        tmp.write_text(str(server.port))
+        tmp.replace(args.port_file)  # atomic: readers never see a partial number

@@ -1,0 +1,76 @@
+"""Shared fixtures: the tiny real GLM-Image, built once per session into a private cache directory."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from services.model.tiny import TINY_VERSION, ensure_tiny_checkpoint
+
+    cache = tmp_path_factory.mktemp("glmimage-cache")
+    # Subprocesses started by tests find the same checkpoint through the environment.
+    os.environ["GLMIMAGE_CACHE"] = str(cache)
+    return ensure_tiny_checkpoint(cache / TINY_VERSION)
+
+
+@pytest.fixture(scope="session")
+def ar_engine(tiny_checkpoint: Path):
+    from services.ar.engine import ArEngine
+
+    engine = ArEngine.load(tiny_checkpoint, device="cpu")
+    engine.warm_up()
+    return engine
+
+
+@pytest.fixture(scope="session")
+def denoise_engine(tiny_checkpoint: Path):
+    from services.denoiser.engine import DenoiseEngine
+
+    engine = DenoiseEngine.load(tiny_checkpoint, device="cpu")
+    engine.warm_up()
+    return engine
+
+
+@pytest.fixture(scope="session")
+async def ar_server(ar_engine):
+    """A real ArService on 127.0.0.1:<ephemeral>, SERVING."""
+    from glmimage.v1 import ar_service_pb2_grpc
+    from services.ar.servicer import ArServicer
+    from services.runtime.executor import SerialExecutor
+    from services.runtime.server import start_server
+
+    servicer = ArServicer(ar_engine, SerialExecutor("test-ar"))
+    server = await start_server(lambda s: ar_service_pb2_grpc.add_ArServiceServicer_to_server(servicer, s),
+                                ["glmimage.v1.ArService"], "127.0.0.1:0")
+    await server.set_serving(True)
+    yield server
+    await server.stop(None)
+
+
+async def _denoiser(denoise_engine, name: str):
+    from glmimage.v1 import denoiser_service_pb2_grpc
+    from services.denoiser.servicer import DenoiserServicer
+    from services.runtime.executor import SerialExecutor
+    from services.runtime.server import start_server
+
+    servicer = DenoiserServicer(denoise_engine, SerialExecutor(name))
+    server = await start_server(
+        lambda s: denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server(servicer, s),
+        ["glmimage.v1.DenoiserService"], "127.0.0.1:0")
+    await server.set_serving(True)
+    server.servicer = servicer
+    return server
+
+
+@pytest.fixture(scope="session")
+async def denoiser_server(denoise_engine):
+    """A real DenoiserService on 127.0.0.1:<ephemeral>, SERVING; `.servicer` exposes its busy flag."""
+    server = await _denoiser(denoise_engine, "test-denoiser")
+    yield server
+    await server.stop(None)

@@ -1,0 +1,1333 @@
+"""Tests of the pure scheduler core (gateway/scheduler.py).
+
+Example-based tests pin every event in every relevant state; a hypothesis state machine then drives the scheduler
+with random event sequences through a small simulated cluster and checks the invariants after every step.
+No I/O, no sleeps: time is a float carried by the events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from gateway.scheduler import (
+    Action,
+    ArBatchFailed,
+    ArBatchSucceeded,
+    CancelArBatch,
+    CancelDenoise,
+    CompleteRequest,
+    DenoiseFailed,
+    DenoiseSucceeded,
+    DispatchArBatch,
+    DispatchDenoise,
+    ErrorCode,
+    Event,
+    FailRequest,
+    JobId,
+    RequestArrived,
+    RequestCancelled,
+    Scheduler,
+    SchedulerConfig,
+    Tick,
+    WorkerAdded,
+    WorkerHealthy,
+    WorkerRemoved,
+    WorkerRole,
+    WorkerSnapshot,
+    WorkerState,
+    WorkerUnhealthy,
+)
+
+AR = WorkerRole.AR
+DN = WorkerRole.DENOISER
+SIZE = (256, 256)
+OTHER = (512, 512)
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+
+
+def make(**kw: object) -> Scheduler:
+    return Scheduler(SchedulerConfig(**kw))  # type: ignore[arg-type]
+
+
+def up(s: Scheduler, name: str, role: WorkerRole, now: float = 0.0) -> list[Action]:
+    """Add a worker and mark it healthy; return the actions of the health event."""
+    assert s.handle(WorkerAdded(now, name, role)) == []
+    return s.handle(WorkerHealthy(now, name))
+
+
+def arrive(
+    s: Scheduler,
+    rid: str,
+    n: int = 1,
+    now: float = 0.0,
+    size: tuple[int, int] = SIZE,
+    deadline: float | None = None,
+) -> list[Action]:
+    return s.handle(RequestArrived(now, rid, n, size[0], size[1], deadline))
+
+
+def only(actions: list[Action], cls: type) -> list:
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def ar_outputs(rid: str, n: int) -> list[object]:
+    return [f"{rid}/ar{i}" for i in range(n)]
+
+
+def ar_ok(s: Scheduler, batch: DispatchArBatch, ns: dict[str, int], now: float = 0.0) -> list[Action]:
+    return s.handle(ArBatchSucceeded(now, batch.batch_id, {rid: ar_outputs(rid, ns[rid]) for rid in batch.request_ids}))
+
+
+def to_denoise(s: Scheduler, rid: str, n: int = 1, now: float = 0.0) -> list[Action]:
+    """Admit a request, take it through the AR stage; return the actions of the AR result.
+
+    Needs ar_batch_delay=0 (or a full batch) and a free AR worker."""
+    (batch,) = only(arrive(s, rid, n, now), DispatchArBatch)
+    assert batch.request_ids == (rid,)
+    return ar_ok(s, batch, {rid: n}, now)
+
+
+def worker(s: Scheduler, name: str) -> WorkerSnapshot | None:
+    for w in s.snapshot().workers:
+        if w.address == name:
+            return w
+    return None
+
+
+def job(rid: str, index: int = 0, attempt: int = 1) -> JobId:
+    return JobId(rid, index, attempt)
+
+
+def ready(**kw: object) -> Scheduler:
+    """One AR worker and denoisers d0..d3, no batching delay."""
+    cfg: dict[str, object] = {"ar_batch_delay": 0.0}
+    cfg.update(kw)
+    s = make(**cfg)
+    up(s, "ar0", AR)
+    for i in range(4):
+        up(s, f"d{i}", DN)
+    return s
+
+
+# ------------------------------------------------------------------------------------------------- config/API
+
+
+def test_config_validation() -> None:
+    for bad in (
+        {"max_queued_outputs": 0},
+        {"ar_batch_max_outputs": 0},
+        {"ar_batch_delay": -1.0},
+        {"ar_max_inflight_batches": 0},
+        {"ar_retries": -1},
+        {"max_attempts": 0},
+    ):
+        with pytest.raises(ValueError):
+            SchedulerConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_unknown_event_type_is_a_programming_error() -> None:
+    with pytest.raises(TypeError):
+        Scheduler().handle(object())  # type: ignore[arg-type]
+
+
+def test_empty_scheduler() -> None:
+    s = Scheduler()
+    assert s.next_wakeup() is None
+    assert s.handle(Tick(1.0)) == []
+    snap = s.snapshot()
+    assert (snap.pending_ar_requests, snap.pending_ar_outputs, snap.pending_denoise_outputs) == (0, 0, 0)
+    assert snap.active_requests == 0 and snap.workers == ()
+    assert s.fenced_results == 0
+
+
+# -------------------------------------------------------------------------------------------------- admission
+
+
+def test_admission_bound_counts_output_slots() -> None:
+    s = make(max_queued_outputs=4)  # no AR worker: everything stays queued
+    assert arrive(s, "a", 3) == []
+    (rej,) = arrive(s, "b", 2)
+    assert isinstance(rej, FailRequest) and rej.request_id == "b"
+    assert rej.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "--max-queued-outputs" in rej.message
+    assert arrive(s, "c", 1) == []  # exactly at the bound is fine
+    assert s.snapshot().pending_ar_outputs == 4
+    assert s.counters.admitted == 2 and s.counters.rejected == 1
+    assert s.snapshot().active_requests == 2
+
+
+def test_in_flight_ar_work_does_not_count_toward_the_bound() -> None:
+    s = make(max_queued_outputs=4, ar_batch_max_outputs=4)
+    up(s, "ar0", AR)
+    assert only(arrive(s, "a", 4), DispatchArBatch)  # full batch leaves at once
+    assert s.snapshot().pending_ar_outputs == 0
+    assert arrive(s, "b", 4) == []
+
+
+def test_cancelled_request_frees_its_admission_slots() -> None:
+    s = make(max_queued_outputs=2)
+    arrive(s, "a", 2)
+    assert only(arrive(s, "b", 1), FailRequest)[0].code is ErrorCode.RESOURCE_EXHAUSTED
+    s.handle(RequestCancelled(0.0, "a"))
+    assert arrive(s, "b2", 2) == []
+
+
+@pytest.mark.parametrize(("n", "h", "w"), [(0, 256, 256), (-1, 256, 256), (1, 0, 256), (1, 256, -32)])
+def test_invalid_arguments_rejected(n: int, h: int, w: int) -> None:
+    s = make()
+    (rej,) = s.handle(RequestArrived(0.0, "x", n, h, w, None))
+    assert rej == FailRequest("x", ErrorCode.INVALID_ARGUMENT, rej.message)
+    assert s.counters.rejected == 1 and s.counters.admitted == 0
+    assert s.snapshot().active_requests == 0
+
+
+def test_n_that_can_never_fit_the_queue_is_invalid_not_exhausted() -> None:
+    s = make(max_queued_outputs=4)
+    (rej,) = arrive(s, "x", 5)
+    assert rej.code is ErrorCode.INVALID_ARGUMENT and "--max-queued-outputs" in rej.message
+
+
+def test_duplicate_active_id_rejected_and_original_unaffected() -> None:
+    s = ready()
+    to_denoise(s, "a", 1)
+    (rej,) = arrive(s, "a", 1)
+    assert rej.code is ErrorCode.INVALID_ARGUMENT and rej.request_id == "a"
+    assert s.snapshot().active_requests == 1
+    done = s.handle(DenoiseSucceeded(1.0, job("a"), "d0", "img"))
+    assert done == [CompleteRequest("a", ("img",), ("a/ar0",))]
+    # Once it has ended, the id may be used again.
+    assert only(arrive(s, "a", 1, now=2.0), DispatchArBatch)
+
+
+def test_admitted_without_ar_workers_and_dispatched_when_one_comes() -> None:
+    s = make(ar_batch_delay=0.0)
+    assert arrive(s, "a", 1) == []
+    assert s.counters.admitted == 1
+    assert s.next_wakeup() is None  # nothing a Tick could do: no worker
+    assert s.handle(WorkerAdded(1.0, "ar0", AR)) == []  # unhealthy until its first health check
+    assert worker(s, "ar0").state is WorkerState.UNHEALTHY
+    (batch,) = s.handle(WorkerHealthy(1.0, "ar0"))
+    assert batch == DispatchArBatch(1, "ar0", 256, 256, ("a",))
+
+
+def test_deadline_already_passed_at_arrival() -> None:
+    s = make()
+    (fail,) = arrive(s, "a", 1, now=5.0, deadline=5.0)
+    assert fail.code is ErrorCode.DEADLINE_EXCEEDED
+    assert s.counters.admitted == 1 and s.counters.failed[ErrorCode.DEADLINE_EXCEEDED] == 1
+    assert s.snapshot().active_requests == 0 and s.snapshot().pending_ar_outputs == 0
+
+
+# ------------------------------------------------------------------------------------------------ AR batching
+
+
+def test_full_batch_dispatches_immediately() -> None:
+    s = make(ar_batch_max_outputs=4, ar_batch_delay=10.0)
+    up(s, "ar0", AR)
+    assert arrive(s, "a", 2) == []
+    (batch,) = arrive(s, "b", 2, now=0.001)
+    assert batch == DispatchArBatch(1, "ar0", 256, 256, ("a", "b"))
+    assert s.snapshot().pending_ar_requests == 0
+
+
+def test_delay_dispatch_via_tick_and_next_wakeup() -> None:
+    s = make(ar_batch_delay=0.005)
+    up(s, "ar0", AR)
+    assert arrive(s, "a", 1, now=1.0) == []
+    assert s.next_wakeup() == pytest.approx(1.005)
+    assert s.handle(Tick(1.004)) == []
+    assert arrive(s, "b", 1, now=1.0045) == []  # joins the same batch, wake-up keyed on the oldest
+    assert s.next_wakeup() == pytest.approx(1.005)
+    (batch,) = s.handle(Tick(s.next_wakeup()))
+    assert batch.request_ids == ("a", "b")
+    assert s.next_wakeup() is None
+
+
+def test_next_wakeup_does_not_spin_when_no_ar_worker_has_room() -> None:
+    s = make(ar_batch_delay=0.005)
+    up(s, "ar0", AR)
+    arrive(s, "a", 1, now=0.0)
+    (b1,) = s.handle(Tick(0.01))
+    arrive(s, "b", 1, now=0.02)
+    s.handle(Tick(0.1))  # b's delay expired, but the only AR worker is busy
+    assert s.next_wakeup() is None
+    # The worker freeing up is the event that dispatches b.
+    (b2,) = only(ar_ok(s, b1, {"a": 1}, now=0.2), DispatchArBatch)
+    assert b2.request_ids == ("b",)
+
+
+def test_next_wakeup_reports_earliest_deadline() -> None:
+    s = make(ar_batch_delay=100.0)
+    up(s, "ar0", AR)
+    arrive(s, "a", 1, now=0.0, deadline=3.0)
+    arrive(s, "b", 1, now=0.0, deadline=2.0, size=OTHER)
+    assert s.next_wakeup() == 2.0
+    s.handle(RequestCancelled(0.5, "b"))
+    assert s.next_wakeup() == 3.0
+
+
+def test_packing_skips_what_does_not_fit_and_keeps_scanning() -> None:
+    s = make(ar_batch_max_outputs=4, ar_batch_delay=0.0)
+    arrive(s, "a", 3)
+    arrive(s, "b", 2)
+    arrive(s, "c", 1)
+    (b1,) = up(s, "ar0", AR, now=1.0)
+    assert b1.request_ids == ("a", "c")  # b does not fit beside a; c does
+    assert s.snapshot().pending_ar_outputs == 2
+    (b2,) = only(ar_ok(s, b1, {"a": 3, "c": 1}, now=1.1), DispatchArBatch)
+    assert b2.request_ids == ("b",)
+
+
+def test_oversized_request_goes_alone() -> None:
+    s = make(ar_batch_max_outputs=4, ar_batch_delay=10.0)
+    up(s, "ar0", AR)
+    (b1,) = arrive(s, "big", 6)  # over capacity => "full" => leaves at once, alone
+    assert b1.request_ids == ("big",)
+
+
+def test_oversized_request_behind_others_waits_its_turn_then_goes_alone() -> None:
+    s = make(ar_batch_max_outputs=4, ar_batch_delay=0.0)
+    arrive(s, "a", 1)
+    arrive(s, "big", 6)
+    arrive(s, "c", 2)
+    (b1,) = up(s, "ar0", AR, now=1.0)
+    assert b1.request_ids == ("a", "c")
+    (b2,) = only(ar_ok(s, b1, {"a": 1, "c": 2}, now=1.1), DispatchArBatch)
+    assert b2.request_ids == ("big",)
+
+
+def test_starvation_oldest_resolution_first_even_if_other_is_fuller() -> None:
+    s = make(ar_batch_max_outputs=2, ar_batch_delay=0.0)
+    arrive(s, "old", 1, now=0.0, size=OTHER)
+    arrive(s, "x", 1, now=1.0)
+    arrive(s, "y", 1, now=2.0)  # the 256 group is full, the 512 one is older
+    (b1,) = up(s, "ar0", AR, now=3.0)
+    assert (b1.height, b1.request_ids) == (512, ("old",))
+    (b2,) = only(ar_ok(s, b1, {"old": 1}, now=3.1), DispatchArBatch)
+    assert (b2.height, b2.request_ids) == (256, ("x", "y"))
+
+
+def test_just_in_time_batch_grows_while_workers_are_busy() -> None:
+    s = make(ar_batch_max_outputs=8, ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    (b1,) = arrive(s, "a", 1)
+    for i in range(3):  # all expire while ar0 is busy; none forms a batch early
+        assert arrive(s, f"q{i}", 1, now=0.1 * (i + 1)) == []
+    (b2,) = only(ar_ok(s, b1, {"a": 1}, now=1.0), DispatchArBatch)
+    assert b2.request_ids == ("q0", "q1", "q2")
+
+
+def test_multiple_ar_workers_each_with_its_own_inflight_limit() -> None:
+    s = make(ar_batch_max_outputs=1, ar_batch_delay=0.0, ar_max_inflight_batches=2)
+    for i in range(5):
+        arrive(s, f"r{i}", 1, now=float(i))
+    up(s, "ar0", AR, now=10.0)  # takes two batches on its own
+    s.handle(WorkerAdded(10.0, "ar1", AR))
+    batches = only(s.handle(WorkerHealthy(10.0, "ar1")), DispatchArBatch)
+    assert [b.worker for b in batches] == ["ar1", "ar1"]
+    assert [b.request_ids for b in batches] == [("r2",), ("r3",)]
+    assert worker(s, "ar0").inflight == 2 and worker(s, "ar0").state is WorkerState.BUSY
+    assert s.snapshot().pending_ar_requests == 1
+    (b5,) = only(s.handle(ArBatchSucceeded(11.0, batches[0].batch_id, {"r2": ["x"]})), DispatchArBatch)
+    assert (b5.worker, b5.request_ids) == ("ar1", ("r4",))
+
+
+def test_ar_worker_choice_fewest_inflight_then_least_recently_used() -> None:
+    s = make(ar_batch_max_outputs=1, ar_batch_delay=0.0, ar_max_inflight_batches=2)
+    up(s, "ar0", AR)
+    up(s, "ar1", AR)
+    got = [only(arrive(s, f"r{i}", 1, now=float(i)), DispatchArBatch)[0].worker for i in range(4)]
+    assert got == ["ar0", "ar1", "ar0", "ar1"]
+
+
+# ------------------------------------------------------------------------------------------------- AR results
+
+
+def test_ar_result_for_unknown_batch_is_fenced() -> None:
+    s = ready()
+    assert s.handle(ArBatchSucceeded(0.0, 99, {"a": [1]})) == []
+    assert s.handle(ArBatchFailed(0.0, 98, "boom")) == []
+    assert s.fenced_results == 2 and s.counters.fenced_results == 2
+
+
+def test_duplicate_ar_result_is_fenced() -> None:
+    s = ready()
+    (b,) = arrive(s, "a", 1)
+    assert only(ar_ok(s, b, {"a": 1}), DispatchDenoise)
+    assert ar_ok(s, b, {"a": 1}) == []
+    assert s.fenced_results == 1
+
+
+def test_ar_result_with_wrong_output_count_fails_only_that_request() -> None:
+    s = make(ar_batch_max_outputs=4, ar_batch_delay=0.0)
+    arrive(s, "a", 2)
+    arrive(s, "b", 1)
+    (b,) = up(s, "ar0", AR)
+    up(s, "d0", DN)
+    acts = s.handle(ArBatchSucceeded(1.0, b.batch_id, {"a": ["only-one"], "b": ["b0"]}))
+    (fail,) = only(acts, FailRequest)
+    assert (fail.request_id, fail.code) == ("a", ErrorCode.INTERNAL)
+    (d,) = only(acts, DispatchDenoise)
+    assert d == DispatchDenoise(job("b"), "d0", "b0")
+    # A request missing from the outputs entirely is also INTERNAL.
+    (b2,) = arrive(s, "c", 1, now=2.0)
+    (fail,) = only(s.handle(ArBatchSucceeded(2.0, b2.batch_id, {})), FailRequest)
+    assert (fail.request_id, fail.code) == ("c", ErrorCode.INTERNAL)
+
+
+def test_ar_outputs_enter_denoise_queue_in_admission_then_index_order() -> None:
+    s = make(ar_batch_max_outputs=2, ar_batch_delay=0.0, ar_max_inflight_batches=2)
+    up(s, "ar0", AR)
+    (b1,) = arrive(s, "a", 2)
+    (b2,) = arrive(s, "b", 2, now=0.1)
+    assert ar_ok(s, b2, {"b": 2}, now=0.2) == []  # b's AR finished first; no denoiser yet
+    assert ar_ok(s, b1, {"a": 2}, now=0.3) == []
+    assert s.snapshot().pending_denoise_outputs == 4
+    up(s, "d0", DN, now=1.0)
+    s.handle(WorkerAdded(1.0, "d1", DN))
+    s.handle(WorkerAdded(1.0, "d2", DN))
+    assert [d.job for d in s.handle(WorkerHealthy(1.0, "d1"))] == [job("a", 1)]
+    # d0 got a/0 when it came up; a is older than b even though its AR result came later.
+    assert worker(s, "d0").current_job == job("a", 0)
+    assert [d.job for d in s.handle(WorkerHealthy(1.0, "d2"))] == [job("b", 0)]
+
+
+def test_ar_retry_then_fail() -> None:
+    s = make(ar_retries=1, ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    (b1,) = arrive(s, "a", 1)
+    (b2,) = s.handle(ArBatchFailed(1.0, b1.batch_id, "oom"))  # retried at once: age kept
+    assert b2.request_ids == ("a",) and b2.batch_id != b1.batch_id
+    assert s.counters.requeues["ar_failed"] == 1
+    (fail,) = s.handle(ArBatchFailed(2.0, b2.batch_id, "oom again"))
+    assert fail == FailRequest("a", ErrorCode.UNAVAILABLE, "AR stage failed: oom again")
+    assert s.counters.failed[ErrorCode.UNAVAILABLE] == 1
+
+
+def test_ar_failure_without_retries_fails_every_request_in_the_batch() -> None:
+    s = make(ar_batch_max_outputs=4, ar_batch_delay=0.0)
+    arrive(s, "a", 1)
+    arrive(s, "b", 2)
+    (b,) = up(s, "ar0", AR)
+    fails = s.handle(ArBatchFailed(1.0, b.batch_id, "x"))
+    assert [(f.request_id, f.code) for f in fails] == [("a", ErrorCode.UNAVAILABLE), ("b", ErrorCode.UNAVAILABLE)]
+
+
+def test_retried_ar_requests_go_to_the_front_keeping_their_age() -> None:
+    s = make(ar_retries=1, ar_batch_max_outputs=2, ar_batch_delay=1.0)
+    up(s, "ar0", AR)
+    (b1,) = arrive(s, "a", 2, now=0.0)
+    arrive(s, "new", 1, now=5.0)
+    # The failed batch's request goes back in front of the newer one and leaves at once (it is old).
+    (b2,) = s.handle(ArBatchFailed(5.1, b1.batch_id, "x"))
+    assert b2.request_ids == ("a",)
+    assert s.snapshot().pending_ar_requests == 1
+
+
+def test_ar_worker_unhealthy_mid_batch_requeues_and_fences() -> None:
+    s = make(ar_retries=1, ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "ar1", AR)
+    (b1,) = arrive(s, "a", 1)
+    assert b1.worker == "ar0"
+    acts = s.handle(WorkerUnhealthy(1.0, "ar0"))
+    assert acts[0] == CancelArBatch(b1.batch_id, "ar0")
+    (b2,) = only(acts, DispatchArBatch)
+    assert (b2.worker, b2.request_ids) == ("ar1", ("a",))
+    assert s.counters.requeues["worker_unhealthy"] == 1
+    assert worker(s, "ar0").state is WorkerState.UNHEALTHY and worker(s, "ar0").inflight == 0
+    # The late result of the cancelled batch is fenced and does not touch request a.
+    assert s.handle(ArBatchSucceeded(2.0, b1.batch_id, {"a": ["stale"]})) == []
+    assert s.fenced_results == 1
+    up(s, "d0", DN)
+    (d,) = ar_ok(s, b2, {"a": 1}, now=3.0)
+    assert d.ar_output == "a/ar0"
+
+
+def test_ar_worker_unhealthy_without_retry_budget_fails_requests() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    (b1,) = arrive(s, "a", 1)
+    acts = s.handle(WorkerUnhealthy(1.0, "ar0"))
+    assert acts[0] == CancelArBatch(b1.batch_id, "ar0")
+    (fail,) = only(acts, FailRequest)
+    assert fail.code is ErrorCode.UNAVAILABLE and "AR stage failed" in fail.message and "ar0" in fail.message
+
+
+# ------------------------------------------------------------------------------------------- denoise fan-out
+
+
+def test_fan_out_of_n4_to_four_workers_at_once() -> None:
+    s = ready()
+    acts = to_denoise(s, "a", 4)
+    assert acts == [DispatchDenoise(job("a", i), f"d{i}", f"a/ar{i}") for i in range(4)]
+    assert all(w.state is WorkerState.BUSY for w in s.snapshot().workers if w.role is DN)
+
+
+def test_fan_out_with_fewer_workers_continues_as_workers_free() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    up(s, "d1", DN)
+    acts = to_denoise(s, "a", 4)
+    assert [d.job.index for d in acts] == [0, 1]
+    assert s.snapshot().pending_denoise_outputs == 2
+    (d,) = s.handle(DenoiseSucceeded(1.0, job("a", 1), "d1", "r1"))
+    assert d == DispatchDenoise(job("a", 2), "d1", "a/ar2")
+
+
+def test_least_recently_used_denoiser_is_chosen() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    for i in range(3):
+        up(s, f"d{i}", DN)
+    assert [d.worker for d in to_denoise(s, "a", 2)] == ["d0", "d1"]
+    s.handle(DenoiseSucceeded(1.0, job("a", 0), "d0", "x"))
+    s.handle(DenoiseSucceeded(1.0, job("a", 1), "d1", "y"))
+    # d2 never used, then d0 (used before d1).
+    assert [d.worker for d in to_denoise(s, "b", 2, now=2.0)] == ["d2", "d0"]
+
+
+def test_completion_in_index_order_regardless_of_arrival_order() -> None:
+    s = ready()
+    to_denoise(s, "a", 3)
+    assert s.handle(DenoiseSucceeded(1.0, job("a", 2), "d2", "r2")) == []
+    assert s.handle(DenoiseSucceeded(1.0, job("a", 0), "d0", "r0")) == []
+    (done,) = s.handle(DenoiseSucceeded(1.0, job("a", 1), "d1", "r1"))
+    assert done == CompleteRequest("a", ("r0", "r1", "r2"), ("a/ar0", "a/ar1", "a/ar2"))
+    assert s.counters.completed == 1 and s.snapshot().active_requests == 0
+
+
+def test_retryable_failure_requeues_at_front_with_next_attempt() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    to_denoise(s, "a", 1)
+    to_denoise(s, "b", 1, now=0.1)  # queued behind a on the single denoiser
+    (d,) = s.handle(DenoiseFailed(1.0, job("a"), "d0", "transient", True))
+    assert d == DispatchDenoise(job("a", 0, 2), "d0", "a/ar0")  # front, not behind b
+    assert s.counters.requeues["denoise_failed"] == 1
+    # The failed attempt's late success is fenced.
+    assert s.handle(DenoiseSucceeded(1.1, job("a", 0, 1), "d0", "stale")) == []
+    assert worker(s, "d0").current_job == job("a", 0, 2)
+    done = s.handle(DenoiseSucceeded(2.0, job("a", 0, 2), "d0", "good"))
+    assert done[0] == CompleteRequest("a", ("good",), ("a/ar0",))
+    assert done[1] == DispatchDenoise(job("b"), "d0", "b/ar0")
+
+
+def test_requeued_outputs_go_before_older_fresh_outputs() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    up(s, "d1", DN)
+    to_denoise(s, "a", 1)
+    to_denoise(s, "b", 1)
+    to_denoise(s, "c", 1)  # queued (both denoisers busy)
+    (d,) = s.handle(DenoiseFailed(1.0, job("b"), "d1", "x", True))
+    assert d.job == job("b", 0, 2)
+
+
+def test_max_attempts_exhaustion_fails_and_cancels_siblings() -> None:
+    s = make(ar_batch_delay=0.0, max_attempts=2)
+    up(s, "ar0", AR)
+    for i in range(3):
+        up(s, f"d{i}", DN)
+    to_denoise(s, "a", 2)
+    (d,) = s.handle(DenoiseFailed(1.0, job("a", 0), "d0", "oom", True))
+    assert d == DispatchDenoise(job("a", 0, 2), "d2", "a/ar0")
+    acts = s.handle(DenoiseFailed(2.0, job("a", 0, 2), "d2", "oom again", True))
+    assert acts == [
+        CancelDenoise(job("a", 1), "d1"),
+        FailRequest("a", ErrorCode.UNAVAILABLE, "denoise failed after 2 attempt(s): oom again"),
+    ]
+    # d1 keeps its slot until its RPC ends: a cancelled RPC may still be computing.
+    assert worker(s, "d1").current_job == job("a", 1)
+    to_denoise(s, "b", 2, now=3.0)
+    assert worker(s, "d1").current_job == job("a", 1)
+    assert s.handle(DenoiseFailed(4.0, job("a", 1), "d1", "cancelled", True)) == []
+    assert worker(s, "d1").state is WorkerState.AVAILABLE
+    assert s.fenced_results == 1
+
+
+def test_max_attempts_one_means_no_retry() -> None:
+    s = ready(max_attempts=1)
+    to_denoise(s, "a", 1)
+    (fail,) = s.handle(DenoiseFailed(1.0, job("a"), "d0", "x", True))
+    assert fail.code is ErrorCode.UNAVAILABLE
+
+
+def test_non_retryable_failure_is_internal_and_cancels_siblings() -> None:
+    s = ready()
+    to_denoise(s, "a", 3)
+    acts = s.handle(DenoiseFailed(1.0, job("a", 1), "d1", "bad tokens", False))
+    assert only(acts, CancelDenoise) == [CancelDenoise(job("a", 0), "d0"), CancelDenoise(job("a", 2), "d2")]
+    (fail,) = only(acts, FailRequest)
+    assert fail == FailRequest("a", ErrorCode.INTERNAL, "denoise failed: bad tokens")
+    assert worker(s, "d1").state is WorkerState.AVAILABLE
+
+
+# --------------------------------------------------------------------------------------------------- fencing
+
+
+def test_late_result_after_unhealthy_is_fenced_and_frees_nothing() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    up(s, "d1", DN)
+    assert [d.worker for d in to_denoise(s, "a", 1)] == ["d0"]
+    acts = s.handle(WorkerUnhealthy(1.0, "d0"))
+    assert acts == [CancelDenoise(job("a"), "d0"), DispatchDenoise(job("a", 0, 2), "d1", "a/ar0")]
+    assert s.counters.requeues["worker_unhealthy"] == 1
+    assert to_denoise(s, "b", 1, now=1.5) == []  # no free denoiser: d0 down, d1 busy
+    (d,) = s.handle(WorkerHealthy(2.0, "d0"))  # healthy again: gets work at once
+    assert d == DispatchDenoise(job("b"), "d0", "b/ar0")
+    # The superseded attempt's late result names d0, which now holds b's job: no slot freed, nothing done.
+    assert s.handle(DenoiseSucceeded(3.0, job("a"), "d0", "late")) == []
+    assert s.handle(DenoiseFailed(3.0, job("a"), "d0", "late", True)) == []
+    assert s.fenced_results == 2
+    assert worker(s, "d0").current_job == job("b")
+    assert worker(s, "d1").current_job == job("a", 0, 2)
+    assert s.handle(DenoiseSucceeded(4.0, job("a", 0, 2), "d1", "good")) == [
+        CompleteRequest("a", ("good",), ("a/ar0",))
+    ]
+
+
+def test_result_naming_the_wrong_worker_is_fenced() -> None:
+    s = ready()
+    to_denoise(s, "a", 2)
+    assert s.handle(DenoiseSucceeded(1.0, job("a", 0), "d1", "wrong")) == []  # d1 holds a/1, not a/0
+    assert s.handle(DenoiseSucceeded(1.0, job("a", 0), "nobody", "x")) == []
+    assert s.handle(DenoiseSucceeded(1.0, job("a", 0), "ar0", "x")) == []
+    assert s.fenced_results == 3
+    assert worker(s, "d0").current_job == job("a", 0)
+    assert worker(s, "d1").current_job == job("a", 1)
+
+
+def test_duplicate_result_is_fenced() -> None:
+    s = ready()
+    to_denoise(s, "a", 2)
+    s.handle(DenoiseSucceeded(1.0, job("a", 0), "d0", "r0"))
+    to_denoise(s, "b", 1, now=1.5)  # lands on d2 (LRU), not d0
+    assert s.handle(DenoiseSucceeded(2.0, job("a", 0), "d0", "again")) == []
+    assert s.fenced_results == 1
+    (done,) = s.handle(DenoiseSucceeded(3.0, job("a", 1), "d1", "r1"))
+    assert done.results == ("r0", "r1")
+
+
+def test_reused_request_id_does_not_accept_results_of_the_previous_request() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    to_denoise(s, "a", 1)
+    s.handle(WorkerUnhealthy(1.0, "d0"))  # a/0/1 fenced, requeued
+    s.handle(RequestCancelled(1.0, "a"))
+    s.handle(WorkerHealthy(2.0, "d0"))
+    (d,) = to_denoise(s, "a", 1, now=2.0)  # a new request with the same id lands on d0 again
+    assert d.job.attempt > 1  # attempts continue, so the old token cannot match
+    assert s.handle(DenoiseSucceeded(3.0, job("a", 0, 1), "d0", "old")) == []
+    assert worker(s, "d0").current_job == d.job
+    assert s.handle(DenoiseSucceeded(3.0, d.job, "d0", "new"))[0].results == ("new",)
+
+
+# ----------------------------------------------------------------------------------------------------- cancel
+
+
+def test_cancel_while_queued_for_ar() -> None:
+    s = make(ar_batch_delay=10.0)
+    up(s, "ar0", AR)
+    arrive(s, "a", 2)
+    (fail,) = s.handle(RequestCancelled(1.0, "a", "client went away"))
+    assert fail == FailRequest("a", ErrorCode.CANCELLED, "client went away")
+    snap = s.snapshot()
+    assert (snap.pending_ar_requests, snap.pending_ar_outputs, snap.active_requests) == (0, 0, 0)
+    assert s.next_wakeup() is None
+    assert s.counters.failed[ErrorCode.CANCELLED] == 1
+
+
+def test_cancel_while_ar_in_flight_drops_it_when_the_batch_returns() -> None:
+    s = make(ar_batch_max_outputs=4, ar_batch_delay=0.0)
+    arrive(s, "a", 1)
+    arrive(s, "b", 1)
+    (b,) = up(s, "ar0", AR)
+    up(s, "d0", DN)
+    (fail,) = s.handle(RequestCancelled(1.0, "a"))
+    assert fail.code is ErrorCode.CANCELLED
+    acts = ar_ok(s, b, {"a": 1, "b": 1}, now=2.0)
+    assert acts == [DispatchDenoise(job("b"), "d0", "b/ar0")]
+
+
+def test_cancel_while_denoising_cancels_jobs_and_waits_for_rpcs() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    up(s, "d1", DN)
+    to_denoise(s, "a", 3)  # a/0 on d0, a/1 on d1, a/2 queued
+    to_denoise(s, "b", 1)
+    acts = s.handle(RequestCancelled(1.0, "a"))
+    assert acts == [
+        CancelDenoise(job("a", 0), "d0"),
+        CancelDenoise(job("a", 1), "d1"),
+        FailRequest("a", ErrorCode.CANCELLED, "cancelled by client"),
+    ]
+    assert s.snapshot().pending_denoise_outputs == 1  # a/2 removed, b/0 left
+    # The cancelled RPC ends: the worker that holds exactly that job is freed and takes b.
+    assert s.handle(DenoiseFailed(2.0, job("a", 1), "d1", "CANCELLED", True)) == [
+        DispatchDenoise(job("b"), "d1", "b/ar0")
+    ]
+    assert s.handle(DenoiseSucceeded(2.0, job("a", 0), "d0", "too late")) == []
+    assert worker(s, "d0").state is WorkerState.AVAILABLE
+    assert s.fenced_results == 2
+    assert s.counters.failed[ErrorCode.CANCELLED] == 1 and s.counters.completed == 0
+
+
+def test_cancel_of_unknown_or_finished_request_does_nothing() -> None:
+    s = ready()
+    assert s.handle(RequestCancelled(0.0, "nope")) == []
+    to_denoise(s, "a", 1)
+    s.handle(DenoiseSucceeded(1.0, job("a"), "d0", "x"))
+    assert s.handle(RequestCancelled(2.0, "a")) == []
+    assert s.counters.failed[ErrorCode.CANCELLED] == 0
+
+
+# --------------------------------------------------------------------------------------------------- deadlines
+
+
+def test_deadline_while_queued_for_ar_fires_on_tick() -> None:
+    s = make(ar_batch_delay=100.0)
+    up(s, "ar0", AR)
+    arrive(s, "a", 1, now=0.0, deadline=2.0)
+    assert s.next_wakeup() == 2.0
+    assert s.handle(Tick(1.999)) == []
+    (fail,) = s.handle(Tick(2.0))
+    assert fail == FailRequest("a", ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded")
+    assert s.handle(Tick(3.0)) == []  # exactly once
+    assert s.snapshot().pending_ar_outputs == 0 and s.next_wakeup() is None
+
+
+def test_deadline_while_ar_in_flight() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    (b,) = arrive(s, "a", 1, deadline=1.0)
+    (fail,) = s.handle(Tick(1.5))
+    assert fail.code is ErrorCode.DEADLINE_EXCEEDED
+    assert ar_ok(s, b, {"a": 1}, now=2.0) == []
+    assert worker(s, "ar0").inflight == 0 and worker(s, "d0").current_job is None
+
+
+def test_deadline_while_denoising_cancels_jobs() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    (b,) = arrive(s, "a", 2, deadline=5.0)
+    ar_ok(s, b, {"a": 2}, now=1.0)
+    acts = s.handle(Tick(5.0))
+    assert acts == [CancelDenoise(job("a", 0), "d0"), FailRequest("a", ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded")]
+    assert s.snapshot().pending_denoise_outputs == 0
+
+
+def test_result_arriving_at_the_deadline_does_not_complete() -> None:
+    s = ready()
+    (b,) = arrive(s, "a", 1, deadline=5.0)
+    ar_ok(s, b, {"a": 1})
+    acts = s.handle(DenoiseSucceeded(5.0, job("a"), "d0", "img"))
+    assert acts == [
+        CancelDenoise(job("a"), "d0"),
+        FailRequest("a", ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded"),
+    ]
+    assert worker(s, "d0").state is WorkerState.AVAILABLE  # it held exactly that job
+    assert s.counters.completed == 0
+
+
+def test_time_never_goes_backwards() -> None:
+    s = make(ar_batch_delay=1.0)
+    up(s, "ar0", AR)
+    arrive(s, "a", 1, now=10.0, deadline=12.0)
+    s.handle(Tick(12.0))
+    assert s.snapshot().active_requests == 0
+    arrive(s, "b", 1, now=5.0, deadline=11.0)  # stale timestamp: judged at t=12
+    assert s.snapshot().active_requests == 0
+
+
+# ------------------------------------------------------------------------------------------------ membership
+
+
+def test_removing_an_idle_worker_drops_it_at_once() -> None:
+    s = ready()
+    assert s.handle(WorkerRemoved(0.0, "d1")) == []
+    assert worker(s, "d1") is None
+    assert s.handle(WorkerRemoved(0.0, "unknown")) == []
+
+
+def test_removing_a_busy_denoiser_drains_it() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    to_denoise(s, "a", 1)
+    s.handle(WorkerRemoved(1.0, "d0"))
+    assert worker(s, "d0").state is WorkerState.DRAINING
+    assert to_denoise(s, "b", 1, now=1.0) == []  # no new job for a draining worker
+    (done,) = s.handle(DenoiseSucceeded(2.0, job("a"), "d0", "img"))  # its current job may finish
+    assert done.results == ("img",)
+    assert worker(s, "d0") is None
+    assert s.snapshot().pending_denoise_outputs == 1
+    # A result naming the vanished worker is fenced.
+    assert s.handle(DenoiseSucceeded(3.0, job("a"), "d0", "img")) == []
+
+
+def test_draining_denoiser_going_unhealthy_requeues_and_disappears() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    up(s, "d1", DN)
+    to_denoise(s, "a", 1)
+    to_denoise(s, "b", 1)
+    s.handle(WorkerRemoved(1.0, "d0"))
+    acts = s.handle(WorkerUnhealthy(2.0, "d0"))
+    assert acts == [CancelDenoise(job("a"), "d0")]
+    assert worker(s, "d0") is None
+    assert s.snapshot().pending_denoise_outputs == 1
+    (d,) = s.handle(DenoiseSucceeded(3.0, job("b"), "d1", "x"))[1:]
+    assert d == DispatchDenoise(job("a", 0, 2), "d1", "a/ar0")
+
+
+def test_removing_a_busy_ar_worker_drains_it() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    (b,) = arrive(s, "a", 1)
+    s.handle(WorkerRemoved(1.0, "ar0"))
+    assert worker(s, "ar0").state is WorkerState.DRAINING
+    assert arrive(s, "b", 1, now=1.0) == []
+    up(s, "d0", DN)
+    assert only(ar_ok(s, b, {"a": 1}, now=2.0), DispatchDenoise)
+    assert worker(s, "ar0") is None
+    up(s, "ar1", AR, now=3.0)
+    assert s.snapshot().pending_ar_requests == 0
+
+
+def test_draining_ar_worker_going_unhealthy_fails_its_batch_and_disappears() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    (b,) = arrive(s, "a", 1)
+    s.handle(WorkerRemoved(1.0, "ar0"))
+    acts = s.handle(WorkerUnhealthy(2.0, "ar0"))
+    assert acts[0] == CancelArBatch(b.batch_id, "ar0")
+    assert only(acts, FailRequest)[0].code is ErrorCode.UNAVAILABLE
+    assert worker(s, "ar0") is None
+
+
+def test_re_adding_a_draining_worker_keeps_it() -> None:
+    s = ready()
+    to_denoise(s, "a", 1)
+    s.handle(WorkerRemoved(1.0, "d0"))
+    s.handle(WorkerAdded(1.5, "d0", DN))
+    assert worker(s, "d0").state is WorkerState.BUSY
+    s.handle(DenoiseSucceeded(2.0, job("a"), "d0", "x"))
+    assert worker(s, "d0").state is WorkerState.AVAILABLE
+    # Re-adding under a different role is ignored; re-adding a live worker is idempotent.
+    s.handle(WorkerAdded(2.0, "d0", AR))
+    s.handle(WorkerAdded(2.0, "d0", DN))
+    assert worker(s, "d0").role is DN and worker(s, "d0").state is WorkerState.AVAILABLE
+
+
+def test_health_flap() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    assert s.handle(WorkerUnhealthy(0.0, "d0")) == []
+    assert s.handle(WorkerUnhealthy(0.0, "d0")) == []  # repeated: no-op
+    assert to_denoise(s, "a", 1) == []
+    assert s.snapshot().pending_denoise_outputs == 1
+    (d,) = s.handle(WorkerHealthy(1.0, "d0"))  # never stays unavailable once healthy
+    assert d.worker == "d0"
+    assert s.handle(WorkerHealthy(1.0, "d0")) == []  # repeated: no-op, keeps its job
+    assert worker(s, "d0").current_job == job("a")
+    assert s.handle(WorkerUnhealthy(2.0, "d0")) == [CancelDenoise(job("a"), "d0")]
+    assert s.handle(WorkerHealthy(3.0, "d0")) == [DispatchDenoise(job("a", 0, 2), "d0", "a/ar0")]
+    (done,) = s.handle(DenoiseSucceeded(4.0, job("a", 0, 2), "d0", "img"))
+    assert done.results == ("img",)
+
+
+def test_health_events_for_unknown_workers_are_ignored() -> None:
+    s = make()
+    assert s.handle(WorkerHealthy(0.0, "ghost")) == []
+    assert s.handle(WorkerUnhealthy(0.0, "ghost")) == []
+    assert s.snapshot().workers == ()
+
+
+def test_single_denoiser_unhealthy_requeues_until_it_is_back() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    to_denoise(s, "a", 1)
+    assert s.handle(WorkerUnhealthy(1.0, "d0")) == [CancelDenoise(job("a"), "d0")]
+    assert s.snapshot().pending_denoise_outputs == 1
+    assert s.handle(WorkerHealthy(2.0, "d0")) == [DispatchDenoise(job("a", 0, 2), "d0", "a/ar0")]
+
+
+def test_unhealthy_exhausting_attempts_fails_the_request() -> None:
+    s = ready(max_attempts=1)
+    to_denoise(s, "a", 2)
+    acts = s.handle(WorkerUnhealthy(1.0, "d0"))
+    assert acts[0] == CancelDenoise(job("a", 0), "d0")
+    assert CancelDenoise(job("a", 1), "d1") in acts
+    (fail,) = only(acts, FailRequest)
+    assert fail.code is ErrorCode.UNAVAILABLE and "d0" in fail.message
+
+
+def test_snapshot_reports_states_and_queues() -> None:
+    s = make(ar_batch_delay=0.0, ar_max_inflight_batches=2)
+    s.handle(WorkerAdded(0.0, "dX", DN))
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    to_denoise(s, "a", 2)
+    arrive(s, "b", 1)
+    snap = s.snapshot()
+    assert snap.active_requests == 2 and snap.pending_denoise_outputs == 1
+    states = {w.address: (w.state, w.inflight) for w in snap.workers}
+    assert states == {
+        "dX": (WorkerState.UNHEALTHY, 0),
+        "ar0": (WorkerState.AVAILABLE, 1),
+        "d0": (WorkerState.BUSY, 1),
+    }
+
+
+def test_counters_balance() -> None:
+    s = ready(max_queued_outputs=3)
+    to_denoise(s, "a", 1)
+    s.handle(DenoiseSucceeded(1.0, job("a"), "d0", "x"))
+    arrive(s, "bad", 0)
+    (b,) = arrive(s, "c", 1)
+    s.handle(RequestCancelled(2.0, "c"))
+    c = s.counters
+    assert (c.admitted, c.rejected, c.completed, c.failed[ErrorCode.CANCELLED]) == (2, 1, 1, 1)
+    assert c.admitted == c.completed + sum(c.failed.values()) + s.snapshot().active_requests
+
+
+# =============================================================================================================
+# Property-based: a simulated cluster drives random event sequences; invariants are checked after every step.
+
+
+@dataclass
+class _Member:
+    role: WorkerRole
+    healthy: bool = False
+    draining: bool = False
+
+
+@dataclass
+class _Req:
+    n: int
+    size: tuple[int, int]
+    deadline: float | None
+    batch: int | None = None  # latest AR batch dispatched for it
+
+
+@dataclass
+class _World:
+    """What the simulated cluster knows, built only from events sent and actions received."""
+
+    members: dict[str, _Member] = field(default_factory=dict)
+    holding: dict[str, JobId] = field(default_factory=dict)  # denoiser -> the job whose slot it holds
+    ar_owned: dict[str, set[int]] = field(default_factory=dict)  # AR worker -> batch slots it holds
+    ar_rpcs: dict[int, DispatchArBatch] = field(default_factory=dict)  # outstanding, incl. cancelled
+    dn_rpcs: dict[JobId, str] = field(default_factory=dict)  # outstanding, incl. cancelled
+    delivered: list[tuple[JobId, str]] = field(default_factory=list)
+    delivered_batches: list[int] = field(default_factory=list)
+    attempts: dict[tuple[str, int], tuple[int, str]] = field(default_factory=dict)  # latest (attempt, worker)
+    reqs: dict[str, _Req] = field(default_factory=dict)  # admitted
+    ended: dict[str, Action] = field(default_factory=dict)
+
+
+WORKERS = ("ar0", "ar1", "d0", "d1", "d2", "d3")
+
+
+def _role(name: str) -> WorkerRole:
+    return AR if name.startswith("ar") else DN
+
+
+def _ar_out(rid: str, i: int, batch_id: int) -> tuple[str, str, int, int]:
+    return ("ar", rid, i, batch_id)
+
+
+def _result(j: JobId, w: str) -> tuple[str, str, int, int, str]:
+    return ("res", j.request_id, j.index, j.attempt, w)
+
+
+configs = st.builds(
+    SchedulerConfig,
+    max_queued_outputs=st.integers(2, 12),
+    ar_batch_max_outputs=st.integers(1, 4),
+    ar_batch_delay=st.sampled_from([0.0, 0.002, 0.01]),
+    ar_max_inflight_batches=st.integers(1, 2),
+    ar_retries=st.sampled_from([1, 0]),
+    max_attempts=st.sampled_from([2, 3, 1]),
+)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s: Scheduler | None = None
+        self.cfg = SchedulerConfig()
+        self.now = 0.0
+        self.w = _World()
+        self.next_rid = 0
+        self.last_fenced = 0
+
+    # ----------------------------------------------------------------------------------------------- driving
+
+    def send(self, ev: Event) -> list[Action]:
+        assert self.s is not None
+        before = self.s.snapshot()
+        w = self.w
+        # Model side of membership events, applied before reading the actions (they refer to the new state).
+        expect_ar_cancels: set[int] = set()
+        if isinstance(ev, WorkerAdded):
+            m = w.members.get(ev.worker)
+            if m is None:
+                w.members[ev.worker] = _Member(ev.role)
+                w.ar_owned.setdefault(ev.worker, set())
+            elif m.role is ev.role:
+                m.draining = False
+        elif isinstance(ev, WorkerRemoved) and ev.worker in w.members:
+            if ev.worker in w.holding or w.ar_owned.get(ev.worker):
+                w.members[ev.worker].draining = True
+            else:
+                self._forget(ev.worker)
+        elif isinstance(ev, WorkerHealthy) and ev.worker in w.members:
+            w.members[ev.worker].healthy = True
+        elif isinstance(ev, WorkerUnhealthy) and ev.worker in w.members and w.members[ev.worker].healthy:
+            w.members[ev.worker].healthy = False
+            w.holding.pop(ev.worker, None)  # the slot is free; the old attempt is fenced
+            expect_ar_cancels = set(w.ar_owned.get(ev.worker, set()))
+            w.ar_owned[ev.worker] = set()
+            if w.members[ev.worker].draining:
+                self._forget(ev.worker)
+        elif isinstance(ev, (DenoiseSucceeded, DenoiseFailed)):
+            if w.holding.get(ev.worker) == ev.job:  # a result frees only the slot held by exactly that job
+                del w.holding[ev.worker]
+                self._maybe_gone(ev.worker)
+        elif isinstance(ev, (ArBatchSucceeded, ArBatchFailed)):
+            for name, owned in w.ar_owned.items():
+                if ev.batch_id in owned:
+                    owned.discard(ev.batch_id)
+                    self._maybe_gone(name)
+                    break
+
+        actions = self.s.handle(ev)
+        self.now = max(self.now, ev.now)
+        if isinstance(ev, RequestArrived) and not any(
+            isinstance(a, FailRequest)
+            and a.request_id == ev.request_id
+            and a.code in (ErrorCode.INVALID_ARGUMENT, ErrorCode.RESOURCE_EXHAUSTED)
+            for a in actions
+        ):
+            w.reqs[ev.request_id] = _Req(ev.n, (ev.height, ev.width), ev.deadline)
+        assert {a.batch_id for a in actions if isinstance(a, CancelArBatch)} == expect_ar_cancels
+        for a in actions:
+            self._apply(ev, a, before)
+        self._check()
+        return actions
+
+    def _forget(self, name: str) -> None:
+        self.w.members.pop(name, None)
+        self.w.ar_owned.pop(name, None)
+
+    def _maybe_gone(self, name: str) -> None:
+        m = self.w.members.get(name)
+        if m is not None and m.draining and name not in self.w.holding and not self.w.ar_owned.get(name):
+            self._forget(name)
+
+    def _apply(self, ev: Event, a: Action, before: object) -> None:
+        w, cfg = self.w, self.cfg
+        if isinstance(a, DispatchArBatch):
+            m = w.members.get(a.worker)
+            assert m is not None and m.role is AR and m.healthy and not m.draining
+            assert len(w.ar_owned[a.worker]) < cfg.ar_max_inflight_batches
+            w.ar_owned[a.worker].add(a.batch_id)
+            assert a.batch_id not in w.ar_rpcs and a.batch_id not in w.delivered_batches
+            w.ar_rpcs[a.batch_id] = a
+            slots = 0
+            for rid in a.request_ids:
+                r = w.reqs[rid]
+                assert rid not in w.ended
+                assert r.size == (a.height, a.width)
+                r.batch = a.batch_id
+                slots += r.n
+            assert len(a.request_ids) >= 1
+            assert slots <= cfg.ar_batch_max_outputs or len(a.request_ids) == 1
+        elif isinstance(a, DispatchDenoise):
+            m = w.members.get(a.worker)
+            assert m is not None and m.role is DN and m.healthy and not m.draining
+            assert a.worker not in w.holding, f"{a.worker} would hold two jobs"
+            rid, i = a.job.request_id, a.job.index
+            assert rid not in w.ended and 0 <= i < w.reqs[rid].n
+            prev = w.attempts.get((rid, i), (0, ""))[0]
+            assert a.job.attempt == prev + 1 <= cfg.max_attempts
+            assert a.ar_output == _ar_out(rid, i, w.reqs[rid].batch)
+            w.holding[a.worker] = a.job
+            w.attempts[(rid, i)] = (a.job.attempt, a.worker)
+            w.dn_rpcs[a.job] = a.worker
+        elif isinstance(a, CancelDenoise):
+            assert w.attempts.get((a.job.request_id, a.job.index)) == (a.job.attempt, a.worker)
+            assert a.job in w.dn_rpcs
+        elif isinstance(a, CancelArBatch):
+            assert a.batch_id in w.ar_rpcs
+        elif isinstance(a, CompleteRequest):
+            r = w.reqs[a.request_id]
+            assert a.request_id not in w.ended, "ended twice"
+            w.ended[a.request_id] = a
+            assert len(a.results) == r.n and len(a.ar_outputs) == r.n
+            for i, res in enumerate(a.results):
+                attempt, worker_name = w.attempts[(a.request_id, i)]
+                assert res == _result(JobId(a.request_id, i, attempt), worker_name), "not the current attempt"
+                assert a.ar_outputs[i] == _ar_out(a.request_id, i, r.batch)
+        elif isinstance(a, FailRequest):
+            if isinstance(ev, RequestArrived) and a.request_id == ev.request_id and a.code in (
+                ErrorCode.INVALID_ARGUMENT,
+                ErrorCode.RESOURCE_EXHAUSTED,
+            ):
+                assert a.request_id not in w.reqs
+                if a.code is ErrorCode.RESOURCE_EXHAUSTED:
+                    assert before.pending_ar_outputs + ev.n > cfg.max_queued_outputs  # type: ignore[attr-defined]
+                else:
+                    assert ev.n < 1 or ev.n > cfg.max_queued_outputs
+                return
+            assert a.request_id in w.reqs and a.request_id not in w.ended, "ended twice or never admitted"
+            w.ended[a.request_id] = a
+            r = w.reqs[a.request_id]
+            if a.code is ErrorCode.DEADLINE_EXCEEDED:
+                assert r.deadline is not None and self.now >= r.deadline
+            if a.code is ErrorCode.CANCELLED:
+                assert isinstance(ev, RequestCancelled) and ev.request_id == a.request_id
+
+    def _check(self) -> None:
+        s, w = self.s, self.w
+        assert s is not None
+        snap = s.snapshot()
+        # Membership and slots exactly as the model derives them from events and actions: a fenced result
+        # never freed another job's slot, and no denoiser holds two jobs.
+        assert {x.address for x in snap.workers} == set(w.members)
+        for x in snap.workers:
+            m = w.members[x.address]
+            assert x.role is m.role
+            if x.role is DN:
+                assert x.current_job == w.holding.get(x.address)
+                assert x.inflight == (x.address in w.holding)
+            else:
+                assert x.inflight == len(w.ar_owned[x.address]) <= self.cfg.ar_max_inflight_batches
+            if m.draining:
+                assert x.state is WorkerState.DRAINING
+            elif not m.healthy:
+                assert x.state is WorkerState.UNHEALTHY
+            else:
+                assert x.state in (WorkerState.AVAILABLE, WorkerState.BUSY)
+        # Work conservation.
+        if snap.pending_denoise_outputs:
+            assert not any(x.role is DN and x.state is WorkerState.AVAILABLE for x in snap.workers)
+        if snap.pending_ar_requests and any(x.role is AR and x.state is WorkerState.AVAILABLE for x in snap.workers):
+            assert s.next_wakeup() is not None
+        wake = s.next_wakeup()
+        assert wake is None or wake > self.now, "a Tick now would change something: the driver would spin"
+        # Deadlines are enforced on every event.
+        for rid, r in w.reqs.items():
+            if rid not in w.ended and r.deadline is not None:
+                assert r.deadline > self.now
+        # Bookkeeping.
+        active = [rid for rid in w.reqs if rid not in w.ended]
+        assert snap.active_requests == len(active)
+        c = s.counters
+        assert c.admitted == len(w.reqs)
+        assert c.admitted == c.completed + sum(c.failed.values()) + snap.active_requests
+        assert c.fenced_results >= self.last_fenced
+        self.last_fenced = c.fenced_results
+
+    def advance(self, dt: float) -> float:
+        self.now += dt
+        return self.now
+
+    # ------------------------------------------------------------------------------------------------ rules
+
+    @initialize(cfg=configs, cluster=st.sets(st.sampled_from(WORKERS)))
+    def setup(self, cfg: SchedulerConfig, cluster: set[str]) -> None:
+        self.cfg = cfg
+        self.s = Scheduler(cfg)
+        for name in sorted(cluster):  # start with some healthy workers so work flows early
+            self.send(WorkerAdded(self.now, name, _role(name)))
+            self.send(WorkerHealthy(self.now, name))
+
+    @rule(
+        n=st.sampled_from([1, 1, 1, 2, 2, 3, 4, 0, 6]),
+        other=st.booleans(),
+        ttl=st.none() | st.floats(0.0, 0.05),
+        dt=st.floats(0.0, 0.003),
+    )
+    def arrive(self, n: int, other: bool, ttl: float | None, dt: float) -> None:
+        now = self.advance(dt)
+        rid = f"r{self.next_rid}"
+        self.next_rid += 1
+        size = OTHER if other else SIZE
+        deadline = None if ttl is None else now + ttl
+        self.send(RequestArrived(now, rid, n, size[0], size[1], deadline))
+
+    @rule(
+        kind=st.sampled_from(["add", "remove", "healthy", "unhealthy", "unhealthy"]),
+        name=st.sampled_from(WORKERS),
+        dt=st.floats(0.0, 0.003),
+    )
+    def membership(self, kind: str, name: str, dt: float) -> None:
+        """Health flaps and membership changes, including for unknown and draining workers."""
+        now = self.advance(dt)
+        if kind == "add":
+            self.send(WorkerAdded(now, name, _role(name)))
+        elif kind == "remove":
+            self.send(WorkerRemoved(now, name))
+        elif kind == "unhealthy":
+            self.send(WorkerUnhealthy(now, name))
+        else:
+            was = self.w.members.get(name)
+            draining = was is not None and was.draining
+            self.send(WorkerHealthy(now, name))
+            if was is not None and not draining:
+                # Never stays unavailable once healthy again.
+                snap = {x.address: x for x in self.s.snapshot().workers}  # type: ignore[union-attr]
+                assert snap[name].state in (WorkerState.AVAILABLE, WorkerState.BUSY)
+
+    @precondition(lambda self: self.w.holding or any(self.w.ar_owned.values()))
+    @rule(data=st.data(), back=st.booleans(), dt=st.floats(0.0, 0.003))
+    def crash_busy_worker(self, data: st.DataObject, back: bool, dt: float) -> None:
+        """A worker with work in flight goes unhealthy (and maybe comes straight back): requeue + fencing."""
+        busy = sorted(set(self.w.holding) | {n for n, owned in self.w.ar_owned.items() if owned})
+        name = data.draw(st.sampled_from(busy))
+        self.send(WorkerUnhealthy(self.advance(dt), name))
+        if back:
+            self.send(WorkerHealthy(self.now, name))
+
+    @rule(dt=st.floats(0.0, 0.02), finished=st.integers(0, 4))
+    def tick(self, dt: float, finished: int) -> None:
+        """Time passes: some outstanding RPCs finish successfully (oldest first), then a Tick."""
+        now = self.advance(dt)
+        for i in range(finished):
+            if self.w.ar_rpcs and (i % 2 == 0 or not self.w.dn_rpcs):
+                self._deliver_ar(min(self.w.ar_rpcs), "ok", now)
+            elif self.w.dn_rpcs:
+                self._deliver_dn(min(self.w.dn_rpcs), "ok", now)
+        self.send(Tick(now))
+
+    @precondition(lambda self: len(self.w.ended) < len(self.w.reqs))
+    @rule(data=st.data(), dt=st.floats(0.0, 0.003))
+    def cancel(self, data: st.DataObject, dt: float) -> None:
+        # Mostly live requests; ended and never-admitted ids must be no-ops.
+        live = sorted(rid for rid in self.w.reqs if rid not in self.w.ended)
+        rid = data.draw(st.sampled_from(live) | st.sampled_from([f"r{i}" for i in range(self.next_rid)]))
+        self.send(RequestCancelled(self.advance(dt), rid))
+
+    @precondition(lambda self: self.w.ar_rpcs)
+    @rule(data=st.data(), outcome=st.sampled_from(["ok", "ok", "ok", "fail", "short"]), dt=st.floats(0.0, 0.003))
+    def ar_result(self, data: st.DataObject, outcome: str, dt: float) -> None:
+        bid = data.draw(st.sampled_from(sorted(self.w.ar_rpcs)))
+        self._deliver_ar(bid, outcome, self.advance(dt))
+
+    @precondition(lambda self: self.w.dn_rpcs)
+    @rule(
+        data=st.data(),
+        outcome=st.sampled_from(["ok", "ok", "ok", "retry", "fatal"]),
+        dt=st.floats(0.0, 0.003),
+    )
+    def dn_result(self, data: st.DataObject, outcome: str, dt: float) -> None:
+        j = data.draw(st.sampled_from(sorted(self.w.dn_rpcs)))
+        self._deliver_dn(j, outcome, self.advance(dt))
+
+    @precondition(lambda self: self.w.delivered or self.w.delivered_batches)
+    @rule(data=st.data(), which=st.integers(0, 3), dt=st.floats(0.0, 0.003))
+    def stale_result(self, data: st.DataObject, which: int, dt: float) -> None:
+        """Duplicated deliveries, results naming the wrong worker, and results for batches already done."""
+        now = self.advance(dt)
+        if which == 0 and self.w.delivered_batches:
+            bid = data.draw(st.sampled_from(self.w.delivered_batches))
+            self.send(ArBatchSucceeded(now, bid, {}))
+            return
+        if not self.w.delivered:
+            return
+        j, wname = data.draw(st.sampled_from(self.w.delivered))
+        if which == 1:
+            wname = data.draw(st.sampled_from(WORKERS))
+        if which == 2:
+            self.send(DenoiseFailed(now, j, wname, "dup", True))
+        else:
+            self.send(DenoiseSucceeded(now, j, wname, ("bogus", j, wname)))
+
+    def _deliver_ar(self, bid: int, outcome: str, now: float) -> list[Action]:
+        batch = self.w.ar_rpcs.pop(bid)
+        self.w.delivered_batches.append(bid)
+        if outcome == "fail":
+            return self.send(ArBatchFailed(now, bid, "ar boom"))
+        outs = {
+            rid: [_ar_out(rid, i, bid) for i in range(self.w.reqs[rid].n - (outcome == "short"))]
+            for rid in batch.request_ids
+        }
+        return self.send(ArBatchSucceeded(now, bid, outs))
+
+    def _deliver_dn(self, j: JobId, outcome: str, now: float) -> list[Action]:
+        wname = self.w.dn_rpcs.pop(j)
+        self.w.delivered.append((j, wname))
+        if outcome == "ok":
+            return self.send(DenoiseSucceeded(now, j, wname, _result(j, wname)))
+        return self.send(DenoiseFailed(now, j, wname, "dn boom", outcome == "retry"))
+
+    # ------------------------------------------------------------------------------------------------ drain
+
+    def teardown(self) -> None:
+        """Heal the cluster, let all outstanding work succeed: every admitted request must end."""
+        if self.s is None:
+            return
+        for role, name in ((AR, "ar-final"), (DN, "d-final")):
+            if not any(m.role is role and not m.draining for m in self.w.members.values()):
+                self.send(WorkerAdded(self.now, name, role))
+        for name, m in list(self.w.members.items()):
+            if not m.healthy:
+                self.send(WorkerHealthy(self.now, name))
+        for _ in range(10_000):
+            if self.w.dn_rpcs:
+                self._deliver_dn(min(self.w.dn_rpcs), "ok", self.now)
+            elif self.w.ar_rpcs:
+                self._deliver_ar(min(self.w.ar_rpcs), "ok", self.now)
+            elif (wake := self.s.next_wakeup()) is not None:
+                self.send(Tick(wake))
+            else:
+                break
+        assert self.s.snapshot().active_requests == 0, "work got stuck with a healthy cluster"
+        assert set(self.w.ended) == set(self.w.reqs), "an admitted request never ended"
+        assert self.send(Tick(self.now + 1000.0)) == []
+        snap = self.s.snapshot()
+        assert (snap.pending_ar_requests, snap.pending_ar_outputs, snap.pending_denoise_outputs) == (0, 0, 0)
+        assert all(x.inflight == 0 for x in snap.workers)
+
+
+def test_state_machine_invariants() -> None:
+    run_state_machine_as_test(
+        SchedulerMachine,
+        settings=settings(
+            max_examples=200,
+            stateful_step_count=50,
+            deadline=None,
+            derandomize=True,  # deterministic: the same sequences on every run
+            database=None,  # write nothing to the repository
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
