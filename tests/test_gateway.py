@@ -1,0 +1,116 @@
+"""GatewayService and its driver against real AR and denoiser servers (tiny model) on loopback."""
+from __future__ import annotations
+
+import asyncio
+import io
+
+import grpc
+import pytest
+from PIL import Image
+
+from gateway.config import GatewayConfig
+from gateway.driver import Driver
+from gateway.scheduler import SchedulerConfig
+from gateway.servicer import GatewayServicer
+from glmimage.v1 import gateway_service_pb2 as pb
+from glmimage.v1 import gateway_service_pb2_grpc
+from services.runtime.server import start_server
+
+PROMPT = 'a blue "OPEN" sign'
+
+
+@pytest.fixture
+async def gateway(ar_server, denoiser_server, second_denoiser_server):
+    config = GatewayConfig(
+        ar_addresses=(f"127.0.0.1:{ar_server.port}",),
+        denoiser_addresses=(f"127.0.0.1:{denoiser_server.port}", f"127.0.0.1:{second_denoiser_server.port}"),
+        scheduler=SchedulerConfig(max_queued_outputs=8), request_timeout=60)
+    driver = Driver(config)
+    servicer = GatewayServicer(driver, config)
+    server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
+                                ["glmimage.v1.GatewayService"], "127.0.0.1:0")
+    await driver.start()
+    await server.set_serving(True)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+    # Ready when the health watchers have seen every worker SERVING.
+    async with asyncio.timeout(30):
+        while True:
+            status = await stub.GetStatus(pb.GetStatusRequest())
+            if all(w.state == pb.WORKER_STATE_AVAILABLE for w in status.workers) and len(status.workers) == 3:
+                break
+            await asyncio.sleep(0.01)
+    yield stub, driver, (denoiser_server, second_denoiser_server)
+    await channel.close()
+    await server.stop(None)
+    await driver.close()
+
+
+async def test_n2_fans_out_and_sums_usage(gateway) -> None:
+    stub, _, _ = gateway
+    resp = await stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, n=2, height=128, width=128, seed=4))
+    assert [img.index for img in resp.images] == [0, 1]
+    assert [img.seed for img in resp.images] == [4, 5]
+    for img in resp.images:
+        assert Image.open(io.BytesIO(img.image)).size == (128, 128)
+    assert resp.usage.completion_tokens == sum(i.usage.completion_tokens for i in resp.images) > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert (resp.height, resp.width) == (128, 128)
+
+
+async def test_default_size_and_request_id_echo(gateway) -> None:
+    stub, _, _ = gateway
+    resp = await stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, seed=1),
+                                     metadata=(("x-request-id", "req-test-42"),))
+    assert (resp.height, resp.width) == (256, 256) and resp.request_id == "req-test-42"
+
+
+@pytest.mark.parametrize("request_, field", [
+    (pb.GenerateImagesRequest(prompt=""), "prompt"),
+    (pb.GenerateImagesRequest(prompt="x", n=11), "n"),
+    (pb.GenerateImagesRequest(prompt="x", height=64), "width"),
+    (pb.GenerateImagesRequest(prompt="x", output_compression=101), "output_compression"),
+])
+async def test_invalid_requests_name_the_field(gateway, request_, field) -> None:
+    stub, _, _ = gateway
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.GenerateImages(request_)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{field}:")
+
+
+async def test_service_errors_pass_through_with_their_status(gateway) -> None:
+    stub, _, _ = gateway
+    # The denoiser rejects 201 steps; the gateway must not retry that elsewhere nor hide the reason.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=64, width=64,
+                                                           num_inference_steps=201))
+    assert err.value.code() == grpc.StatusCode.INTERNAL or err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "num_inference_steps" in err.value.details()
+
+
+async def test_queue_bound_refuses_with_resource_exhausted(gateway) -> None:
+    stub, _, _ = gateway
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await asyncio.gather(*(stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, n=5, height=64, width=64))
+                               for _ in range(3)))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_client_cancel_frees_the_denoisers(gateway) -> None:
+    stub, driver, denoisers = gateway
+    call = stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, n=2, height=256, width=256,
+                                                        num_inference_steps=200, seed=3))
+    task = asyncio.ensure_future(call)
+    async with asyncio.timeout(30):
+        while not all(d.servicer.busy for d in denoisers):
+            await asyncio.sleep(0.005)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    async with asyncio.timeout(10):
+        while any(d.servicer.busy for d in denoisers) or driver.snapshot().active_requests:
+            await asyncio.sleep(0.005)
+    status = await stub.GetStatus(pb.GetStatusRequest())
+    assert status.active_requests == 0 and status.pending_denoise_outputs == 0
+    assert all(w.state == pb.WORKER_STATE_AVAILABLE and not w.current_job for w in status.workers)
