@@ -6,6 +6,7 @@ All scheduler calls happen on the event loop thread, so the state machine needs 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -28,9 +29,13 @@ RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOUR
                              grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
                              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 
+ERROR_CODE_OF = {grpc.StatusCode.INVALID_ARGUMENT: sch.ErrorKind.INVALID_ARGUMENT,
+                 grpc.StatusCode.OUT_OF_RANGE: sch.ErrorKind.INVALID_ARGUMENT,
+                 grpc.StatusCode.FAILED_PRECONDITION: sch.ErrorKind.INVALID_ARGUMENT}
+
 
 class RequestFailed(Exception):
-    def __init__(self, code: sch.ErrorCode, message: str) -> None:
+    def __init__(self, code: sch.ErrorKind, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -76,6 +81,7 @@ class Driver:
         self._denoise_calls: dict[sch.JobId, asyncio.Task] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
+        self._duplicates = itertools.count(1)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -115,6 +121,9 @@ class Driver:
         """Admit a request and wait for it. Cancelling the awaiting task cancels the request downstream."""
         loop = asyncio.get_running_loop()
         pending = _Pending(request=request, height=height, width=width, future=loop.create_future())
+        # The id comes from the client's x-request-id and may repeat; the scheduler needs it unique.
+        if request_id in self._pending:
+            request_id = f"{request_id}.{next(self._duplicates)}"
         self._pending[request_id] = pending
         now = time.monotonic()
         self._feed(sch.RequestArrived(now=now, request_id=request_id, n=n, height=height, width=width,
@@ -228,9 +237,10 @@ class Driver:
             event = sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
                                       message="cancelled", retryable=True)
         except grpc.aio.AioRpcError as err:
+            code = err.code()
             event = sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
-                                      message=f"{err.code().name}: {err.details()}",
-                                      retryable=err.code() in RETRYABLE_CODES)
+                                      message=err.details() or code.name, retryable=code in RETRYABLE_CODES,
+                                      code=ERROR_CODE_OF.get(code, sch.ErrorKind.INTERNAL))
         else:
             event = sch.DenoiseSucceeded(now=time.monotonic(), job=job, worker=worker.address, result=response)
         self._denoise_calls.pop(job, None)

@@ -25,49 +25,41 @@ import heapq
 import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import get_args
+
+# Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
+from services.runtime.errors import ErrorKind
 
 __all__ = [
-    "ErrorCode",
-    "WorkerRole",
-    "WorkerState",
-    "SchedulerConfig",
-    "JobId",
-    "RequestArrived",
-    "ArBatchSucceeded",
+    "Action",
     "ArBatchFailed",
-    "DenoiseSucceeded",
-    "DenoiseFailed",
-    "WorkerAdded",
-    "WorkerRemoved",
-    "WorkerHealthy",
-    "WorkerUnhealthy",
-    "RequestCancelled",
-    "Tick",
-    "Event",
-    "DispatchArBatch",
+    "ArBatchSucceeded",
     "CancelArBatch",
-    "DispatchDenoise",
     "CancelDenoise",
     "CompleteRequest",
-    "FailRequest",
-    "Action",
-    "WorkerSnapshot",
-    "Snapshot",
     "Counters",
+    "DenoiseFailed",
+    "DenoiseSucceeded",
+    "DispatchArBatch",
+    "DispatchDenoise",
+    "ErrorKind",
+    "Event",
+    "FailRequest",
+    "JobId",
+    "RequestArrived",
+    "RequestCancelled",
     "Scheduler",
+    "SchedulerConfig",
+    "Snapshot",
+    "Tick",
+    "WorkerAdded",
+    "WorkerHealthy",
+    "WorkerRemoved",
+    "WorkerRole",
+    "WorkerSnapshot",
+    "WorkerState",
+    "WorkerUnhealthy",
 ]
-
-
-class ErrorCode(enum.Enum):
-    """Failure classes; the driver maps them to gRPC status codes of the same name."""
-
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    UNAVAILABLE = "UNAVAILABLE"
-    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-    CANCELLED = "CANCELLED"
-    INTERNAL = "INTERNAL"
 
 
 class WorkerRole(enum.Enum):
@@ -160,6 +152,8 @@ class DenoiseFailed:
     worker: str
     message: str
     retryable: bool
+    # For a non-retryable failure: the status the request fails with (the worker's own verdict, e.g. bad input).
+    code: ErrorKind = ErrorKind.INTERNAL
 
 
 @dataclass(frozen=True)
@@ -199,19 +193,19 @@ class Tick:
     now: float
 
 
-Event = Union[
-    RequestArrived,
-    ArBatchSucceeded,
-    ArBatchFailed,
-    DenoiseSucceeded,
-    DenoiseFailed,
-    WorkerAdded,
-    WorkerRemoved,
-    WorkerHealthy,
-    WorkerUnhealthy,
-    RequestCancelled,
-    Tick,
-]
+Event = (
+    RequestArrived
+    | ArBatchSucceeded
+    | ArBatchFailed
+    | DenoiseSucceeded
+    | DenoiseFailed
+    | WorkerAdded
+    | WorkerRemoved
+    | WorkerHealthy
+    | WorkerUnhealthy
+    | RequestCancelled
+    | Tick
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Actions (outputs), performed by the driver in list order.
@@ -260,11 +254,13 @@ class CompleteRequest:
 @dataclass(frozen=True)
 class FailRequest:
     request_id: str
-    code: ErrorCode
+    code: ErrorKind
     message: str
 
 
-Action = Union[DispatchArBatch, CancelArBatch, DispatchDenoise, CancelDenoise, CompleteRequest, FailRequest]
+_EVENT_TYPES: tuple[type, ...] = get_args(Event)
+
+Action = DispatchArBatch | CancelArBatch | DispatchDenoise | CancelDenoise | CompleteRequest | FailRequest
 
 # ---------------------------------------------------------------------------------------------------------------
 # Observability
@@ -302,7 +298,7 @@ class Counters:
     admitted: int = 0
     rejected: int = 0
     completed: int = 0
-    failed: dict[ErrorCode, int] = field(default_factory=lambda: {c: 0 for c in ErrorCode})
+    failed: dict[ErrorKind, int] = field(default_factory=lambda: {c: 0 for c in ErrorKind})
     requeues: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REQUEUE_REASONS})
     fenced_results: int = 0
 
@@ -403,19 +399,6 @@ class Scheduler:
         self._workers: dict[str, _Worker] = {}
         self._deadlines: list[tuple[float, int, str]] = []  # heap, lazily pruned
         self._attempt_floor: OrderedDict[str, int] = OrderedDict()
-        self._handlers: dict[type, Callable[[object, list[Action]], None]] = {
-            RequestArrived: self._on_arrived,  # type: ignore[dict-item]
-            ArBatchSucceeded: self._on_ar_succeeded,  # type: ignore[dict-item]
-            ArBatchFailed: self._on_ar_failed,  # type: ignore[dict-item]
-            DenoiseSucceeded: self._on_denoise_succeeded,  # type: ignore[dict-item]
-            DenoiseFailed: self._on_denoise_failed,  # type: ignore[dict-item]
-            WorkerAdded: self._on_worker_added,  # type: ignore[dict-item]
-            WorkerRemoved: self._on_worker_removed,  # type: ignore[dict-item]
-            WorkerHealthy: self._on_worker_healthy,  # type: ignore[dict-item]
-            WorkerUnhealthy: self._on_worker_unhealthy,  # type: ignore[dict-item]
-            RequestCancelled: self._on_cancelled,  # type: ignore[dict-item]
-            Tick: lambda ev, actions: None,
-        }
 
     # ------------------------------------------------------------------------------------------------ public API
 
@@ -425,15 +408,36 @@ class Scheduler:
 
     def handle(self, event: Event) -> list[Action]:
         """Apply one event; return the actions to perform, in order."""
-        handler = self._handlers.get(type(event))
-        if handler is None:
+        if not isinstance(event, _EVENT_TYPES):
             raise TypeError(f"unknown event type {type(event).__name__}")
         # Time never goes backwards, even if the driver delivers slightly out-of-order timestamps.
         self._now = max(self._now, event.now)
         actions: list[Action] = []
         # Deadlines first: a result that arrives at or after the deadline must not complete the request.
         self._expire_deadlines(actions)
-        handler(event, actions)
+        match event:
+            case RequestArrived():
+                self._on_arrived(event, actions)
+            case ArBatchSucceeded():
+                self._on_ar_succeeded(event, actions)
+            case ArBatchFailed():
+                self._on_ar_failed(event, actions)
+            case DenoiseSucceeded():
+                self._on_denoise_succeeded(event, actions)
+            case DenoiseFailed():
+                self._on_denoise_failed(event, actions)
+            case WorkerAdded():
+                self._on_worker_added(event)
+            case WorkerRemoved():
+                self._on_worker_removed(event)
+            case WorkerHealthy():
+                self._on_worker_healthy(event)
+            case WorkerUnhealthy():
+                self._on_worker_unhealthy(event, actions)
+            case RequestCancelled():
+                self._on_cancelled(event, actions)
+            case Tick():
+                pass  # time moved: deadlines above, batch delays in the dispatch loop below
         # Work conservation: every event may have freed a worker or queued work.
         self._dispatch_ar(actions)
         self._dispatch_denoise(actions)
@@ -466,24 +470,26 @@ class Scheduler:
     def _on_arrived(self, ev: RequestArrived, actions: list[Action]) -> None:
         cfg = self.config
         rid = ev.request_id
-        reject: tuple[ErrorCode, str] | None = None
+        reject: tuple[ErrorKind, str] | None = None
         if not isinstance(ev.n, int) or ev.n < 1:
-            reject = (ErrorCode.INVALID_ARGUMENT, f"n must be >= 1, got {ev.n!r}")
+            reject = (ErrorKind.INVALID_ARGUMENT, f"n must be >= 1, got {ev.n!r}")
         elif ev.height <= 0 or ev.width <= 0:
-            reject = (ErrorCode.INVALID_ARGUMENT, f"size must be positive, got {ev.width}x{ev.height}")
+            reject = (ErrorKind.INVALID_ARGUMENT, f"size must be positive, got {ev.width}x{ev.height}")
         elif rid in self._active:
-            reject = (ErrorCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
+            reject = (ErrorKind.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
         elif ev.n > cfg.max_queued_outputs:
             # Could never be admitted: INVALID_ARGUMENT, not RESOURCE_EXHAUSTED, so clients do not retry it.
             reject = (
-                ErrorCode.INVALID_ARGUMENT,
+                ErrorKind.INVALID_ARGUMENT,
                 f"n={ev.n} exceeds the gateway limit --max-queued-outputs={cfg.max_queued_outputs}",
             )
         elif self._pending_ar_outputs + ev.n > cfg.max_queued_outputs:
             reject = (
-                ErrorCode.RESOURCE_EXHAUSTED,
-                f"pending-AR queue is full ({self._pending_ar_outputs} queued output slots + n={ev.n} "
-                f"> --max-queued-outputs={cfg.max_queued_outputs}); retry later",
+                ErrorKind.RESOURCE_EXHAUSTED,
+                (
+                    f"pending-AR queue is full ({self._pending_ar_outputs} queued output slots + n={ev.n} "
+                    f"> --max-queued-outputs={cfg.max_queued_outputs}); retry later"
+                ),
             )
         if reject is not None:
             self.counters.rejected += 1
@@ -507,14 +513,14 @@ class Scheduler:
         self._enqueue_ar(req, front=False)
         if ev.deadline is not None and ev.deadline <= self._now:
             # Admitted and ended at once, so every admitted request still ends exactly once.
-            self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded on arrival", actions)
+            self._fail(req, ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded on arrival", actions)
         elif ev.deadline is not None:
             heapq.heappush(self._deadlines, (ev.deadline, req.seq, rid))
 
     def _on_cancelled(self, ev: RequestCancelled, actions: list[Action]) -> None:
         req = self._active.get(ev.request_id)
         if req is not None:
-            self._fail(req, ErrorCode.CANCELLED, ev.message, actions)
+            self._fail(req, ErrorKind.CANCELLED, ev.message, actions)
 
     def _on_ar_succeeded(self, ev: ArBatchSucceeded, actions: list[Action]) -> None:
         batch = self._take_batch(ev.batch_id)
@@ -528,7 +534,9 @@ class Scheduler:
             outs = ev.outputs.get(rid)
             if outs is None or len(outs) != req.n:
                 got = "no" if outs is None else str(len(outs))
-                self._fail(req, ErrorCode.INTERNAL, f"AR stage returned {got} outputs, expected {req.n}", actions)
+                self._fail(
+                    req, ErrorKind.INTERNAL, f"AR stage returned {got} outputs, expected {req.n}", actions
+                )
                 continue
             req.stage = _Stage.DENOISING
             req.ar_outputs = tuple(outs)
@@ -553,9 +561,7 @@ class Scheduler:
             self._end(req, actions)
             self.counters.completed += 1
             actions.append(
-                CompleteRequest(
-                    req.request_id, tuple(o.result for o in req.outputs), req.ar_outputs
-                )
+                CompleteRequest(req.request_id, tuple(o.result for o in req.outputs), req.ar_outputs)
             )
 
     def _on_denoise_failed(self, ev: DenoiseFailed, actions: list[Action]) -> None:
@@ -567,9 +573,11 @@ class Scheduler:
         if ev.retryable:
             self._retry_output(req, out, "denoise_failed", ev.message, actions)
         else:
-            self._fail(req, ErrorCode.INTERNAL, f"denoise failed: {ev.message}", actions)
+            # Bad input is the client's to fix: relay the worker's message (it names the field) unchanged.
+            message = ev.message if ev.code is ErrorKind.INVALID_ARGUMENT else f"denoise failed: {ev.message}"
+            self._fail(req, ev.code, message, actions)
 
-    def _on_worker_added(self, ev: WorkerAdded, actions: list[Action]) -> None:
+    def _on_worker_added(self, ev: WorkerAdded) -> None:
         w = self._workers.get(ev.worker)
         if w is None:
             self._workers[ev.worker] = _Worker(ev.worker, ev.role, added_seq=next(self._seq))
@@ -577,7 +585,7 @@ class Scheduler:
             w.draining = False  # re-added while draining (endpoint flap): keep it
         # A different role under a live address is a discovery glitch: keep the known worker until it is gone.
 
-    def _on_worker_removed(self, ev: WorkerRemoved, actions: list[Action]) -> None:
+    def _on_worker_removed(self, ev: WorkerRemoved) -> None:
         w = self._workers.get(ev.worker)
         if w is None:
             return
@@ -586,7 +594,7 @@ class Scheduler:
         else:
             del self._workers[w.address]
 
-    def _on_worker_healthy(self, ev: WorkerHealthy, actions: list[Action]) -> None:
+    def _on_worker_healthy(self, ev: WorkerHealthy) -> None:
         w = self._workers.get(ev.worker)
         if w is not None:
             w.healthy = True  # the dispatch loop at the end of handle() hands it work right away
@@ -617,7 +625,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------------- request lifecycle
 
-    def _fail(self, req: _Request, code: ErrorCode, message: str, actions: list[Action]) -> None:
+    def _fail(self, req: _Request, code: ErrorKind, message: str, actions: list[Action]) -> None:
         self._end(req, actions)
         self.counters.failed[code] += 1
         actions.append(FailRequest(req.request_id, code, message))
@@ -651,7 +659,7 @@ class Scheduler:
             _, seq, rid = heapq.heappop(self._deadlines)
             req = self._active.get(rid)
             if req is not None and req.seq == seq:
-                self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", actions)
+                self._fail(req, ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded", actions)
 
     def _prune_deadlines(self) -> None:
         # Drop entries of requests that ended otherwise, so next_wakeup() can peek at a live top.
@@ -695,7 +703,7 @@ class Scheduler:
             req.ar_batch = None
             req.ar_failures += 1
             if req.ar_failures > self.config.ar_retries:
-                self._fail(req, ErrorCode.UNAVAILABLE, message, actions)
+                self._fail(req, ErrorKind.UNAVAILABLE, message, actions)
             else:
                 retry.append(req)
         # Front of the queue in their original order, keeping their age, so they leave in the next batch.
@@ -704,21 +712,15 @@ class Scheduler:
         self.counters.requeues[reason] += len(retry)
 
     def _free_ar_worker(self) -> _Worker | None:
-        best: _Worker | None = None
-        for w in self._workers.values():
-            if (
-                w.role is WorkerRole.AR
-                and w.healthy
-                and not w.draining
-                and len(w.batches) < self.config.ar_max_inflight_batches
-            ):
-                if best is None or (len(w.batches), w.last_used, w.added_seq) < (
-                    len(best.batches),
-                    best.last_used,
-                    best.added_seq,
-                ):
-                    best = w
-        return best
+        free = [
+            w
+            for w in self._workers.values()
+            if w.role is WorkerRole.AR
+            and w.healthy
+            and not w.draining
+            and len(w.batches) < self.config.ar_max_inflight_batches
+        ]
+        return min(free, key=lambda w: (len(w.batches), w.last_used, w.added_seq), default=None)
 
     @staticmethod
     def _oldest(q: deque[_Request]) -> tuple[float, int]:
@@ -731,9 +733,9 @@ class Scheduler:
         for key, q in self._pending_ar.items():
             oldest = self._oldest(q)
             full = sum(r.n for r in q) >= cfg.ar_batch_max_outputs
-            if full or self._now >= oldest[0] + cfg.ar_batch_delay:
-                if best is None or oldest < best[0]:
-                    best = (oldest, key)
+            eligible = full or self._now >= oldest[0] + cfg.ar_batch_delay
+            if eligible and (best is None or oldest < best[0]):
+                best = (oldest, key)
         return None if best is None else best[1]
 
     def _pack(self, q: deque[_Request]) -> list[_Request]:
@@ -768,7 +770,9 @@ class Scheduler:
                 self._pending_ar[key] = rest
             else:
                 del self._pending_ar[key]
-            batch = _Batch(next(self._batch_ids), w.address, key[0], key[1], tuple(r.request_id for r in taken))
+            batch = _Batch(
+                next(self._batch_ids), w.address, key[0], key[1], tuple(r.request_id for r in taken)
+            )
             for r in taken:
                 r.stage = _Stage.AR_INFLIGHT
                 r.ar_batch = batch.batch_id
@@ -776,7 +780,9 @@ class Scheduler:
             self._batches[batch.batch_id] = batch
             w.batches.add(batch.batch_id)
             w.last_used = next(self._use_clock)
-            actions.append(DispatchArBatch(batch.batch_id, w.address, batch.height, batch.width, batch.request_ids))
+            actions.append(
+                DispatchArBatch(batch.batch_id, w.address, batch.height, batch.width, batch.request_ids)
+            )
 
     # -------------------------------------------------------------------------------------------- denoise stage
 
@@ -812,23 +818,25 @@ class Scheduler:
             self.counters.fenced_results += 1
         return found
 
-    def _retry_output(self, req: _Request, out: _Output, reason: str, message: str, actions: list[Action]) -> None:
+    def _retry_output(
+        self, req: _Request, out: _Output, reason: str, message: str, actions: list[Action]
+    ) -> None:
         used = out.attempt - req.attempt_base
         if used >= self.config.max_attempts:
             self._fail(
-                req, ErrorCode.UNAVAILABLE, f"denoise failed after {used} attempt(s): {message}", actions
+                req, ErrorKind.UNAVAILABLE, f"denoise failed after {used} attempt(s): {message}", actions
             )
             return
         self.counters.requeues[reason] += 1
         self._enqueue_output(req, out, front=True)
 
     def _free_denoiser(self) -> _Worker | None:
-        best: _Worker | None = None
-        for w in self._workers.values():
-            if w.role is WorkerRole.DENOISER and w.healthy and not w.draining and w.job is None:
-                if best is None or (w.last_used, w.added_seq) < (best.last_used, best.added_seq):
-                    best = w
-        return best
+        free = [
+            w
+            for w in self._workers.values()
+            if w.role is WorkerRole.DENOISER and w.healthy and not w.draining and w.job is None
+        ]
+        return min(free, key=lambda w: (w.last_used, w.added_seq), default=None)
 
     def _dispatch_denoise(self, actions: list[Action]) -> None:
         # One output per free denoiser, so a request's n outputs fan out to n workers at once.
@@ -865,4 +873,3 @@ class Scheduler:
         else:
             state = WorkerState.AVAILABLE
         return WorkerSnapshot(w.address, w.role, state, inflight, w.job)
-

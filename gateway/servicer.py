@@ -10,20 +10,11 @@ from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.driver import Driver, RequestFailed
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
-from services.runtime.errors import (Cancelled, DeadlineExceeded, ErrorKind, InvalidArgument, ResourceExhausted,
-                                     ServiceError, Unavailable)
+from services.runtime.errors import InvalidArgument, error_for
 from services.runtime.logs import request_id_var
 
 log = logging.getLogger(__name__)
 
-ERROR_OF = {
-    sch.ErrorCode.INVALID_ARGUMENT: lambda m: InvalidArgument("request", m),
-    sch.ErrorCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    sch.ErrorCode.UNAVAILABLE: Unavailable,
-    sch.ErrorCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    sch.ErrorCode.CANCELLED: Cancelled,
-    sch.ErrorCode.INTERNAL: ServiceError,
-}
 STATE_TO_PROTO = {
     sch.WorkerState.AVAILABLE: gateway_service_pb2.WORKER_STATE_AVAILABLE,
     sch.WorkerState.BUSY: gateway_service_pb2.WORKER_STATE_BUSY,
@@ -76,7 +67,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         try:
             outcome = await self.driver.generate(rid, request, height, width, n, timeout)
         except RequestFailed as exc:
-            raise ERROR_OF[exc.code](exc.message) from None
+            raise error_for(exc.code, exc.message) from None
         except asyncio.CancelledError:
             log.info("client went away; request cancelled downstream")
             raise

@@ -85,8 +85,17 @@ async def test_service_errors_pass_through_with_their_status(gateway) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=64, width=64,
                                                            num_inference_steps=201))
-    assert err.value.code() == grpc.StatusCode.INTERNAL or err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "num_inference_steps" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("num_inference_steps:")
+
+
+async def test_clients_reusing_a_request_id_both_get_their_images(gateway) -> None:
+    stub, _, _ = gateway
+    meta = (("x-request-id", "same-id"),)
+    a, b = await asyncio.gather(
+        stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=64, width=64, seed=1), metadata=meta),
+        stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=64, width=64, seed=2), metadata=meta))
+    assert a.images[0].seed == 1 and b.images[0].seed == 2
 
 
 async def test_queue_bound_refuses_with_resource_exhausted(gateway) -> None:

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
-    invariant,
     precondition,
     rule,
     run_state_machine_as_test,
@@ -32,7 +31,7 @@ from gateway.scheduler import (
     DenoiseSucceeded,
     DispatchArBatch,
     DispatchDenoise,
-    ErrorCode,
+    ErrorKind,
     Event,
     FailRequest,
     JobId,
@@ -89,7 +88,9 @@ def ar_outputs(rid: str, n: int) -> list[object]:
 
 
 def ar_ok(s: Scheduler, batch: DispatchArBatch, ns: dict[str, int], now: float = 0.0) -> list[Action]:
-    return s.handle(ArBatchSucceeded(now, batch.batch_id, {rid: ar_outputs(rid, ns[rid]) for rid in batch.request_ids}))
+    return s.handle(
+        ArBatchSucceeded(now, batch.batch_id, {rid: ar_outputs(rid, ns[rid]) for rid in batch.request_ids})
+    )
 
 
 def to_denoise(s: Scheduler, rid: str, n: int = 1, now: float = 0.0) -> list[Action]:
@@ -162,7 +163,7 @@ def test_admission_bound_counts_output_slots() -> None:
     assert arrive(s, "a", 3) == []
     (rej,) = arrive(s, "b", 2)
     assert isinstance(rej, FailRequest) and rej.request_id == "b"
-    assert rej.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert rej.code is ErrorKind.RESOURCE_EXHAUSTED
     assert "--max-queued-outputs" in rej.message
     assert arrive(s, "c", 1) == []  # exactly at the bound is fine
     assert s.snapshot().pending_ar_outputs == 4
@@ -181,7 +182,7 @@ def test_in_flight_ar_work_does_not_count_toward_the_bound() -> None:
 def test_cancelled_request_frees_its_admission_slots() -> None:
     s = make(max_queued_outputs=2)
     arrive(s, "a", 2)
-    assert only(arrive(s, "b", 1), FailRequest)[0].code is ErrorCode.RESOURCE_EXHAUSTED
+    assert only(arrive(s, "b", 1), FailRequest)[0].code is ErrorKind.RESOURCE_EXHAUSTED
     s.handle(RequestCancelled(0.0, "a"))
     assert arrive(s, "b2", 2) == []
 
@@ -190,7 +191,7 @@ def test_cancelled_request_frees_its_admission_slots() -> None:
 def test_invalid_arguments_rejected(n: int, h: int, w: int) -> None:
     s = make()
     (rej,) = s.handle(RequestArrived(0.0, "x", n, h, w, None))
-    assert rej == FailRequest("x", ErrorCode.INVALID_ARGUMENT, rej.message)
+    assert rej == FailRequest("x", ErrorKind.INVALID_ARGUMENT, rej.message)
     assert s.counters.rejected == 1 and s.counters.admitted == 0
     assert s.snapshot().active_requests == 0
 
@@ -198,14 +199,14 @@ def test_invalid_arguments_rejected(n: int, h: int, w: int) -> None:
 def test_n_that_can_never_fit_the_queue_is_invalid_not_exhausted() -> None:
     s = make(max_queued_outputs=4)
     (rej,) = arrive(s, "x", 5)
-    assert rej.code is ErrorCode.INVALID_ARGUMENT and "--max-queued-outputs" in rej.message
+    assert rej.code is ErrorKind.INVALID_ARGUMENT and "--max-queued-outputs" in rej.message
 
 
 def test_duplicate_active_id_rejected_and_original_unaffected() -> None:
     s = ready()
     to_denoise(s, "a", 1)
     (rej,) = arrive(s, "a", 1)
-    assert rej.code is ErrorCode.INVALID_ARGUMENT and rej.request_id == "a"
+    assert rej.code is ErrorKind.INVALID_ARGUMENT and rej.request_id == "a"
     assert s.snapshot().active_requests == 1
     done = s.handle(DenoiseSucceeded(1.0, job("a"), "d0", "img"))
     assert done == [CompleteRequest("a", ("img",), ("a/ar0",))]
@@ -227,8 +228,8 @@ def test_admitted_without_ar_workers_and_dispatched_when_one_comes() -> None:
 def test_deadline_already_passed_at_arrival() -> None:
     s = make()
     (fail,) = arrive(s, "a", 1, now=5.0, deadline=5.0)
-    assert fail.code is ErrorCode.DEADLINE_EXCEEDED
-    assert s.counters.admitted == 1 and s.counters.failed[ErrorCode.DEADLINE_EXCEEDED] == 1
+    assert fail.code is ErrorKind.DEADLINE_EXCEEDED
+    assert s.counters.admitted == 1 and s.counters.failed[ErrorKind.DEADLINE_EXCEEDED] == 1
     assert s.snapshot().active_requests == 0 and s.snapshot().pending_ar_outputs == 0
 
 
@@ -380,13 +381,13 @@ def test_ar_result_with_wrong_output_count_fails_only_that_request() -> None:
     up(s, "d0", DN)
     acts = s.handle(ArBatchSucceeded(1.0, b.batch_id, {"a": ["only-one"], "b": ["b0"]}))
     (fail,) = only(acts, FailRequest)
-    assert (fail.request_id, fail.code) == ("a", ErrorCode.INTERNAL)
+    assert (fail.request_id, fail.code) == ("a", ErrorKind.INTERNAL)
     (d,) = only(acts, DispatchDenoise)
     assert d == DispatchDenoise(job("b"), "d0", "b0")
     # A request missing from the outputs entirely is also INTERNAL.
     (b2,) = arrive(s, "c", 1, now=2.0)
     (fail,) = only(s.handle(ArBatchSucceeded(2.0, b2.batch_id, {})), FailRequest)
-    assert (fail.request_id, fail.code) == ("c", ErrorCode.INTERNAL)
+    assert (fail.request_id, fail.code) == ("c", ErrorKind.INTERNAL)
 
 
 def test_ar_outputs_enter_denoise_queue_in_admission_then_index_order() -> None:
@@ -414,8 +415,8 @@ def test_ar_retry_then_fail() -> None:
     assert b2.request_ids == ("a",) and b2.batch_id != b1.batch_id
     assert s.counters.requeues["ar_failed"] == 1
     (fail,) = s.handle(ArBatchFailed(2.0, b2.batch_id, "oom again"))
-    assert fail == FailRequest("a", ErrorCode.UNAVAILABLE, "AR stage failed: oom again")
-    assert s.counters.failed[ErrorCode.UNAVAILABLE] == 1
+    assert fail == FailRequest("a", ErrorKind.UNAVAILABLE, "AR stage failed: oom again")
+    assert s.counters.failed[ErrorKind.UNAVAILABLE] == 1
 
 
 def test_ar_failure_without_retries_fails_every_request_in_the_batch() -> None:
@@ -424,7 +425,10 @@ def test_ar_failure_without_retries_fails_every_request_in_the_batch() -> None:
     arrive(s, "b", 2)
     (b,) = up(s, "ar0", AR)
     fails = s.handle(ArBatchFailed(1.0, b.batch_id, "x"))
-    assert [(f.request_id, f.code) for f in fails] == [("a", ErrorCode.UNAVAILABLE), ("b", ErrorCode.UNAVAILABLE)]
+    assert [(f.request_id, f.code) for f in fails] == [
+        ("a", ErrorKind.UNAVAILABLE),
+        ("b", ErrorKind.UNAVAILABLE),
+    ]
 
 
 def test_retried_ar_requests_go_to_the_front_keeping_their_age() -> None:
@@ -465,7 +469,7 @@ def test_ar_worker_unhealthy_without_retry_budget_fails_requests() -> None:
     acts = s.handle(WorkerUnhealthy(1.0, "ar0"))
     assert acts[0] == CancelArBatch(b1.batch_id, "ar0")
     (fail,) = only(acts, FailRequest)
-    assert fail.code is ErrorCode.UNAVAILABLE and "AR stage failed" in fail.message and "ar0" in fail.message
+    assert fail.code is ErrorKind.UNAVAILABLE and "AR stage failed" in fail.message and "ar0" in fail.message
 
 
 # ------------------------------------------------------------------------------------------- denoise fan-out
@@ -530,15 +534,15 @@ def test_retryable_failure_requeues_at_front_with_next_attempt() -> None:
 
 
 def test_requeued_outputs_go_before_older_fresh_outputs() -> None:
-    s = make(ar_batch_delay=0.0)
+    s = make(ar_batch_delay=0.0, ar_max_inflight_batches=2)
     up(s, "ar0", AR)
     up(s, "d0", DN)
-    up(s, "d1", DN)
-    to_denoise(s, "a", 1)
-    to_denoise(s, "b", 1)
-    to_denoise(s, "c", 1)  # queued (both denoisers busy)
-    (d,) = s.handle(DenoiseFailed(1.0, job("b"), "d1", "x", True))
-    assert d.job == job("b", 0, 2)
+    (b_old,) = arrive(s, "old", 1)
+    (b_new,) = arrive(s, "new", 1)
+    assert only(ar_ok(s, b_new, {"new": 1}), DispatchDenoise)[0].job == job("new")  # new's AR finished first
+    assert ar_ok(s, b_old, {"old": 1}) == []  # old waits: older request, fresh output
+    (d,) = s.handle(DenoiseFailed(1.0, job("new"), "d0", "x", True))
+    assert d.job == job("new", 0, 2)  # the requeued output goes to the front, before the older request
 
 
 def test_max_attempts_exhaustion_fails_and_cancels_siblings() -> None:
@@ -552,7 +556,7 @@ def test_max_attempts_exhaustion_fails_and_cancels_siblings() -> None:
     acts = s.handle(DenoiseFailed(2.0, job("a", 0, 2), "d2", "oom again", True))
     assert acts == [
         CancelDenoise(job("a", 1), "d1"),
-        FailRequest("a", ErrorCode.UNAVAILABLE, "denoise failed after 2 attempt(s): oom again"),
+        FailRequest("a", ErrorKind.UNAVAILABLE, "denoise failed after 2 attempt(s): oom again"),
     ]
     # d1 keeps its slot until its RPC ends: a cancelled RPC may still be computing.
     assert worker(s, "d1").current_job == job("a", 1)
@@ -567,7 +571,7 @@ def test_max_attempts_one_means_no_retry() -> None:
     s = ready(max_attempts=1)
     to_denoise(s, "a", 1)
     (fail,) = s.handle(DenoiseFailed(1.0, job("a"), "d0", "x", True))
-    assert fail.code is ErrorCode.UNAVAILABLE
+    assert fail.code is ErrorKind.UNAVAILABLE
 
 
 def test_non_retryable_failure_is_internal_and_cancels_siblings() -> None:
@@ -576,7 +580,7 @@ def test_non_retryable_failure_is_internal_and_cancels_siblings() -> None:
     acts = s.handle(DenoiseFailed(1.0, job("a", 1), "d1", "bad tokens", False))
     assert only(acts, CancelDenoise) == [CancelDenoise(job("a", 0), "d0"), CancelDenoise(job("a", 2), "d2")]
     (fail,) = only(acts, FailRequest)
-    assert fail == FailRequest("a", ErrorCode.INTERNAL, "denoise failed: bad tokens")
+    assert fail == FailRequest("a", ErrorKind.INTERNAL, "denoise failed: bad tokens")
     assert worker(s, "d1").state is WorkerState.AVAILABLE
 
 
@@ -643,6 +647,19 @@ def test_reused_request_id_does_not_accept_results_of_the_previous_request() -> 
     assert s.handle(DenoiseSucceeded(3.0, d.job, "d0", "new"))[0].results == ("new",)
 
 
+def test_reused_request_id_does_not_take_the_previous_requests_ar_batch() -> None:
+    s = make(ar_batch_delay=0.0, ar_max_inflight_batches=2)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    (b1,) = arrive(s, "a", 1)
+    s.handle(RequestCancelled(0.5, "a"))
+    (b2,) = arrive(s, "a", 2, now=1.0)
+    assert ar_ok(s, b1, {"a": 1}, now=2.0) == []  # the old batch result belongs to the cancelled request
+    assert s.snapshot().pending_denoise_outputs == 0
+    (d0,) = ar_ok(s, b2, {"a": 2}, now=3.0)
+    assert d0 == DispatchDenoise(job("a", 0), "d0", "a/ar0")
+
+
 # ----------------------------------------------------------------------------------------------------- cancel
 
 
@@ -651,11 +668,11 @@ def test_cancel_while_queued_for_ar() -> None:
     up(s, "ar0", AR)
     arrive(s, "a", 2)
     (fail,) = s.handle(RequestCancelled(1.0, "a", "client went away"))
-    assert fail == FailRequest("a", ErrorCode.CANCELLED, "client went away")
+    assert fail == FailRequest("a", ErrorKind.CANCELLED, "client went away")
     snap = s.snapshot()
     assert (snap.pending_ar_requests, snap.pending_ar_outputs, snap.active_requests) == (0, 0, 0)
     assert s.next_wakeup() is None
-    assert s.counters.failed[ErrorCode.CANCELLED] == 1
+    assert s.counters.failed[ErrorKind.CANCELLED] == 1
 
 
 def test_cancel_while_ar_in_flight_drops_it_when_the_batch_returns() -> None:
@@ -665,7 +682,7 @@ def test_cancel_while_ar_in_flight_drops_it_when_the_batch_returns() -> None:
     (b,) = up(s, "ar0", AR)
     up(s, "d0", DN)
     (fail,) = s.handle(RequestCancelled(1.0, "a"))
-    assert fail.code is ErrorCode.CANCELLED
+    assert fail.code is ErrorKind.CANCELLED
     acts = ar_ok(s, b, {"a": 1, "b": 1}, now=2.0)
     assert acts == [DispatchDenoise(job("b"), "d0", "b/ar0")]
 
@@ -681,7 +698,7 @@ def test_cancel_while_denoising_cancels_jobs_and_waits_for_rpcs() -> None:
     assert acts == [
         CancelDenoise(job("a", 0), "d0"),
         CancelDenoise(job("a", 1), "d1"),
-        FailRequest("a", ErrorCode.CANCELLED, "cancelled by client"),
+        FailRequest("a", ErrorKind.CANCELLED, "cancelled by client"),
     ]
     assert s.snapshot().pending_denoise_outputs == 1  # a/2 removed, b/0 left
     # The cancelled RPC ends: the worker that holds exactly that job is freed and takes b.
@@ -691,7 +708,7 @@ def test_cancel_while_denoising_cancels_jobs_and_waits_for_rpcs() -> None:
     assert s.handle(DenoiseSucceeded(2.0, job("a", 0), "d0", "too late")) == []
     assert worker(s, "d0").state is WorkerState.AVAILABLE
     assert s.fenced_results == 2
-    assert s.counters.failed[ErrorCode.CANCELLED] == 1 and s.counters.completed == 0
+    assert s.counters.failed[ErrorKind.CANCELLED] == 1 and s.counters.completed == 0
 
 
 def test_cancel_of_unknown_or_finished_request_does_nothing() -> None:
@@ -700,7 +717,7 @@ def test_cancel_of_unknown_or_finished_request_does_nothing() -> None:
     to_denoise(s, "a", 1)
     s.handle(DenoiseSucceeded(1.0, job("a"), "d0", "x"))
     assert s.handle(RequestCancelled(2.0, "a")) == []
-    assert s.counters.failed[ErrorCode.CANCELLED] == 0
+    assert s.counters.failed[ErrorKind.CANCELLED] == 0
 
 
 # --------------------------------------------------------------------------------------------------- deadlines
@@ -713,7 +730,7 @@ def test_deadline_while_queued_for_ar_fires_on_tick() -> None:
     assert s.next_wakeup() == 2.0
     assert s.handle(Tick(1.999)) == []
     (fail,) = s.handle(Tick(2.0))
-    assert fail == FailRequest("a", ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded")
+    assert fail == FailRequest("a", ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded")
     assert s.handle(Tick(3.0)) == []  # exactly once
     assert s.snapshot().pending_ar_outputs == 0 and s.next_wakeup() is None
 
@@ -724,7 +741,7 @@ def test_deadline_while_ar_in_flight() -> None:
     up(s, "d0", DN)
     (b,) = arrive(s, "a", 1, deadline=1.0)
     (fail,) = s.handle(Tick(1.5))
-    assert fail.code is ErrorCode.DEADLINE_EXCEEDED
+    assert fail.code is ErrorKind.DEADLINE_EXCEEDED
     assert ar_ok(s, b, {"a": 1}, now=2.0) == []
     assert worker(s, "ar0").inflight == 0 and worker(s, "d0").current_job is None
 
@@ -736,7 +753,10 @@ def test_deadline_while_denoising_cancels_jobs() -> None:
     (b,) = arrive(s, "a", 2, deadline=5.0)
     ar_ok(s, b, {"a": 2}, now=1.0)
     acts = s.handle(Tick(5.0))
-    assert acts == [CancelDenoise(job("a", 0), "d0"), FailRequest("a", ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded")]
+    assert acts == [
+        CancelDenoise(job("a", 0), "d0"),
+        FailRequest("a", ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded"),
+    ]
     assert s.snapshot().pending_denoise_outputs == 0
 
 
@@ -747,7 +767,7 @@ def test_result_arriving_at_the_deadline_does_not_complete() -> None:
     acts = s.handle(DenoiseSucceeded(5.0, job("a"), "d0", "img"))
     assert acts == [
         CancelDenoise(job("a"), "d0"),
-        FailRequest("a", ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded"),
+        FailRequest("a", ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded"),
     ]
     assert worker(s, "d0").state is WorkerState.AVAILABLE  # it held exactly that job
     assert s.counters.completed == 0
@@ -826,7 +846,7 @@ def test_draining_ar_worker_going_unhealthy_fails_its_batch_and_disappears() -> 
     s.handle(WorkerRemoved(1.0, "ar0"))
     acts = s.handle(WorkerUnhealthy(2.0, "ar0"))
     assert acts[0] == CancelArBatch(b.batch_id, "ar0")
-    assert only(acts, FailRequest)[0].code is ErrorCode.UNAVAILABLE
+    assert only(acts, FailRequest)[0].code is ErrorKind.UNAVAILABLE
     assert worker(s, "ar0") is None
 
 
@@ -886,7 +906,7 @@ def test_unhealthy_exhausting_attempts_fails_the_request() -> None:
     assert acts[0] == CancelDenoise(job("a", 0), "d0")
     assert CancelDenoise(job("a", 1), "d1") in acts
     (fail,) = only(acts, FailRequest)
-    assert fail.code is ErrorCode.UNAVAILABLE and "d0" in fail.message
+    assert fail.code is ErrorKind.UNAVAILABLE and "d0" in fail.message
 
 
 def test_snapshot_reports_states_and_queues() -> None:
@@ -911,10 +931,10 @@ def test_counters_balance() -> None:
     to_denoise(s, "a", 1)
     s.handle(DenoiseSucceeded(1.0, job("a"), "d0", "x"))
     arrive(s, "bad", 0)
-    (b,) = arrive(s, "c", 1)
+    assert only(arrive(s, "c", 1), DispatchArBatch)
     s.handle(RequestCancelled(2.0, "c"))
     c = s.counters
-    assert (c.admitted, c.rejected, c.completed, c.failed[ErrorCode.CANCELLED]) == (2, 1, 1, 1)
+    assert (c.admitted, c.rejected, c.completed, c.failed[ErrorKind.CANCELLED]) == (2, 1, 1, 1)
     assert c.admitted == c.completed + sum(c.failed.values()) + s.snapshot().active_requests
 
 
@@ -935,6 +955,9 @@ class _Req:
     size: tuple[int, int]
     deadline: float | None
     batch: int | None = None  # latest AR batch dispatched for it
+    denoising: bool = False  # its AR outputs were accepted
+    done: set[int] = field(default_factory=set)  # indices whose result was accepted
+    ar_failures: int = 0
 
 
 @dataclass
@@ -951,6 +974,7 @@ class _World:
     attempts: dict[tuple[str, int], tuple[int, str]] = field(default_factory=dict)  # latest (attempt, worker)
     reqs: dict[str, _Req] = field(default_factory=dict)  # admitted
     ended: dict[str, Action] = field(default_factory=dict)
+    batch_rids: dict[int, tuple[str, ...]] = field(default_factory=dict)  # every batch ever dispatched
 
 
 WORKERS = ("ar0", "ar1", "d0", "d1", "d2", "d3")
@@ -970,7 +994,7 @@ def _result(j: JobId, w: str) -> tuple[str, str, int, int, str]:
 
 configs = st.builds(
     SchedulerConfig,
-    max_queued_outputs=st.integers(2, 12),
+    max_queued_outputs=st.integers(3, 16),
     ar_batch_max_outputs=st.integers(1, 4),
     ar_batch_delay=st.sampled_from([0.0, 0.002, 0.01]),
     ar_max_inflight_batches=st.integers(1, 2),
@@ -988,10 +1012,29 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.w = _World()
         self.next_rid = 0
         self.last_fenced = 0
+        self.broken = False
 
     # ----------------------------------------------------------------------------------------------- driving
 
     def send(self, ev: Event) -> list[Action]:
+        try:
+            return self._send(ev)
+        except BaseException:
+            self.broken = True  # skip the drain in teardown: report the first failure, shrink fast
+            raise
+
+    def _live(self, rid: str) -> _Req | None:
+        r = self.w.reqs.get(rid)
+        return r if r is not None and rid not in self.w.ended else None
+
+    def _ar_batch_lost(self, bid: int) -> None:
+        """A batch holding an AR slot failed (error or its worker went down): charge its live requests."""
+        for rid in self.w.batch_rids[bid]:
+            r = self._live(rid)
+            if r is not None and r.batch == bid:
+                r.ar_failures += 1
+
+    def _send(self, ev: Event) -> list[Action]:
         assert self.s is not None
         before = self.s.snapshot()
         w = self.w
@@ -1015,6 +1058,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             w.members[ev.worker].healthy = False
             w.holding.pop(ev.worker, None)  # the slot is free; the old attempt is fenced
             expect_ar_cancels = set(w.ar_owned.get(ev.worker, set()))
+            for bid in expect_ar_cancels:
+                self._ar_batch_lost(bid)
             w.ar_owned[ev.worker] = set()
             if w.members[ev.worker].draining:
                 self._forget(ev.worker)
@@ -1022,11 +1067,30 @@ class SchedulerMachine(RuleBasedStateMachine):
             if w.holding.get(ev.worker) == ev.job:  # a result frees only the slot held by exactly that job
                 del w.holding[ev.worker]
                 self._maybe_gone(ev.worker)
+                rid, i = ev.job.request_id, ev.job.index
+                r = self._live(rid)
+                if (
+                    isinstance(ev, DenoiseSucceeded)
+                    and r is not None
+                    and w.attempts[(rid, i)][0] == ev.job.attempt
+                ):
+                    r.done.add(i)
         elif isinstance(ev, (ArBatchSucceeded, ArBatchFailed)):
             for name, owned in w.ar_owned.items():
-                if ev.batch_id in owned:
+                if ev.batch_id in owned:  # a live batch (else fenced)
                     owned.discard(ev.batch_id)
                     self._maybe_gone(name)
+                    if isinstance(ev, ArBatchFailed):
+                        self._ar_batch_lost(ev.batch_id)
+                    else:
+                        for rid in w.batch_rids[ev.batch_id]:
+                            r = self._live(rid)
+                            if (
+                                r is not None
+                                and r.batch == ev.batch_id
+                                and len(ev.outputs.get(rid, ())) == r.n
+                            ):
+                                r.denoising = True
                     break
 
         actions = self.s.handle(ev)
@@ -1034,13 +1098,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         if isinstance(ev, RequestArrived) and not any(
             isinstance(a, FailRequest)
             and a.request_id == ev.request_id
-            and a.code in (ErrorCode.INVALID_ARGUMENT, ErrorCode.RESOURCE_EXHAUSTED)
+            and a.code in (ErrorKind.INVALID_ARGUMENT, ErrorKind.RESOURCE_EXHAUSTED)
             for a in actions
         ):
             w.reqs[ev.request_id] = _Req(ev.n, (ev.height, ev.width), ev.deadline)
         assert {a.batch_id for a in actions if isinstance(a, CancelArBatch)} == expect_ar_cancels
         for a in actions:
             self._apply(ev, a, before)
+        # A request that fails cancels every job of it that still occupies a denoiser ("timeouts cancel work").
+        cancels = {(a.job, a.worker) for a in actions if isinstance(a, CancelDenoise)}
+        for a in actions:
+            if isinstance(a, FailRequest) and a.request_id in w.reqs and w.ended.get(a.request_id) is a:
+                for i in range(w.reqs[a.request_id].n):
+                    if (a.request_id, i) in w.attempts:
+                        attempt, wk = w.attempts[(a.request_id, i)]
+                        j = JobId(a.request_id, i, attempt)
+                        if w.holding.get(wk) == j:
+                            assert (j, wk) in cancels, f"{j} left running on {wk}"
         self._check()
         return actions
 
@@ -1062,6 +1136,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             w.ar_owned[a.worker].add(a.batch_id)
             assert a.batch_id not in w.ar_rpcs and a.batch_id not in w.delivered_batches
             w.ar_rpcs[a.batch_id] = a
+            w.batch_rids[a.batch_id] = a.request_ids
             slots = 0
             for rid in a.request_ids:
                 r = w.reqs[rid]
@@ -1085,7 +1160,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             w.dn_rpcs[a.job] = a.worker
         elif isinstance(a, CancelDenoise):
             assert w.attempts.get((a.job.request_id, a.job.index)) == (a.job.attempt, a.worker)
-            assert a.job in w.dn_rpcs
+            # Outstanding, or the very job whose result is being delivered (its deadline fired first).
+            assert a.job in w.dn_rpcs or (
+                isinstance(ev, (DenoiseSucceeded, DenoiseFailed)) and ev.job == a.job
+            )
         elif isinstance(a, CancelArBatch):
             assert a.batch_id in w.ar_rpcs
         elif isinstance(a, CompleteRequest):
@@ -1098,12 +1176,17 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert res == _result(JobId(a.request_id, i, attempt), worker_name), "not the current attempt"
                 assert a.ar_outputs[i] == _ar_out(a.request_id, i, r.batch)
         elif isinstance(a, FailRequest):
-            if isinstance(ev, RequestArrived) and a.request_id == ev.request_id and a.code in (
-                ErrorCode.INVALID_ARGUMENT,
-                ErrorCode.RESOURCE_EXHAUSTED,
+            if (
+                isinstance(ev, RequestArrived)
+                and a.request_id == ev.request_id
+                and a.code
+                in (
+                    ErrorKind.INVALID_ARGUMENT,
+                    ErrorKind.RESOURCE_EXHAUSTED,
+                )
             ):
                 assert a.request_id not in w.reqs
-                if a.code is ErrorCode.RESOURCE_EXHAUSTED:
+                if a.code is ErrorKind.RESOURCE_EXHAUSTED:
                     assert before.pending_ar_outputs + ev.n > cfg.max_queued_outputs  # type: ignore[attr-defined]
                 else:
                     assert ev.n < 1 or ev.n > cfg.max_queued_outputs
@@ -1111,9 +1194,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert a.request_id in w.reqs and a.request_id not in w.ended, "ended twice or never admitted"
             w.ended[a.request_id] = a
             r = w.reqs[a.request_id]
-            if a.code is ErrorCode.DEADLINE_EXCEEDED:
+            if a.code is ErrorKind.DEADLINE_EXCEEDED:
                 assert r.deadline is not None and self.now >= r.deadline
-            if a.code is ErrorCode.CANCELLED:
+            if a.code is ErrorKind.CANCELLED:
                 assert isinstance(ev, RequestCancelled) and ev.request_id == a.request_id
 
     def _check(self) -> None:
@@ -1140,10 +1223,34 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Work conservation.
         if snap.pending_denoise_outputs:
             assert not any(x.role is DN and x.state is WorkerState.AVAILABLE for x in snap.workers)
-        if snap.pending_ar_requests and any(x.role is AR and x.state is WorkerState.AVAILABLE for x in snap.workers):
+        if snap.pending_ar_requests and any(
+            x.role is AR and x.state is WorkerState.AVAILABLE for x in snap.workers
+        ):
             assert s.next_wakeup() is not None
         wake = s.next_wakeup()
         assert wake is None or wake > self.now, "a Tick now would change something: the driver would spin"
+        # Conservation: every output of a live request is exactly one of queued / in flight / done, as
+        # derived from the events and actions alone (nothing lost, nothing duplicated).
+        held_batches = set().union(*w.ar_owned.values()) if w.ar_owned else set()
+        held_jobs = set(w.holding.values())
+        exp_ar_reqs = exp_ar_outs = exp_dn = 0
+        for rid, r in w.reqs.items():
+            if rid in w.ended:
+                continue
+            assert r.ar_failures <= self.cfg.ar_retries, f"{rid} exceeded the AR retry budget"
+            if r.denoising:
+                for i in range(r.n):
+                    att = w.attempts.get((rid, i))
+                    if i not in r.done and not (att and JobId(rid, i, att[0]) in held_jobs):
+                        exp_dn += 1
+            elif r.batch is None or r.batch not in held_batches:
+                exp_ar_reqs += 1
+                exp_ar_outs += r.n
+        assert (snap.pending_ar_requests, snap.pending_ar_outputs, snap.pending_denoise_outputs) == (
+            exp_ar_reqs,
+            exp_ar_outs,
+            exp_dn,
+        )
         # Deadlines are enforced on every event.
         for rid, r in w.reqs.items():
             if rid not in w.ended and r.deadline is not None:
@@ -1209,24 +1316,32 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert snap[name].state in (WorkerState.AVAILABLE, WorkerState.BUSY)
 
     @precondition(lambda self: self.w.holding or any(self.w.ar_owned.values()))
-    @rule(data=st.data(), back=st.booleans(), dt=st.floats(0.0, 0.003))
-    def crash_busy_worker(self, data: st.DataObject, back: bool, dt: float) -> None:
-        """A worker with work in flight goes unhealthy (and maybe comes straight back): requeue + fencing."""
+    @rule(
+        data=st.data(),
+        how=st.sampled_from(["crash", "flap", "drain", "drain+crash"]),
+        dt=st.floats(0.0, 0.003),
+    )
+    def disturb_busy_worker(self, data: st.DataObject, how: str, dt: float) -> None:
+        """A worker with work in flight goes down (maybe straight back up) or is drained: requeue + fencing."""
         busy = sorted(set(self.w.holding) | {n for n, owned in self.w.ar_owned.items() if owned})
         name = data.draw(st.sampled_from(busy))
-        self.send(WorkerUnhealthy(self.advance(dt), name))
-        if back:
-            self.send(WorkerHealthy(self.now, name))
-
-    @rule(dt=st.floats(0.0, 0.02), finished=st.integers(0, 4))
-    def tick(self, dt: float, finished: int) -> None:
-        """Time passes: some outstanding RPCs finish successfully (oldest first), then a Tick."""
         now = self.advance(dt)
-        for i in range(finished):
+        if how.startswith("drain"):
+            self.send(WorkerRemoved(now, name))
+        if how != "drain":
+            self.send(WorkerUnhealthy(now, name))
+        if how == "flap":
+            self.send(WorkerHealthy(now, name))
+
+    @rule(dt=st.floats(0.0, 0.02), finished=st.lists(st.sampled_from(["ok", "ok", "ok", "fail"]), max_size=4))
+    def tick(self, dt: float, finished: list[str]) -> None:
+        """Time passes: some outstanding RPCs end (oldest first; "fail" is retryable), then a Tick."""
+        now = self.advance(dt)
+        for i, outcome in enumerate(finished):
             if self.w.ar_rpcs and (i % 2 == 0 or not self.w.dn_rpcs):
-                self._deliver_ar(min(self.w.ar_rpcs), "ok", now)
+                self._deliver_ar(min(self.w.ar_rpcs), outcome, now)
             elif self.w.dn_rpcs:
-                self._deliver_dn(min(self.w.dn_rpcs), "ok", now)
+                self._deliver_dn(min(self.w.dn_rpcs), "retry" if outcome == "fail" else "ok", now)
         self.send(Tick(now))
 
     @precondition(lambda self: len(self.w.ended) < len(self.w.reqs))
@@ -1238,7 +1353,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.send(RequestCancelled(self.advance(dt), rid))
 
     @precondition(lambda self: self.w.ar_rpcs)
-    @rule(data=st.data(), outcome=st.sampled_from(["ok", "ok", "ok", "fail", "short"]), dt=st.floats(0.0, 0.003))
+    @rule(
+        data=st.data(), outcome=st.sampled_from(["ok", "ok", "ok", "fail", "short"]), dt=st.floats(0.0, 0.003)
+    )
     def ar_result(self, data: st.DataObject, outcome: str, dt: float) -> None:
         bid = data.draw(st.sampled_from(sorted(self.w.ar_rpcs)))
         self._deliver_ar(bid, outcome, self.advance(dt))
@@ -1294,7 +1411,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Heal the cluster, let all outstanding work succeed: every admitted request must end."""
-        if self.s is None:
+        if self.s is None or self.broken:
             return
         for role, name in ((AR, "ar-final"), (DN, "d-final")):
             if not any(m.role is role and not m.draining for m in self.w.members.values()):

@@ -49,3 +49,10 @@ class Cancelled(ServiceError):
 
 class DeadlineExceeded(ServiceError):
     kind = ErrorKind.DEADLINE_EXCEEDED
+
+
+def error_for(kind: ErrorKind, message: str) -> ServiceError:
+    """A ServiceError of the given kind whose message is shown as is (e.g. relayed from another service)."""
+    error = ServiceError(message)
+    error.kind = kind
+    return error
