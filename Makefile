@@ -41,6 +41,7 @@ test: venv
 
 lint: venv
 	$(BIN)/buf lint protos
+	$(BIN)/ruff check services gateway tests protos
 	$(BIN)/python -m pytest -q tests/test_contracts.py
 
 protos: venv

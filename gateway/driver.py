@@ -17,8 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import scheduler as sch
 from gateway.config import GatewayConfig
-from glmimage.v1 import (ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc,
-                         gateway_service_pb2)
+from glmimage.v1 import (
+    ar_service_pb2,
+    ar_service_pb2_grpc,
+    denoiser_service_pb2,
+    denoiser_service_pb2_grpc,
+    gateway_service_pb2,
+)
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +214,8 @@ class Driver:
                                          message=f"{err.code().name}: {err.details()}"))
             return
         self._ar_calls.pop(action.batch_id, None)
-        outputs = {rid: list(r.outputs) for rid, r in zip(rids, response.responses)}
+        # A short reply leaves some requests without outputs; the scheduler fails exactly those (INTERNAL).
+        outputs = {rid: list(r.outputs) for rid, r in zip(rids, response.responses, strict=False)}
         self._feed(sch.ArBatchSucceeded(now=time.monotonic(), batch_id=action.batch_id, outputs=outputs))
 
     async def _run_denoise(self, action: sch.DispatchDenoise) -> None:

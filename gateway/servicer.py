@@ -72,7 +72,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             log.info("client went away; request cancelled downstream")
             raise
         images = [gateway_service_pb2.GeneratedImage(index=i, image=img.image, seed=prior.seed, usage=prior.usage)
-                  for i, (img, prior) in enumerate(zip(outcome.images, outcome.priors))]
+                  for i, (img, prior) in enumerate(zip(outcome.images, outcome.priors, strict=True))]
         log.info("completed %d image(s) at %dx%d", len(images), width, height)
         return gateway_service_pb2.GenerateImagesResponse(
             images=images, usage=sum_usage(p.usage for p in outcome.priors), height=height, width=width,

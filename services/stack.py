@@ -176,7 +176,7 @@ class Stack:
                 child.process.send_signal(signal.SIGTERM)
                 try:
                     await asyncio.wait_for(child.process.wait(), grace)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     log.warning("%s did not stop in %.0fs; killing it", child.name, grace)
                     child.process.kill()
                     await child.process.wait()

@@ -38,3 +38,11 @@ def test_gateway_and_clients_do_not_import_torch() -> None:
             "print(heavy); sys.exit(1 if heavy else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, f"torch-free parts imported {result.stdout}{result.stderr}"
+
+
+def test_ruff_is_clean() -> None:
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
+    assert ruff, "ruff comes with the dev extra"
+    result = subprocess.run([ruff, "check", "services", "gateway", "tests", "protos"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

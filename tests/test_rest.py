@@ -20,12 +20,16 @@ import pytest
 import pytest_asyncio
 from fastapi import FastAPI
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings as hyp_settings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from gateway.rest.app import RestSettings, create_app
 from gateway.rest.schemas import ImageGenerationRequest
-from glmimage.v1 import common_pb2, gateway_service_pb2 as gw, gateway_service_pb2_grpc as gw_grpc
+from glmimage.v1 import common_pb2
+from glmimage.v1 import gateway_service_pb2 as gw
+from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROMPT_TOKENS = 11

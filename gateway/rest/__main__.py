@@ -7,8 +7,8 @@ import asyncio
 import logging
 import os
 import socket
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
 import uvicorn
 

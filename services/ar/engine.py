@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from services.model.checks import SEED_SPACE, check_prompt, check_seed, model_size
 from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.tiny import AR_PARTS
@@ -20,8 +21,6 @@ from services.runtime.errors import InvalidArgument, ServiceError
 
 log = logging.getLogger(__name__)
 
-SEED_SPACE = 2**32
-SIZE_MULTIPLE = 32  # the AR grid is H/32 x W/32, upsampled 2x for the DiT
 
 
 @dataclass(frozen=True)
@@ -88,26 +87,13 @@ class ArResult:
         return sum((o.usage for o in self.outputs), Usage())
 
 
-def round_up(value: int, multiple: int = SIZE_MULTIPLE) -> int:
-    return -(-value // multiple) * multiple
-
-
 def validate(req: ArRequest, limits: ArLimits) -> ArRequest:
     """Check a request and normalize it (n default, sizes rounded up to multiples of 32)."""
-    if not req.prompt or not req.prompt.strip():
-        raise InvalidArgument("prompt", "must not be empty")
-    if len(req.prompt) > limits.max_prompt_chars:
-        raise InvalidArgument("prompt", f"is {len(req.prompt)} characters; the limit is {limits.max_prompt_chars}")
+    check_prompt(req.prompt, limits.max_prompt_chars)
     n = req.n or 1
     if not 1 <= n <= limits.max_n:
         raise InvalidArgument("n", f"must be between 1 and {limits.max_n}, got {req.n}")
-    for name, value in (("height", req.height), ("width", req.width)):
-        if value <= 0:
-            raise InvalidArgument(name, f"must be positive, got {value}")
-    height, width = round_up(req.height), round_up(req.width)
-    if height * width > limits.max_pixels:
-        raise InvalidArgument("height", f"{height}x{width} (after rounding up to multiples of {SIZE_MULTIPLE}) "
-                                        f"exceeds the limit of {limits.max_pixels} pixels")
+    height, width = model_size(req.height, req.width, limits.max_pixels)
     s = req.sampling
     if s.temperature is not None and not 0.0 < s.temperature <= 2.0:
         raise InvalidArgument("sampling.temperature", f"must be in (0, 2], got {s.temperature}")
@@ -115,8 +101,7 @@ def validate(req: ArRequest, limits: ArLimits) -> ArRequest:
         raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
     if s.top_k is not None and s.top_k > 1_000_000:
         raise InvalidArgument("sampling.top_k", f"must be at most 1000000, got {s.top_k}")
-    if req.seed is not None and not 0 <= req.seed < SEED_SPACE:
-        raise InvalidArgument("seed", f"must be in [0, {SEED_SPACE}), got {req.seed}")
+    check_seed(req.seed)
     return ArRequest(prompt=req.prompt, n=n, height=height, width=width, seed=req.seed, sampling=s)
 
 

@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from services.denoiser.encoding import ImageFormat, encode
+from services.model.checks import SEED_SPACE, check_prompt, check_seed, model_size, round_up
 from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.tiny import DENOISER_PARTS
@@ -24,8 +25,6 @@ from services.runtime.errors import Cancelled, InvalidArgument
 
 log = logging.getLogger(__name__)
 
-SEED_SPACE = 2**32
-SIZE_MULTIPLE = 32
 TOKEN_PATCH = 16  # one prior token per 16x16 pixels
 
 
@@ -74,10 +73,6 @@ class JobControl:
     on_step: Callable[[int, int], None] | None = None
 
 
-def round_up(value: int, multiple: int = SIZE_MULTIPLE) -> int:
-    return -(-value // multiple) * multiple
-
-
 class DenoiseEngine:
     def __init__(self, pipe, device: torch.device, limits: DenoiseLimits = DenoiseLimits()) -> None:
         self.pipe = pipe
@@ -105,16 +100,8 @@ class DenoiseEngine:
     def validate(self, job: DenoiseJob) -> DenoiseJob:
         """Check a job and fill defaults; sizes that are not multiples of 32 are allowed (cropped afterwards)."""
         lim = self.limits
-        if not job.prompt or not job.prompt.strip():
-            raise InvalidArgument("prompt", "must not be empty (the glyph text comes from it)")
-        if len(job.prompt) > lim.max_prompt_chars:
-            raise InvalidArgument("prompt", f"is {len(job.prompt)} characters; the limit is {lim.max_prompt_chars}")
-        for name, value in (("height", job.height), ("width", job.width)):
-            if value <= 0:
-                raise InvalidArgument(name, f"must be positive, got {value}")
-        h, w = round_up(job.height), round_up(job.width)
-        if h * w > lim.max_pixels:
-            raise InvalidArgument("height", f"{h}x{w} exceeds the limit of {lim.max_pixels} pixels")
+        check_prompt(job.prompt, lim.max_prompt_chars, "the glyph text comes from it")
+        h, w = model_size(job.height, job.width, lim.max_pixels)
         expected = (h // TOKEN_PATCH) * (w // TOKEN_PATCH)
         if len(job.token_ids) != expected:
             raise InvalidArgument("prior_tokens", f"has {len(job.token_ids)} ids; {h}x{w} needs "
@@ -128,8 +115,7 @@ class DenoiseEngine:
         guidance = lim.default_guidance if job.guidance_scale is None else job.guidance_scale
         if not 0.0 <= guidance <= lim.max_guidance:
             raise InvalidArgument("guidance_scale", f"must be between 0 and {lim.max_guidance}, got {guidance}")
-        if job.seed is not None and not 0 <= job.seed < SEED_SPACE:
-            raise InvalidArgument("seed", f"must be in [0, {SEED_SPACE}), got {job.seed}")
+        check_seed(job.seed)
         if job.output_compression is not None and not 0 <= job.output_compression <= 100:
             raise InvalidArgument("output_compression", f"must be between 0 and 100, got {job.output_compression}")
         seed = job.seed if job.seed is not None else secrets.randbelow(SEED_SPACE)

@@ -62,9 +62,21 @@ def _build_ar_tokenizer():
 def build_tiny_pipeline(seed: int = 0):
     """The full GlmImagePipeline with tiny random weights (deterministic for a given seed)."""
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
-    from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration,
-                              GlmImageImageProcessorPil, GlmImageProcessor, T5Config, T5EncoderModel)
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        GlmImagePipeline,
+        GlmImageTransformer2DModel,
+    )
+    from transformers import (
+        ByT5Tokenizer,
+        GlmImageConfig,
+        GlmImageForConditionalGeneration,
+        GlmImageImageProcessorPil,
+        GlmImageProcessor,
+        T5Config,
+        T5EncoderModel,
+    )
 
     ar_tok = _build_ar_tokenizer()
     processor = GlmImageProcessor(image_processor=GlmImageImageProcessorPil(), tokenizer=ar_tok,
