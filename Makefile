@@ -15,13 +15,17 @@ DENOISER_PORTS ?= 50061,50062
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: help venv run test lint protos tiny clean
+.PHONY: help venv run test lint protos tiny bench clean
+
+# Each benchmark module writes bench/results/<name>.json; run them one after another on a quiet machine.
+BENCHES ?= ar denoiser scheduler_sim gateway e2e
 
 help:
 	@echo "make run     start the whole stack on the embedded tiny GLM-Image (REST :$(REST_PORT), gRPC :$(GATEWAY_PORT))"
 	@echo "make test    run the test suite (contracts, lint, unit, end-to-end)"
 	@echo "make protos  regenerate the Python stubs from protos/"
 	@echo "make lint    buf lint (STANDARD) + stub drift check"
+	@echo "make bench   run the benchmarks; results in bench/results/*.json"
 
 venv: $(STAMP)
 
@@ -46,6 +50,12 @@ lint: venv
 
 protos: venv
 	$(BIN)/python protos/gen_python.py
+
+bench: venv
+	@for b in $(BENCHES); do \
+		if [ -f bench/$$b.py ]; then echo "== bench/$$b.py"; $(BIN)/python -m bench.$$b || exit 1; \
+		else echo "== bench/$$b.py: not present, skipped"; fi; \
+	done
 
 tiny: venv
 	$(BIN)/python -m services.model.tiny

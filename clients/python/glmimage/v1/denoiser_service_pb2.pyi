@@ -57,3 +57,39 @@ class DenoiseResponse(_message.Message):
     seed: int
     timings: DenoiseTimings
     def __init__(self, image: _Optional[bytes] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., steps_completed: _Optional[int] = ..., seed: _Optional[int] = ..., timings: _Optional[_Union[DenoiseTimings, _Mapping]] = ...) -> None: ...
+
+class DenoiseStreamRequest(_message.Message):
+    __slots__ = ("job", "partial_images")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    job: DenoiseRequest
+    partial_images: int
+    def __init__(self, job: _Optional[_Union[DenoiseRequest, _Mapping]] = ..., partial_images: _Optional[int] = ...) -> None: ...
+
+class DenoiseProgress(_message.Message):
+    __slots__ = ("step", "total_steps")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total_steps: int
+    def __init__(self, step: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
+
+class PartialImage(_message.Message):
+    __slots__ = ("partial_image_index", "step", "image")
+    PARTIAL_IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    partial_image_index: int
+    step: int
+    image: bytes
+    def __init__(self, partial_image_index: _Optional[int] = ..., step: _Optional[int] = ..., image: _Optional[bytes] = ...) -> None: ...
+
+class DenoiseStreamResponse(_message.Message):
+    __slots__ = ("progress", "partial_image", "result")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    progress: DenoiseProgress
+    partial_image: PartialImage
+    result: DenoiseResponse
+    def __init__(self, progress: _Optional[_Union[DenoiseProgress, _Mapping]] = ..., partial_image: _Optional[_Union[PartialImage, _Mapping]] = ..., result: _Optional[_Union[DenoiseResponse, _Mapping]] = ...) -> None: ...

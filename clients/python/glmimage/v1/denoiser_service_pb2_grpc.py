@@ -40,6 +40,11 @@ class DenoiserServiceStub:
                 request_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseRequest.SerializeToString,
                 response_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseResponse.FromString,
                 _registered_method=True)
+        self.DenoiseStream = channel.unary_stream(
+                '/glmimage.v1.DenoiserService/DenoiseStream',
+                request_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseStreamRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseStreamResponse.FromString,
+                _registered_method=True)
 
 
 class DenoiserServiceServicer:
@@ -52,6 +57,13 @@ class DenoiserServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DenoiseStream(self, request, context):
+        """The same job, with one progress event per step, optional partial previews, then the final image.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DenoiserServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +71,11 @@ def add_DenoiserServiceServicer_to_server(servicer, server):
                     servicer.Denoise,
                     request_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseRequest.FromString,
                     response_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseResponse.SerializeToString,
+            ),
+            'DenoiseStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.DenoiseStream,
+                    request_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseStreamRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +106,33 @@ class DenoiserService:
             '/glmimage.v1.DenoiserService/Denoise',
             glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseRequest.SerializeToString,
             glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DenoiseStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/glmimage.v1.DenoiserService/DenoiseStream',
+            glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseStreamRequest.SerializeToString,
+            glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -115,3 +115,63 @@ class GetStatusResponse(_message.Message):
     active_requests: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     def __init__(self, pending_ar_requests: _Optional[int] = ..., pending_ar_outputs: _Optional[int] = ..., pending_denoise_outputs: _Optional[int] = ..., active_requests: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class GenerateImagesStreamRequest(_message.Message):
+    __slots__ = ("request", "partial_images")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateImagesRequest
+    partial_images: int
+    def __init__(self, request: _Optional[_Union[GenerateImagesRequest, _Mapping]] = ..., partial_images: _Optional[int] = ...) -> None: ...
+
+class ImageProgress(_message.Message):
+    __slots__ = ("image_index", "step", "total_steps")
+    IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    image_index: int
+    step: int
+    total_steps: int
+    def __init__(self, image_index: _Optional[int] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
+
+class ImagePartial(_message.Message):
+    __slots__ = ("image_index", "partial_image_index", "image")
+    IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    image_index: int
+    partial_image_index: int
+    image: bytes
+    def __init__(self, image_index: _Optional[int] = ..., partial_image_index: _Optional[int] = ..., image: _Optional[bytes] = ...) -> None: ...
+
+class GenerateImagesStreamResponse(_message.Message):
+    __slots__ = ("progress", "partial_image", "completed")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    progress: ImageProgress
+    partial_image: ImagePartial
+    completed: GenerateImagesResponse
+    def __init__(self, progress: _Optional[_Union[ImageProgress, _Mapping]] = ..., partial_image: _Optional[_Union[ImagePartial, _Mapping]] = ..., completed: _Optional[_Union[GenerateImagesResponse, _Mapping]] = ...) -> None: ...
+
+class AddWorkerRequest(_message.Message):
+    __slots__ = ("address", "role")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    role: WorkerRole
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
+
+class AddWorkerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RemoveWorkerRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class RemoveWorkerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -40,10 +40,25 @@ class GatewayServiceStub:
                 request_serializer=glmimage_dot_v1_dot_gateway__service__pb2.GenerateImagesRequest.SerializeToString,
                 response_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.GenerateImagesResponse.FromString,
                 _registered_method=True)
+        self.GenerateImagesStream = channel.unary_stream(
+                '/glmimage.v1.GatewayService/GenerateImagesStream',
+                request_serializer=glmimage_dot_v1_dot_gateway__service__pb2.GenerateImagesStreamRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.GenerateImagesStreamResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/glmimage.v1.GatewayService/GetStatus',
                 request_serializer=glmimage_dot_v1_dot_gateway__service__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.GetStatusResponse.FromString,
+                _registered_method=True)
+        self.AddWorker = channel.unary_unary(
+                '/glmimage.v1.GatewayService/AddWorker',
+                request_serializer=glmimage_dot_v1_dot_gateway__service__pb2.AddWorkerRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.AddWorkerResponse.FromString,
+                _registered_method=True)
+        self.RemoveWorker = channel.unary_unary(
+                '/glmimage.v1.GatewayService/RemoveWorker',
+                request_serializer=glmimage_dot_v1_dot_gateway__service__pb2.RemoveWorkerRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.RemoveWorkerResponse.FromString,
                 _registered_method=True)
 
 
@@ -57,8 +72,29 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateImagesStream(self, request, context):
+        """The same generation, streamed: progress per denoising step, optional partial previews, then the result.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Queues and workers, for operators and `glmimage status`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddWorker(self, request, context):
+        """Membership administration: add a worker at run time (it is used once it reports SERVING).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveWorker(self, request, context):
+        """Drain and remove a worker: its current job finishes, no new job is sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -72,10 +108,25 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     request_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.GenerateImagesRequest.FromString,
                     response_serializer=glmimage_dot_v1_dot_gateway__service__pb2.GenerateImagesResponse.SerializeToString,
             ),
+            'GenerateImagesStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateImagesStream,
+                    request_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.GenerateImagesStreamRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_gateway__service__pb2.GenerateImagesStreamResponse.SerializeToString,
+            ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
                     request_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.GetStatusRequest.FromString,
                     response_serializer=glmimage_dot_v1_dot_gateway__service__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'AddWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddWorker,
+                    request_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.AddWorkerRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_gateway__service__pb2.AddWorkerResponse.SerializeToString,
+            ),
+            'RemoveWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveWorker,
+                    request_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.RemoveWorkerRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_gateway__service__pb2.RemoveWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -117,6 +168,33 @@ class GatewayService:
             _registered_method=True)
 
     @staticmethod
+    def GenerateImagesStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/glmimage.v1.GatewayService/GenerateImagesStream',
+            glmimage_dot_v1_dot_gateway__service__pb2.GenerateImagesStreamRequest.SerializeToString,
+            glmimage_dot_v1_dot_gateway__service__pb2.GenerateImagesStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GetStatus(request,
             target,
             options=(),
@@ -133,6 +211,60 @@ class GatewayService:
             '/glmimage.v1.GatewayService/GetStatus',
             glmimage_dot_v1_dot_gateway__service__pb2.GetStatusRequest.SerializeToString,
             glmimage_dot_v1_dot_gateway__service__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmimage.v1.GatewayService/AddWorker',
+            glmimage_dot_v1_dot_gateway__service__pb2.AddWorkerRequest.SerializeToString,
+            glmimage_dot_v1_dot_gateway__service__pb2.AddWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmimage.v1.GatewayService/RemoveWorker',
+            glmimage_dot_v1_dot_gateway__service__pb2.RemoveWorkerRequest.SerializeToString,
+            glmimage_dot_v1_dot_gateway__service__pb2.RemoveWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,
