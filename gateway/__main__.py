@@ -11,6 +11,7 @@ from gateway.scheduler import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.logs import configure_logging
+from services.runtime.metrics import serve_metrics
 from services.runtime.server import announce, common_server_args, run_until_signalled, start_server
 
 log = logging.getLogger("gateway")
@@ -60,6 +61,7 @@ async def serve(args: argparse.Namespace) -> None:
                                 [SERVICE_NAME], f"{args.host}:{args.port}")
     await driver.start()
     announce(server, args, "GatewayService")
+    serve_metrics(args.host, args.metrics_port)
     # The gateway itself is ready at once; whether workers are available is reported by GetStatus and /health.
     await server.set_serving(True)
     try:

@@ -11,6 +11,7 @@ import torch
 
 from services.model.device import DEVICE_CHOICES, DTYPE_CHOICES
 from services.runtime.executor import SerialExecutor
+from services.runtime.metrics import serve_metrics
 from services.runtime.server import announce, run_until_signalled, start_server
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ async def serve_model(
     servicer = make_servicer(engine, executor)
     server = await start_server(lambda s: register(servicer, s), [service_name], f"{args.host}:{args.port}")
     announce(server, args, service_name)
+    serve_metrics(args.host, args.metrics_port)
     await executor.run(engine.warm_up)
     await server.set_serving(True)
     log.info("%s SERVING", service_name)

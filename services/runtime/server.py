@@ -179,6 +179,8 @@ def common_server_args(default_port: int) -> argparse.ArgumentParser:
     p.add_argument("--port-file", type=Path, default=None,
                    help="write the bound port here once listening (for supervisors and tests using --port 0)")
     p.add_argument("--drain-seconds", type=float, default=60.0, help="grace period for in-flight work on SIGTERM")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (0 picks a free one); off when unset")
     p.add_argument("--log-level", default="INFO")
     return p
 
