@@ -15,7 +15,7 @@ DENOISER_PORTS ?= 50061,50062
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: help venv run test lint protos tiny bench clean
+.PHONY: help venv run test lint protos tiny bench soak clean
 
 # Each benchmark module writes bench/results/<name>.json; run them one after another on a quiet machine.
 BENCHES ?= ar denoiser scheduler_sim gateway e2e
@@ -26,6 +26,7 @@ help:
 	@echo "make protos  regenerate the Python stubs from protos/"
 	@echo "make lint    buf lint (STANDARD) + stub drift check"
 	@echo "make bench   run the benchmarks; results in bench/results/*.json"
+	@echo "make soak    10 minutes of mixed load with random denoiser kills (bench/results/soak.json)"
 
 venv: $(STAMP)
 
@@ -56,6 +57,9 @@ bench: venv
 		if [ -f bench/$$b.py ]; then echo "== bench/$$b.py"; $(BIN)/python -m bench.$$b || exit 1; \
 		else echo "== bench/$$b.py: not present, skipped"; fi; \
 	done
+
+soak: venv
+	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 tiny: venv
 	$(BIN)/python -m services.model.tiny

@@ -1,0 +1,157 @@
+"""Real server processes on loopback for the chaos tests and the soak: start, kill, restart, wait for SERVING.
+
+Each process binds port 0 and reports its port through --port-file; a restart reuses the same port, as a
+Kubernetes pod behind a stable address would. Logs go to files next to the port files.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVICES = {"ar": "glmimage.v1.ArService", "denoiser": "glmimage.v1.DenoiserService",
+            "gateway": "glmimage.v1.GatewayService"}
+MODULES = {"ar": "services.ar", "denoiser": "services.denoiser", "gateway": "gateway", "rest": "gateway.rest"}
+
+
+@dataclass
+class Proc:
+    name: str
+    role: str
+    flags: list[str]
+    port: int = 0
+    popen: subprocess.Popen | None = None
+    metrics_port: int | None = None
+    log: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def rss(self) -> int:
+        return psutil.Process(self.pid).memory_info().rss
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, workdir: Path, torch_threads: int = 1) -> None:
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, Proc] = {}
+        self.torch_threads = torch_threads
+
+    # ---- processes -------------------------------------------------------------------------------------------
+
+    def start(self, name: str, role: str, flags: list[str] | None = None, *, metrics: bool = False,
+              wait: bool = True, env: dict[str, str] | None = None) -> Proc:
+        proc = Proc(name=name, role=role, flags=list(flags or []), extra_env=dict(env or {}))
+        if role in ("ar", "denoiser"):
+            proc.flags += ["--torch-threads", str(self.torch_threads), "--device", "cpu"]
+        if metrics:
+            proc.metrics_port = free_port()
+            proc.flags += ["--metrics-port", str(proc.metrics_port)]
+        self.procs[name] = proc
+        self._spawn(proc)
+        if wait:
+            self.wait_ready(name)
+        return proc
+
+    def _spawn(self, proc: Proc) -> None:
+        port_file = self.dir / f"{proc.name}.port"
+        port_file.unlink(missing_ok=True)
+        proc.log = self.dir / f"{proc.name}.log"
+        argv = [sys.executable, "-m", MODULES[proc.role], "--host", "127.0.0.1", "--port", str(proc.port),
+                "--port-file", str(port_file), *proc.flags]
+        with open(proc.log, "ab") as log:
+            proc.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                          env={**os.environ, **proc.extra_env})
+        deadline = time.monotonic() + 120
+        while not port_file.exists():  # the child writes it atomically once bound
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}); log: {self.tail(proc.name)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{proc.name} did not bind a port")
+            time.sleep(0.02)
+        proc.port = int(port_file.read_text())
+
+    def wait_ready(self, name: str, timeout: float = 120) -> None:
+        proc = self.procs[name]
+        if proc.role == "rest":
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://{proc.address}/health", timeout=2)
+                    return
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        wait_serving(proc.address, SERVICES[proc.role], timeout)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> int | None:
+        proc = self.procs[name]
+        assert proc.popen is not None
+        proc.popen.send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            return proc.popen.wait(60)
+        return None
+
+    def restart(self, name: str, wait: bool = True) -> Proc:
+        """Start the process again on the same port."""
+        proc = self.procs[name]
+        if proc.popen and proc.popen.poll() is None:
+            self.kill(name)
+        self._spawn(proc)
+        if wait:
+            self.wait_ready(name)
+        return proc
+
+    def tail(self, name: str, lines: int = 40) -> str:
+        log = self.procs[name].log
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log and log.exists() else ""
+
+    def close(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            if proc.popen and proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+                proc.popen.terminate()
+        for proc in self.procs.values():
+            if proc.popen:
+                try:
+                    proc.popen.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.popen.kill()
+                    proc.popen.wait()
+
+
+def wait_serving(address: str, service: str, timeout: float = 120) -> None:
+    """Block on grpc.health.v1 Watch until `service` is SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for reply in stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout,
+                                wait_for_ready=True):
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+    raise RuntimeError(f"{address} stopped before {service} was SERVING")
