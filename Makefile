@@ -15,7 +15,7 @@ DENOISER_PORTS ?= 50061,50062
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: help venv run test lint protos tiny bench soak clean
+.PHONY: help venv run test lint protos tiny bench soak clean tools
 
 # Each benchmark module writes bench/results/<name>.json; run them one after another on a quiet machine.
 BENCHES ?= ar denoiser scheduler_sim gateway e2e
@@ -41,13 +41,22 @@ run: venv
 	$(BIN)/python -m services.stack --rest-port $(REST_PORT) --gateway-port $(GATEWAY_PORT) \
 		--ar-port $(AR_PORT) --denoiser-ports $(DENOISER_PORTS)
 
-test: venv
+# promtool (Debian package `prometheus`) lints every /metrics endpoint (tests/test_promtool.py). Installed only when
+# missing and only as root (CI runs as root); elsewhere the test fails and says how to install it.
+tools:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	  else echo "promtool missing: sudo apt-get install prometheus (needed by tests/test_promtool.py)" >&2; fi; }
+
+test: venv tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/buf lint protos
-	$(BIN)/ruff check services gateway tests protos
-	$(BIN)/python -m pytest -q tests/test_contracts.py
+	$(BIN)/ruff check services gateway tests protos clients/python/glmimage
+	$(BIN)/hadolint docker/Dockerfile
+	$(BIN)/python -m pytest -q tests/test_contracts.py tests/test_docker.py tests/test_k8s.py
 
 protos: venv
 	$(BIN)/python protos/gen_python.py

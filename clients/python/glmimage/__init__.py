@@ -1,1 +1,36 @@
 """GLM-Image serving SDK: generated contracts (`glmimage.v1`) and clients. Needs only grpcio and protobuf."""
+from glmimage.client import (
+    DEFAULT_RETRY,
+    NO_RETRY,
+    AsyncClient,
+    Client,
+    Completed,
+    GenerationResult,
+    GlmImageError,
+    PartialImage,
+    Progress,
+    RetryPolicy,
+    Status,
+    StreamEvent,
+    TlsConfig,
+    Usage,
+    WorkerInfo,
+)
+
+__all__ = [
+    "DEFAULT_RETRY",
+    "NO_RETRY",
+    "AsyncClient",
+    "Client",
+    "Completed",
+    "GenerationResult",
+    "GlmImageError",
+    "PartialImage",
+    "Progress",
+    "RetryPolicy",
+    "Status",
+    "StreamEvent",
+    "TlsConfig",
+    "Usage",
+    "WorkerInfo",
+]

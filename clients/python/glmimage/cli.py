@@ -1,0 +1,220 @@
+"""`glmimage`: generate images and inspect a GLM-Image gateway from the command line.
+
+    glmimage generate "a red STOP sign" -n 2 --size 512x512 -o out/
+    glmimage generate "a red STOP sign" --stream --partial-images 2 -o out/
+    glmimage status
+
+Printing is this module's interface; errors go to stderr with a non-zero exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import TextIO
+
+from glmimage.client import (
+    DEFAULT_ADDRESS,
+    FORMATS,
+    NO_RETRY,
+    Client,
+    Completed,
+    GenerationResult,
+    GlmImageError,
+    PartialImage,
+    Progress,
+    RetryPolicy,
+    Status,
+    TlsConfig,
+    parse_size,
+)
+
+API_KEY_ENV = "GLMIMAGE_API_KEY"
+ADDRESS_ENV = "GLMIMAGE_ADDRESS"
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _connection_args() -> argparse.ArgumentParser:
+    """Flags every subcommand accepts, so they can follow the subcommand name."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("connection")
+    g.add_argument("--address", default=os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS),
+                   help=f"GatewayService host:port (default {DEFAULT_ADDRESS}, or ${ADDRESS_ENV})")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"sent as 'authorization: Bearer <key>' (default ${API_KEY_ENV})")
+    g.add_argument("--timeout", type=float, default=600.0, help="overall deadline in seconds, retries included")
+    g.add_argument("--retries", type=int, default=3,
+                   help="retries on UNAVAILABLE / RESOURCE_EXHAUSTED, with exponential backoff (0 disables)")
+    g.add_argument("--tls", action="store_true", help="use TLS with the system trust store")
+    g.add_argument("--tls-ca", type=Path, metavar="PEM",
+                   help="CA bundle that signed the server certificate (implies --tls)")
+    g.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate for mutual TLS")
+    g.add_argument("--tls-key", type=Path, metavar="PEM", help="client private key for mutual TLS")
+    g.add_argument("--tls-server-name", help="expected server name, when it differs from the address host")
+    g.add_argument("-v", "--verbose", action="store_true", help="log retries and connection details to stderr")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    conn = _connection_args()
+    parser = argparse.ArgumentParser(prog="glmimage", description="GLM-Image gateway client")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", parents=[conn], help="generate images and write them to a directory")
+    gen.add_argument("prompt")
+    gen.add_argument("-n", type=int, default=1, help="number of images (1-10)")
+    gen.add_argument("--size", type=_size, default=None, metavar="WxH", help="e.g. 512x512 (default: the gateway's)")
+    gen.add_argument("-o", "--output-dir", type=Path, default=Path("."), help="directory for the images")
+    gen.add_argument("--name", default="image", help="file name stem: <name>-<i>.<ext> (default: image)")
+    gen.add_argument("--format", choices=sorted(FORMATS), default=None, help="image encoding (default png)")
+    gen.add_argument("--compression", type=int, default=None, help="jpeg/webp compression, 0-100")
+    gen.add_argument("--seed", type=int, default=None, help="output i uses seed + i")
+    gen.add_argument("--steps", type=int, default=None, help="denoising steps")
+    gen.add_argument("--guidance", type=float, default=None, help="guidance scale")
+    gen.add_argument("--stream", action="store_true", help="stream progress (a progress bar on stderr)")
+    gen.add_argument("--partial-images", type=int, default=0, choices=range(4), metavar="{0-3}",
+                     help="with --stream: previews per image, written as <name>-<i>.partial-<k>.<ext>")
+    gen.add_argument("--json", action="store_true", help="print files, seeds and usage as one JSON document")
+
+    st = sub.add_parser("status", parents=[conn], help="show the gateway's queues and workers")
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
+    return parser
+
+
+def client_from(args: argparse.Namespace) -> Client:
+    tls = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
+        tls = TlsConfig.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    retry = NO_RETRY if args.retries <= 0 else RetryPolicy(max_attempts=args.retries + 1)
+    return Client(args.address, api_key=args.api_key, tls=tls, timeout=args.timeout, retry=retry)
+
+
+class ProgressBar:
+    """One-line progress over all images, redrawn with carriage returns; no terminal library needed."""
+
+    def __init__(self, n: int, out: TextIO, width: int = 30) -> None:
+        self.steps: dict[int, tuple[int, int]] = {}
+        self.n = n
+        self.out = out
+        self.width = width
+
+    def update(self, event: Progress) -> None:
+        self.steps[event.image_index] = (event.step, event.total_steps)
+        done = sum(s for s, _ in self.steps.values())
+        # Images that have not reported yet are assumed to need as many steps as those that have.
+        per_image = max(t for _, t in self.steps.values())
+        total = sum(t for _, t in self.steps.values()) + per_image * (self.n - len(self.steps))
+        frac = done / total if total else 0.0
+        filled = int(round(frac * self.width))
+        bar = "#" * filled + "-" * (self.width - filled)
+        self.out.write(f"\r[{bar}] {frac:4.0%}  {done}/{total} steps")
+        self.out.flush()
+
+    def finish(self) -> None:
+        if self.steps:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def _generate(args: argparse.Namespace, client: Client) -> int:
+    kwargs = dict(n=args.n, size=args.size, output_format=args.format, output_compression=args.compression,
+                  seed=args.seed, steps=args.steps, guidance=args.guidance)
+    ext = {"jpeg": "jpg"}.get(args.format or "png", args.format or "png")
+    partial_paths: list[Path] = []
+    if args.stream:
+        bar = ProgressBar(args.n, sys.stderr)
+        result: GenerationResult | None = None
+        try:
+            for event in client.generate_stream(args.prompt, partial_images=args.partial_images, **kwargs):
+                if isinstance(event, Progress):
+                    bar.update(event)
+                elif isinstance(event, PartialImage):
+                    args.output_dir.mkdir(parents=True, exist_ok=True)
+                    stem = f"{args.name}-{event.image_index}.partial-{event.partial_image_index}"
+                    path = args.output_dir / f"{stem}.{ext}"
+                    path.write_bytes(event.image)
+                    partial_paths.append(path)
+                elif isinstance(event, Completed):
+                    result = event.result
+        finally:
+            bar.finish()
+        if result is None:  # generate_stream raises first; kept so a broken server cannot crash the CLI
+            raise ValueError("the stream ended without a result")
+    else:
+        result = client.generate(args.prompt, **kwargs)
+    paths = result.save(args.output_dir, args.name)
+    if args.json:
+        print(json.dumps({"files": [str(p) for p in paths], "partial_files": [str(p) for p in partial_paths],
+                          "seeds": result.seeds, "width": result.width, "height": result.height,
+                          "output_format": result.output_format, "request_id": result.request_id,
+                          "usage": result.usage.as_dict()}, indent=2))
+        return 0
+    for path, seed in zip(paths, result.seeds, strict=True):
+        print(f"wrote {path}  ({result.width}x{result.height}, seed {seed})")
+    for path in partial_paths:
+        print(f"wrote {path}  (partial)")
+    u = result.usage
+    print(f"usage: prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
+          f"total_tokens={u.total_tokens} cached_tokens={u.cached_tokens} images={len(paths)}")
+    return 0
+
+
+def format_status(status: Status) -> str:
+    """The queues, then one row per worker, as aligned plain-text tables."""
+    queues = [("pending AR requests", status.pending_ar_requests), ("pending AR outputs", status.pending_ar_outputs),
+              ("pending denoise outputs", status.pending_denoise_outputs), ("active requests", status.active_requests)]
+    lines = [_table(["QUEUE", "DEPTH"], [[name, str(v)] for name, v in queues]), ""]
+    rows = [[w.role, w.address, w.state, str(w.inflight), w.current_job or "-"] for w in status.workers]
+    lines.append(_table(["ROLE", "ADDRESS", "STATE", "INFLIGHT", "JOB"], rows) if rows else "no workers")
+    return "\n".join(lines)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+                     for row in [header, *rows])
+
+
+def _status(args: argparse.Namespace, client: Client) -> int:
+    status = client.status()
+    if args.json:
+        print(json.dumps({"pending_ar_requests": status.pending_ar_requests,
+                          "pending_ar_outputs": status.pending_ar_outputs,
+                          "pending_denoise_outputs": status.pending_denoise_outputs,
+                          "active_requests": status.active_requests,
+                          "workers": [asdict(w) for w in status.workers]}, indent=2))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        with client_from(args) as client:
+            return _generate(args, client) if args.command == "generate" else _status(args, client)
+    except GlmImageError as exc:
+        print(f"glmimage: error: {exc.code.name}: {exc.details}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"glmimage: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+{{/* Names */}}
+{{- define "glmimage.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "glmimage.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<fullname>-<component>", kept within the 63-character DNS label limit. */}}
+{{- define "glmimage.componentName" -}}
+{{- printf "%s-%s" (include "glmimage.fullname" .root | trunc (int (sub 62 (len .component))) | trimSuffix "-") .component }}
+{{- end }}
+
+{{/* Fully qualified DNS name of a Service of this release. */}}
+{{- define "glmimage.serviceFqdn" -}}
+{{- printf "%s.%s.svc.%s" (include "glmimage.componentName" .) .root.Release.Namespace .root.Values.clusterDomain }}
+{{- end }}
+
+{{- define "glmimage.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "glmimage.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Labels */}}
+{{- define "glmimage.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "glmimage.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: glmimage
+{{- end }}
+
+{{- define "glmimage.componentLabels" -}}
+{{ include "glmimage.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "glmimage.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "glmimage.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Image reference of a role: registry/repository:tag, the tag defaulting to the appVersion. */}}
+{{- define "glmimage.image" -}}
+{{- $img := index .root.Values.image .role }}
+{{- $repo := $img.repository }}
+{{- with .root.Values.image.registry }}{{ $repo = printf "%s/%s" (trimSuffix "/" .) $repo }}{{ end }}
+{{- printf "%s:%s" $repo (default .root.Chart.AppVersion $img.tag) }}
+{{- end }}
+
+{{- define "glmimage.configName" -}}
+{{ include "glmimage.fullname" . }}-config
+{{- end }}
+
+{{- define "glmimage.apiKeySecretName" -}}
+{{- default (printf "%s-api-keys" (include "glmimage.fullname" .)) .Values.apiKeys.existingSecret }}
+{{- end }}
+
+{{- define "glmimage.apiKeysEnabled" -}}
+{{- if or .Values.apiKeys.existingSecret .Values.apiKeys.keys }}true{{ end }}
+{{- end }}
+
+{{- define "glmimage.tlsSecretName" -}}
+{{- default (printf "%s-tls" (include "glmimage.fullname" .)) .Values.tls.existingSecret }}
+{{- end }}
+
+{{/* Where the TLS Secret is mounted in every pod. */}}
+{{- define "glmimage.tlsDir" -}}/etc/glmimage/tls{{- end }}
+
+{{/* Flags of a gRPC server: serve TLS, and require client certificates with mutual TLS. */}}
+{{- define "glmimage.serverTlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert={{ include "glmimage.tlsDir" . }}/tls.crt
+- --tls-key={{ include "glmimage.tlsDir" . }}/tls.key
+{{- if .Values.tls.mutual }}
+- --tls-client-ca={{ include "glmimage.tlsDir" . }}/ca.crt
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Pod annotations that roll the pods when settings or secrets the chart renders change. */}}
+{{- define "glmimage.checksums" -}}
+checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
+checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256sum }}
+{{- end }}
+
+{{/*
+Probe handler for a gRPC server on grpc.health.v1. Kubelet's native gRPC probe speaks plaintext only, so with TLS
+the same check runs in the container over TLS (python and grpcio-health-checking are in every image).
+*/}}
+{{- define "glmimage.grpcProbeHandler" -}}
+{{- if .root.Values.tls.enabled }}
+exec:
+  command:
+    - python
+    - -c
+    - |
+      import sys, grpc
+      from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g
+      d = "{{ include "glmimage.tlsDir" .root }}/"
+      r = lambda n: open(d + n, "rb").read()
+      creds = grpc.ssl_channel_credentials(r("ca.crt"){{ if .root.Values.tls.mutual }}, r("tls.key"), r("tls.crt"){{ end }})
+      with grpc.secure_channel("localhost:{{ .port }}", creds) as ch:
+          s = g.HealthStub(ch).Check(h.HealthCheckRequest(service="{{ .service }}"), timeout=4).status
+      sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)
+{{- else }}
+grpc:
+  port: {{ .port }}
+  service: {{ .service }}
+{{- end }}
+{{- end }}
+
+{{/* startup, liveness and readiness probes of a gRPC server. */}}
+{{- define "glmimage.grpcProbes" -}}
+{{- $p := .root.Values.probes }}
+startupProbe:
+  {{- include "glmimage.grpcProbeHandler" . | trim | nindent 2 }}
+  periodSeconds: {{ $p.startup.periodSeconds }}
+  failureThreshold: {{ $p.startup.failureThreshold }}
+  timeoutSeconds: 5
+livenessProbe:
+  {{- include "glmimage.grpcProbeHandler" . | trim | nindent 2 }}
+  periodSeconds: {{ $p.liveness.periodSeconds }}
+  timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+  failureThreshold: {{ $p.liveness.failureThreshold }}
+readinessProbe:
+  {{- include "glmimage.grpcProbeHandler" . | trim | nindent 2 }}
+  periodSeconds: {{ $p.readiness.periodSeconds }}
+  timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+  failureThreshold: {{ $p.readiness.failureThreshold }}
+{{- end }}
+
+{{/* Container securityContext: the chart defaults merged with a role's overrides. */}}
+{{- define "glmimage.securityContext" -}}
+{{- toYaml (mergeOverwrite (deepCopy .root.Values.securityContext) (default dict .override)) }}
+{{- end }}
+
+{{/* Environment every model server shares: settings from the ConfigMap, and caches on the writable volume. */}}
+{{- define "glmimage.modelEnv" -}}
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /cache
+- name: GLMIMAGE_CACHE
+  value: /cache/glmimage
+- name: HF_HUB_OFFLINE
+  value: "1"
+{{- end }}
+
+{{/* Volumes of a model server pod: weights (read-only), cache, /tmp and the TLS Secret. */}}
+{{- define "glmimage.modelVolumes" -}}
+{{- $m := .root.Values.model }}
+{{- if eq $m.source "pvc" }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ $m.pvc.claimName }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+- name: models
+  hostPath:
+    path: {{ $m.hostPath.path }}
+    type: {{ $m.hostPath.type }}
+{{- else if ne $m.source "tiny" }}
+{{- fail (printf "model.source must be pvc, hostPath or tiny, not %q" $m.source) }}
+{{- end }}
+- name: cache
+  emptyDir:
+    sizeLimit: {{ .cacheSizeLimit }}
+- name: tmp
+  emptyDir:
+    medium: Memory
+    sizeLimit: 256Mi
+{{- with include "glmimage.tlsVolume" .root | trim }}{{ . | nindent 0 }}{{- end }}
+{{- end }}
+
+{{- define "glmimage.modelVolumeMounts" -}}
+{{- if ne .Values.model.source "tiny" }}
+- name: models
+  mountPath: /models
+  readOnly: true
+{{- end }}
+- name: cache
+  mountPath: /cache
+- name: tmp
+  mountPath: /tmp
+{{- with include "glmimage.tlsVolumeMount" . | trim }}{{ . | nindent 0 }}{{- end }}
+{{- end }}
+
+{{/* --model-path, unless the tiny test model is wanted. */}}
+{{- define "glmimage.modelPathArg" -}}
+{{- if ne .Values.model.source "tiny" }}
+- --model-path=/models/{{ .Values.model.path }}
+{{- end }}
+{{- end }}
+
+{{- define "glmimage.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "glmimage.tlsSecretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "glmimage.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ include "glmimage.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}

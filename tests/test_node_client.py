@@ -1,0 +1,113 @@
+"""The Node.js example client (clients/node) against the real stack: the contracts work from a second language."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from glmimage import Client
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+NODE_DIR = REPO / "clients" / "node"
+PROMPT = 'a red "STOP" sign'
+
+
+@contextlib.contextmanager
+def running_stack(run_dir: Path, denoisers: int = 2) -> Iterator[dict[str, str]]:
+    """`python -m services.stack` on ephemeral ports; yields role -> address once every server is SERVING."""
+    ready = run_dir / "ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.stack", "--rest-port", "0", "--gateway-port", "0", "--ar-port", "0",
+         "--denoiser-ports", ",".join(["0"] * denoisers), "--ready-file", str(ready), "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        # The launcher prints its banner only once every server reports SERVING: block on that line.
+        for line in proc.stdout:
+            if line.startswith("GLM-Image stack is up"):
+                break
+        else:
+            pytest.fail(f"the stack did not start (exit code {proc.wait()})")
+        yield json.loads(ready.read_text())
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def node() -> str:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        npm = shutil.which("npm")
+        assert npm, "node is installed but npm is not: install npm to fetch @grpc/grpc-js"
+        # Exactly the committed lock; nothing is cached in git (node_modules/ is ignored).
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True, timeout=600)
+    return node
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    # One denoiser is enough here, and one model load fewer on a 2-core machine.
+    with running_stack(tmp_path_factory.mktemp("node-stack"), denoisers=1) as addresses:
+        yield addresses
+
+
+def run_node(node: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([node, str(NODE_DIR / "generate.js"), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_node_client_writes_a_png_and_prints_usage(node: str, stack: dict[str, str], tmp_path: Path) -> None:
+    from PIL import Image
+
+    out = tmp_path / "node" / "out.png"
+    done = run_node(node, "--address", stack["gateway"], "--prompt", PROMPT, "--size", "256x192", "--seed", "7",
+                    "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["files"] == [str(out)]
+    image = Image.open(io.BytesIO(out.read_bytes()))
+    image.load()
+    assert (image.format, image.size) == ("PNG", (256, 192))
+    usage = report["usage"]
+    assert usage["completion_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+    # The same request from the Python SDK gives the same bytes and usage: both speak the same contract.
+    with Client(stack["gateway"], timeout=120) as client:
+        result = client.generate(PROMPT, size="256x192", seed=7)
+    assert result.images == [out.read_bytes()]
+    assert usage == result.usage.as_dict()
+
+
+def test_node_client_writes_one_file_per_image(node: str, stack: dict[str, str], tmp_path: Path) -> None:
+    done = run_node(node, "--address", stack["gateway"], "--prompt", "a cat", "--size", "64x64", "-n", "2",
+                    "--out", str(tmp_path / "cat.png"))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["files"] == [str(tmp_path / "cat-0.png"), str(tmp_path / "cat-1.png")]
+    assert all(Path(f).read_bytes().startswith(b"\x89PNG\r\n\x1a\n") for f in report["files"])
+    assert report["seeds"][1] == report["seeds"][0] + 1  # output i uses seed + i
+    assert report["usage"]["completion_tokens"] > 0
+
+
+def test_node_client_reports_grpc_errors(node: str, stack: dict[str, str], tmp_path: Path) -> None:
+    done = run_node(node, "--address", stack["gateway"], "--prompt", "a cat", "-n", "11",
+                    "--out", str(tmp_path / "x.png"))
+    assert done.returncode == 1
+    assert "INVALID_ARGUMENT" in done.stderr
+    assert not (tmp_path / "x-0.png").exists()
