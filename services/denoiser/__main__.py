@@ -6,6 +6,7 @@ import asyncio
 import functools
 
 from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc
+from services.denoiser.encoding import PNG_LEVELS
 from services.denoiser.engine import DenoiseEngine, DenoiseLimits
 from services.denoiser.servicer import DenoiserServicer
 from services.model.serving import model_args, serve_model
@@ -24,6 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=DenoiseLimits.max_steps)
     p.add_argument("--max-pixels", type=int, default=DenoiseLimits.max_pixels)
     p.add_argument("--max-prompt-chars", type=int, default=DenoiseLimits.max_prompt_chars)
+    p.add_argument("--png-compress-level", type=int, default=DenoiseLimits.png_compress_level, choices=PNG_LEVELS,
+                   metavar="0-9",
+                   help="zlib level for PNG when the request gives no output_compression: lower is faster and larger")
     return p.parse_args(argv)
 
 
@@ -32,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(args.log_level)
     limits = DenoiseLimits(max_prompt_chars=args.max_prompt_chars, max_pixels=args.max_pixels,
                            max_steps=args.max_steps, default_steps=args.default_steps,
-                           default_guidance=args.default_guidance)
+                           default_guidance=args.default_guidance, png_compress_level=args.png_compress_level)
     asyncio.run(serve_model(
         args, name="denoise-engine", service_name=SERVICE_NAME,
         load=functools.partial(DenoiseEngine.load, args.model_path, args.device, args.dtype, limits),

@@ -15,14 +15,20 @@ class ImageFormat(enum.Enum):
 
 DEFAULT_QUALITY = 90  # JPEG/WebP when the request gives no output_compression
 DEFAULT_PNG_LEVEL = 6  # zlib's own default: a good size/time balance
+PNG_LEVELS = range(10)
 
 
-def encode(image: Image.Image, fmt: ImageFormat, compression: int | None = None) -> bytes:
+def png_level(compression: int | None, default: int = DEFAULT_PNG_LEVEL) -> int:
+    """OpenAI's output_compression (0-100) scaled to zlib's 0-9; the server's configured level when unset."""
+    return default if compression is None else round(compression * 9 / 100)
+
+
+def encode(image: Image.Image, fmt: ImageFormat, compression: int | None = None,
+           default_png_level: int = DEFAULT_PNG_LEVEL) -> bytes:
     """compression is OpenAI's output_compression, 0-100: quality for JPEG/WebP, scaled to zlib 0-9 for PNG."""
     buf = io.BytesIO()
     if fmt is ImageFormat.PNG:
-        level = DEFAULT_PNG_LEVEL if compression is None else round(compression * 9 / 100)
-        image.save(buf, format="PNG", compress_level=level)
+        image.save(buf, format="PNG", compress_level=png_level(compression, default_png_level))
     elif fmt is ImageFormat.JPEG:
         image.convert("RGB").save(buf, format="JPEG", quality=DEFAULT_QUALITY if compression is None else compression)
     else:

@@ -1,7 +1,8 @@
 """The denoise engine: GLM-Image's DiT + VAE through diffusers.GlmImagePipeline, AR skipped.
 
 Knows nothing of gRPC. Runs one job at a time (the pipeline keeps per-call state); callers serialize.
-A job can be stopped between steps through its cancel event, checked in the pipeline's step callback.
+A job can be stopped between steps through its JobControl (cancel event, deadline), checked in the
+pipeline's step callback, which also reports progress and takes the partial previews.
 """
 from __future__ import annotations
 
@@ -10,22 +11,23 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from PIL import Image
 
-from services.denoiser.encoding import ImageFormat, encode
+from services.denoiser.encoding import DEFAULT_PNG_LEVEL, ImageFormat, encode
 from services.model.checks import SEED_SPACE, check_prompt, check_seed, model_size, round_up
 from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.tiny import DENOISER_PARTS
-from services.runtime.errors import Cancelled, InvalidArgument
+from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument
 
 log = logging.getLogger(__name__)
 
 TOKEN_PATCH = 16  # one prior token per 16x16 pixels
+MAX_PARTIAL_IMAGES = 3  # OpenAI's partial_images range is 0-3
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class DenoiseLimits:
     max_guidance: float = 30.0
     default_steps: int = 2  # the tiny model's sensible default; set --default-steps 50 for real weights
     default_guidance: float = 1.5
+    png_compress_level: int = DEFAULT_PNG_LEVEL  # zlib level when a PNG request gives no output_compression
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class DenoiseJob:
     seed: int | None = None
     output_format: ImageFormat = ImageFormat.PNG
     output_compression: int | None = None
+    partial_images: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,13 +68,55 @@ class DenoiseResult:
     encode_seconds: float
 
 
+@dataclass(frozen=True)
+class StepProgress:
+    step: int  # 1-based step just finished
+    total_steps: int
+
+
+@dataclass(frozen=True)
+class PartialPreview:
+    index: int  # 0-based, in the order taken
+    step: int
+    image: bytes  # encoded in the job's format, at the requested size
+
+
+JobEvent = StepProgress | PartialPreview
+
+
 @dataclass
 class JobControl:
-    """Shared between the event loop and the worker thread: cancel requests in, progress out."""
+    """Shared between the caller and the worker thread: stop requests in, progress out.
+
+    on_event runs on the worker thread; a caller living on an event loop must hand events over thread-safely.
+    """
 
     cancel: threading.Event = field(default_factory=threading.Event)
+    deadline: float | None = None  # time.monotonic() value after which the job stops at the next step
+    on_event: Callable[[JobEvent], None] | None = None
     steps_done: int = 0
-    on_step: Callable[[int, int], None] | None = None
+    step_seconds: list[float] = field(default_factory=list)
+
+    def emit(self, event: JobEvent) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def check(self, where: str) -> None:
+        if self.cancel.is_set():
+            raise Cancelled(f"cancelled {where}")
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise DeadlineExceeded(f"deadline passed {where}")
+
+
+def preview_steps(steps: int, partial_images: int) -> list[int]:
+    """Evenly spaced steps (1-based) after which to take previews, never the last one (that is the result).
+
+    k previews over S steps are taken after round(S*(i+1)/(k+1)); a job too short for k distinct earlier
+    steps gets one preview per earlier step, as OpenAI allows fewer partials than asked for.
+    """
+    k = min(partial_images, steps - 1)
+    # floor(x + 0.5), not round(): banker's rounding would put two previews on one step.
+    return [int(steps * (i + 1) / (k + 1) + 0.5) for i in range(k)]
 
 
 class DenoiseEngine:
@@ -118,48 +164,79 @@ class DenoiseEngine:
         check_seed(job.seed)
         if job.output_compression is not None and not 0 <= job.output_compression <= 100:
             raise InvalidArgument("output_compression", f"must be between 0 and 100, got {job.output_compression}")
+        if not 0 <= job.partial_images <= MAX_PARTIAL_IMAGES:
+            raise InvalidArgument("partial_images",
+                                  f"must be between 0 and {MAX_PARTIAL_IMAGES}, got {job.partial_images}")
         seed = job.seed if job.seed is not None else secrets.randbelow(SEED_SPACE)
-        return DenoiseJob(prompt=job.prompt, token_ids=job.token_ids, height=job.height, width=job.width,
-                          steps=steps, guidance_scale=guidance, seed=seed, output_format=job.output_format,
-                          output_compression=job.output_compression)
+        return replace(job, steps=steps, guidance_scale=guidance, seed=seed)
 
     @torch.inference_mode()
     def run(self, job: DenoiseJob, control: JobControl | None = None) -> DenoiseResult:
-        """Denoise a validated job. Raises Cancelled at the next step once control.cancel is set."""
+        """Denoise, decode and encode a validated job; raises Cancelled or DeadlineExceeded once control asks."""
         control = control or JobControl()
-        h, w = round_up(job.height), round_up(job.width)
-
-        def on_step_end(pipe, step: int, timestep, callback_kwargs: dict) -> dict:
-            control.steps_done = step + 1
-            if control.on_step is not None:
-                control.on_step(step + 1, job.steps)
-            if control.cancel.is_set():
-                raise Cancelled(f"cancelled after {step + 1} of {job.steps} steps")
-            return callback_kwargs
-
-        if control.cancel.is_set():
-            raise Cancelled("cancelled before the first step")
         t0 = time.perf_counter()
-        latents = self.pipe(
-            prompt=job.prompt,
-            prior_token_ids=torch.tensor([job.token_ids], dtype=torch.long, device=self.device),
-            height=h, width=w, num_inference_steps=job.steps, guidance_scale=job.guidance_scale,
-            generator=torch.Generator(device=self.device).manual_seed(job.seed),
-            output_type="latent", callback_on_step_end=on_step_end,
-        ).images
+        latents = self.denoise(job, control)
         t1 = time.perf_counter()
-        image = self.decode(latents)
-        if (h, w) != (job.height, job.width):
-            # The model needs multiples of 32; the client asked for exactly this size: center-crop back.
-            top, left = (h - job.height) // 2, (w - job.width) // 2
-            image = image.crop((left, top, left + job.width, top + job.height))
+        control.check("before decoding")  # nobody waits for the image any more: skip the VAE too
+        image = self._image(latents, job)
         t2 = time.perf_counter()
-        data = encode(image, job.output_format, job.output_compression)
+        data = self._encode(image, job)
         t3 = time.perf_counter()
         return DenoiseResult(image=data, output_format=job.output_format, height=job.height, width=job.width,
                              steps_completed=control.steps_done, seed=job.seed, denoise_seconds=t1 - t0,
                              decode_seconds=t2 - t1, encode_seconds=t3 - t2)
 
+    @torch.inference_mode()
+    def denoise(self, job: DenoiseJob, control: JobControl | None = None) -> torch.Tensor:
+        """The denoising loop alone: the final latents at the model size (multiples of 32)."""
+        control = control or JobControl()
+        h, w = round_up(job.height), round_up(job.width)
+        previews = {step: index for index, step in enumerate(preview_steps(job.steps, job.partial_images))}
+        # A step is timed from its first transformer call to its callback, so neither the glyph encoding
+        # before the loop nor preview decoding inside a callback counts as step time.
+        step_start: list[float | None] = [None]
+
+        def on_transformer_call(module, args) -> None:
+            if step_start[0] is None:
+                step_start[0] = time.perf_counter()
+
+        def on_step_end(pipe, index: int, timestep, callback_kwargs: dict) -> dict:
+            now, step = time.perf_counter(), index + 1
+            control.step_seconds.append(now - (step_start[0] or now))
+            step_start[0] = None
+            control.steps_done = step
+            control.emit(StepProgress(step=step, total_steps=job.steps))
+            control.check(f"after {step} of {job.steps} steps")
+            if step in previews:
+                preview = self._encode(self._image(callback_kwargs["latents"], job), job)
+                control.emit(PartialPreview(index=previews[step], step=step, image=preview))
+            return callback_kwargs
+
+        control.check("before the first step")
+        hook = self.pipe.transformer.register_forward_pre_hook(on_transformer_call)
+        try:
+            return self.pipe(
+                prompt=job.prompt,
+                prior_token_ids=torch.tensor([job.token_ids], dtype=torch.long, device=self.device),
+                height=h, width=w, num_inference_steps=job.steps, guidance_scale=job.guidance_scale,
+                generator=torch.Generator(device=self.device).manual_seed(job.seed),
+                output_type="latent", callback_on_step_end=on_step_end,
+            ).images
+        finally:
+            hook.remove()
+
+    def _image(self, latents: torch.Tensor, job: DenoiseJob) -> Image.Image:
+        image = self.decode(latents)
+        if image.size != (job.width, job.height):
+            # The model needs multiples of 32; the client asked for exactly this size: center-crop back.
+            top, left = (image.height - job.height) // 2, (image.width - job.width) // 2
+            image = image.crop((left, top, left + job.width, top + job.height))
+        return image
+
+    def _encode(self, image: Image.Image, job: DenoiseJob) -> bytes:
+        return encode(image, job.output_format, job.output_compression, self.limits.png_compress_level)
+
+    @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> Image.Image:
         """Latents -> PIL, as the pipeline's own tail does (un-normalize, VAE decode, postprocess)."""
         vae = self.pipe.vae

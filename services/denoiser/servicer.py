@@ -1,15 +1,33 @@
-"""DenoiserService over gRPC: batch 1, refusing rather than queueing, and stopping work nobody waits for."""
+"""DenoiserService over gRPC: batch 1, refusing rather than queueing, and stopping work nobody waits for.
+
+Denoise and DenoiseStream share one code path (`_execute`): the stream only adds the events the worker
+thread hands over to the event loop.
+"""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import grpc
 
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
+from services.denoiser import metrics
 from services.denoiser.encoding import ImageFormat
-from services.denoiser.engine import DenoiseEngine, DenoiseJob, DenoiseResult, JobControl
-from services.runtime.errors import ResourceExhausted
+from services.denoiser.engine import (
+    DenoiseEngine,
+    DenoiseJob,
+    DenoiseResult,
+    JobControl,
+    JobEvent,
+    PartialPreview,
+    StepProgress,
+)
+from services.denoiser.metrics import CancelReason, Outcome
+from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from services.runtime.executor import SerialExecutor
 
 log = logging.getLogger(__name__)
@@ -27,14 +45,15 @@ FORMAT_TO_PROTO = {
 }
 
 
-def job_from_proto(msg: denoiser_service_pb2.DenoiseRequest) -> DenoiseJob:
+def job_from_proto(msg: denoiser_service_pb2.DenoiseRequest, partial_images: int = 0) -> DenoiseJob:
     return DenoiseJob(
         prompt=msg.prompt, token_ids=list(msg.prior_tokens.token_ids), height=msg.height, width=msg.width,
         steps=msg.num_inference_steps,
         guidance_scale=msg.guidance_scale if msg.HasField("guidance_scale") else None,
         seed=msg.seed if msg.HasField("seed") else None,
         output_format=FORMAT_FROM_PROTO.get(msg.output_format, ImageFormat.PNG),
-        output_compression=msg.output_compression if msg.HasField("output_compression") else None)
+        output_compression=msg.output_compression if msg.HasField("output_compression") else None,
+        partial_images=partial_images)
 
 
 def result_to_proto(r: DenoiseResult) -> denoiser_service_pb2.DenoiseResponse:
@@ -46,6 +65,43 @@ def result_to_proto(r: DenoiseResult) -> denoiser_service_pb2.DenoiseResponse:
                                                    encode_seconds=r.encode_seconds))
 
 
+def event_to_proto(event: JobEvent) -> denoiser_service_pb2.DenoiseStreamResponse:
+    match event:
+        case StepProgress(step=step, total_steps=total):
+            return denoiser_service_pb2.DenoiseStreamResponse(
+                progress=denoiser_service_pb2.DenoiseProgress(step=step, total_steps=total))
+        case PartialPreview(index=index, step=step, image=image):
+            return denoiser_service_pb2.DenoiseStreamResponse(
+                partial_image=denoiser_service_pb2.PartialImage(partial_image_index=index, step=step, image=image))
+    raise TypeError(f"unknown job event {event!r}")
+
+
+@dataclass
+class JobRecord:
+    """One accepted job, live while it runs (`current_job`), final once its worker thread returned (`last_job`)."""
+
+    steps: int
+    partial_images: int
+    control: JobControl = field(repr=False)
+    outcome: Outcome | None = None  # None while running
+    steps_at_cancel: int | None = None  # steps finished when the cancel was handed to the worker
+    cancel_reason: CancelReason | None = None
+    seconds: float = 0.0
+
+    @property
+    def steps_done(self) -> int:
+        return self.control.steps_done
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The RPC deadline on the monotonic clock, so the engine can stop on it even before gRPC cancels us."""
+    remaining = context.time_remaining()
+    # No deadline shows up as None or as an enormous value, depending on the grpc version.
+    if remaining is None or remaining > 10 * 365 * 86400:
+        return None
+    return time.monotonic() + remaining
+
+
 class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
     def __init__(self, engine: DenoiseEngine, executor: SerialExecutor) -> None:
         self.engine = engine
@@ -53,31 +109,105 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         # Held from acceptance until the worker thread really stops, not just until the RPC ends,
         # so a cancelled job can never overlap the next one.
         self._busy = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.current_job: JobRecord | None = None
+        self.last_job: JobRecord | None = None
 
     @property
     def busy(self) -> bool:
         return self._busy
 
-    def _release(self, _: object = None) -> None:
-        self._busy = False
+    async def wait_idle(self) -> None:
+        """Return once no job holds the slot (its worker thread has returned): for drains and tests."""
+        await self._idle.wait()
 
     async def Denoise(self, request, context: grpc.aio.ServicerContext):
-        job = self.engine.validate(job_from_proto(request))
+        result = await self._execute(job_from_proto(request), context)
+        return result_to_proto(result)
+
+    async def DenoiseStream(self, request, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[denoiser_service_pb2.DenoiseStreamResponse]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[JobEvent | None] = asyncio.Queue()
+
+        def emit(event: JobEvent) -> None:  # runs on the worker thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        job = job_from_proto(request.job, partial_images=request.partial_images)
+        task = asyncio.ensure_future(self._execute(job, context, emit))
+        # The worker's events were queued before its result reached the loop, so None really comes last.
+        task.add_done_callback(lambda _: events.put_nowait(None))
+        try:
+            while (event := await events.get()) is not None:
+                yield event_to_proto(event)
+            result = task.result()
+        finally:
+            task.cancel()  # a no-op once done; when the stream is cancelled, stops the job at its next step
+        yield denoiser_service_pb2.DenoiseStreamResponse(result=result_to_proto(result))
+
+    async def _execute(self, job: DenoiseJob, context: grpc.aio.ServicerContext,
+                       emit: Callable[[JobEvent], None] | None = None) -> DenoiseResult:
+        """Validate, take the slot (or refuse), run on the worker thread, stop it if the caller goes away."""
+        try:
+            job = self.engine.validate(job)
+        except InvalidArgument:
+            metrics.JOBS.labels(Outcome.INVALID).inc()
+            raise
         if self._busy:
+            metrics.JOBS.labels(Outcome.REJECTED_BUSY).inc()
             raise ResourceExhausted("busy: this denoiser runs one job at a time")
         self._busy = True
-        control = JobControl()
+        self._idle.clear()
+        metrics.BUSY.inc()
+        control = JobControl(deadline=_deadline(context), on_event=emit)
+        record = JobRecord(steps=job.steps, partial_images=job.partial_images, control=control)
+        self.current_job = record
         work = asyncio.ensure_future(self.executor.run(self.engine.run, job, control))
-        work.add_done_callback(self._release)
+        # Registered before the caller awaits, so the slot is free by the time the caller sees the outcome.
+        work.add_done_callback(functools.partial(self._finish, record, time.perf_counter()))
         try:
             result = await asyncio.shield(work)
         except asyncio.CancelledError:
             # Client cancel or deadline: stop at the next step; the slot frees when the thread returns.
+            record.steps_at_cancel = control.steps_done
+            passed = control.deadline is not None and time.monotonic() >= control.deadline - 0.01
+            record.cancel_reason = CancelReason.DEADLINE if passed else CancelReason.CLIENT
             control.cancel.set()
-            work.add_done_callback(lambda f: f.cancelled() or f.exception())  # consume the Cancelled error
-            log.info("job cancelled by the caller after %d step(s)", control.steps_done)
+            log.info("stopping the job after %d of %d step(s): %s", control.steps_done, job.steps,
+                     "deadline passed" if passed else "client cancelled")
             raise
         log.info("denoised %dx%d in %d step(s): denoise %.3fs decode %.3fs encode %.3fs", result.width,
                  result.height, result.steps_completed, result.denoise_seconds, result.decode_seconds,
                  result.encode_seconds)
-        return result_to_proto(result)
+        return result
+
+    def _finish(self, record: JobRecord, started: float, work: asyncio.Future) -> None:
+        """The worker thread has returned: record the outcome, observe metrics, free the slot."""
+        error = None if work.cancelled() else work.exception()
+        record.seconds = time.perf_counter() - started
+        if work.cancelled() or isinstance(error, (Cancelled, DeadlineExceeded)):
+            record.outcome = Outcome.CANCELLED
+            if record.cancel_reason is None:  # the engine saw the deadline before gRPC cancelled the call
+                record.cancel_reason = (CancelReason.DEADLINE if isinstance(error, DeadlineExceeded)
+                                        else CancelReason.CLIENT)
+            metrics.CANCELLED_JOBS.labels(record.cancel_reason).inc()
+            log.info("job stopped after %d of %d step(s)", record.steps_done, record.steps)
+        elif error is not None:
+            record.outcome = Outcome.FAILED
+            if record.cancel_reason is not None:  # nobody is left to report it to
+                log.warning("abandoned job failed after %d step(s): %r", record.steps_done, error)
+        else:
+            record.outcome = Outcome.OK
+            result: DenoiseResult = work.result()
+            metrics.DENOISE_SECONDS.observe(result.denoise_seconds)
+            metrics.DECODE_SECONDS.observe(result.decode_seconds)
+            metrics.ENCODE_SECONDS.observe(result.encode_seconds)
+        metrics.JOBS.labels(record.outcome).inc()
+        for seconds in record.control.step_seconds:
+            metrics.STEP_SECONDS.observe(seconds)
+        self.current_job = None
+        self.last_job = record
+        self._busy = False
+        self._idle.set()
+        metrics.BUSY.dec()

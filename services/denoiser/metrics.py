@@ -1,0 +1,40 @@
+"""Prometheus metrics of the denoiser, on the default registry (served by --metrics-port)."""
+from __future__ import annotations
+
+import enum
+
+from prometheus_client import Counter, Gauge, Histogram
+
+
+class Outcome(enum.StrEnum):
+    OK = "ok"
+    CANCELLED = "cancelled"  # stopped early: client cancel or passed deadline
+    FAILED = "failed"
+    REJECTED_BUSY = "rejected_busy"
+    INVALID = "invalid"
+
+
+class CancelReason(enum.StrEnum):
+    CLIENT = "client"
+    DEADLINE = "deadline"
+
+
+JOBS = Counter("glmimage_denoiser_jobs_total", "Denoise jobs by outcome", ["outcome"])
+CANCELLED_JOBS = Counter("glmimage_denoiser_cancelled_jobs_total",
+                         "Jobs stopped before their last step because nobody waited any more", ["reason"])
+BUSY = Gauge("glmimage_denoiser_busy", "Jobs holding the slot (0 or 1 per denoiser)")
+# Buckets span the tiny model on a CPU (milliseconds) up to real weights at 2048x2048.
+STEP_SECONDS = Histogram("glmimage_denoiser_step_seconds", "One denoising step (DiT forward(s) + scheduler)",
+                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+DENOISE_SECONDS = Histogram("glmimage_denoiser_denoise_seconds", "Glyph encoding and the whole denoising loop",
+                            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0))
+DECODE_SECONDS = Histogram("glmimage_denoiser_decode_seconds", "VAE decode of the final latents, with the crop",
+                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+ENCODE_SECONDS = Histogram("glmimage_denoiser_encode_seconds", "Pillow encoding of the final image",
+                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+
+# Every label value is exported from the start, so rates work before the first event of a kind.
+for _outcome in Outcome:
+    JOBS.labels(_outcome)
+for _reason in CancelReason:
+    CANCELLED_JOBS.labels(_reason)
