@@ -4,15 +4,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import logging
 
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc
-from services.ar.engine import ArEngine, ArLimits
+from services.ar.domain import ArLimits
+from services.ar.engine import ArEngine
 from services.ar.servicer import ArServicer
+from services.ar.srt_backend import SrtBackend
+from services.model.device import DeviceUnavailable
+from services.model.loading import CheckpointError
 from services.model.serving import model_args, serve_model
+from services.runtime.errors import ServiceError
 from services.runtime.logs import configure_logging
 from services.runtime.server import common_server_args
 
 SERVICE_NAME = ar_service_pb2.DESCRIPTOR.services_by_name["ArService"].full_name
+
+log = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -20,20 +28,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 parents=[common_server_args(50051), model_args()])
     p.add_argument("--max-prompt-chars", type=int, default=ArLimits.max_prompt_chars)
     p.add_argument("--max-pixels", type=int, default=ArLimits.max_pixels)
-    p.add_argument("--max-n", type=int, default=ArLimits.max_n)
-    p.add_argument("--max-batch-outputs", type=int, default=ArLimits.max_batch_outputs)
-    return p.parse_args(argv)
+    p.add_argument("--max-n", type=int, default=ArLimits.max_n, help="outputs one request may ask for")
+    p.add_argument("--max-batch-outputs", type=int, default=ArLimits.max_batch_outputs,
+                   help="output rows in one model batch (sum of n over a GenerateBatch call)")
+    p.add_argument("--max-queue", type=int, default=0,
+                   help="calls allowed to wait for the model beyond the running one (0: no limit); "
+                        "more get RESOURCE_EXHAUSTED")
+    p.add_argument("--backend", choices=("local", "srt"), default="local",
+                   help="local: run the model here; srt: forward to an sglang-style HTTP /generate server")
+    p.add_argument("--srt-url", default=None, help="with --backend srt: the server's base URL")
+    p.add_argument("--srt-timeout", type=float, default=600.0, help="seconds per HTTP call to the srt server")
+    args = p.parse_args(argv)
+    if args.backend == "srt" and not args.srt_url:
+        p.error("--backend srt needs --srt-url")
+    for name in ("max_prompt_chars", "max_pixels", "max_n", "max_batch_outputs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_queue < 0:
+        p.error("--max-queue must be 0 (no limit) or more")
+    return args
+
+
+async def run(args: argparse.Namespace) -> None:
+    """Serve until SIGTERM; a device, checkpoint or backend problem at start-up ends the process with its message,
+    not a traceback."""
+    limits = ArLimits(max_prompt_chars=args.max_prompt_chars, max_pixels=args.max_pixels, max_n=args.max_n,
+                      max_batch_outputs=args.max_batch_outputs)
+    if args.backend == "srt":
+        load = functools.partial(SrtBackend.load, args.model_path, args.srt_url, limits, timeout=args.srt_timeout)
+    else:
+        load = functools.partial(ArEngine.load, args.model_path, args.device, args.dtype, limits)
+    try:
+        await serve_model(
+            args, name="ar-engine", service_name=SERVICE_NAME, load=load,
+            make_servicer=functools.partial(ArServicer, max_queue=args.max_queue),
+            register=ar_service_pb2_grpc.add_ArServiceServicer_to_server)
+    except (DeviceUnavailable, CheckpointError, ServiceError) as exc:  # e.g. an srt server that is not up
+        log.error("%s", exc)
+        raise SystemExit(f"services.ar: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level)
-    limits = ArLimits(max_prompt_chars=args.max_prompt_chars, max_pixels=args.max_pixels, max_n=args.max_n,
-                      max_batch_outputs=args.max_batch_outputs)
-    asyncio.run(serve_model(
-        args, name="ar-engine", service_name=SERVICE_NAME,
-        load=functools.partial(ArEngine.load, args.model_path, args.device, args.dtype, limits),
-        make_servicer=ArServicer, register=ar_service_pb2_grpc.add_ArServiceServicer_to_server))
+    asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,21 @@
-"""ArService over gRPC: protobuf <-> engine dataclasses at the edge, nothing else."""
+"""ArService over gRPC: protobuf <-> domain dataclasses at the edge, admission, metrics; nothing else."""
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Sequence
 
 import grpc
 
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, common_pb2
-from services.ar.engine import ArEngine, ArRequest, ArResult, Sampling
+from services.ar import metrics
+from services.ar.batcher import AdmissionQueue
+from services.ar.domain import ArBackend, ArRequest, ArResult, RunControl, Sampling, Usage, check_batch
 from services.runtime.errors import InvalidArgument
 from services.runtime.executor import SerialExecutor
+from services.runtime.logs import request_id_var
+from services.runtime.server import request_id_from
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +30,7 @@ def request_from_proto(msg: ar_service_pb2.GenerateRequest) -> ArRequest:
                           top_k=s.top_k if s.HasField("top_k") else None))
 
 
-def usage_to_proto(u) -> common_pb2.Usage:
+def usage_to_proto(u: Usage) -> common_pb2.Usage:
     return common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                             total_tokens=u.total_tokens, reasoning_tokens=u.reasoning_tokens,
                             cached_tokens=u.cached_tokens)
@@ -38,26 +45,95 @@ def result_to_proto(result: ArResult) -> ar_service_pb2.GenerateResponse:
         usage=usage_to_proto(result.usage))
 
 
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The RPC deadline on the monotonic clock."""
+    remaining = context.time_remaining()
+    # No deadline shows up as None or as an enormous value, depending on the grpc version.
+    if remaining is None or remaining > 10 * 365 * 86400:
+        return None
+    return time.monotonic() + remaining
+
+
 class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
-    def __init__(self, engine: ArEngine, executor: SerialExecutor) -> None:
+    def __init__(self, engine: ArBackend, executor: SerialExecutor, *, max_queue: int = 0) -> None:
         self.engine = engine
-        self.executor = executor
+        self.admission = AdmissionQueue(executor, max_waiting=max_queue, on_depth=metrics.QUEUE_DEPTH.set)
+        self.current: RunControl | None = None  # the batch holding the model, for drains and tests
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
-        req = self.engine.validate(request_from_proto(request))
-        (result,) = await self.executor.run(self.engine.generate, [req])
-        log.info("generated %d row(s) at %dx%d", req.n, req.height, req.width)
+        self._adopt_request_id(context, [request])
+        (result,) = await self._execute([request], context, single=True)
+        log.debug("generated %d row(s) at %dx%d", len(result.outputs), result.height, result.width)
         return result_to_proto(result)
 
     async def GenerateBatch(self, request, context: grpc.aio.ServicerContext):
-        if not request.requests:
+        self._adopt_request_id(context, request.requests)
+        results = await self._execute(request.requests, context, single=False)
+        log.debug("generated a batch of %d request(s), %d row(s)", len(results),
+                 sum(len(r.outputs) for r in results))
+        return ar_service_pb2.GenerateBatchResponse(responses=[result_to_proto(r) for r in results])
+
+    @staticmethod
+    def _adopt_request_id(context: grpc.aio.ServicerContext, msgs: Sequence[ar_service_pb2.GenerateRequest]) -> None:
+        """The proto's request_id names the call in logs when no x-request-id metadata came with it."""
+        ids = [m.request_id for m in msgs if m.request_id]
+        if ids and request_id_from(context.invocation_metadata()) is None:
+            request_id_var.set(",".join(ids))
+
+    def _validate(self, msgs: Sequence[ar_service_pb2.GenerateRequest], single: bool) -> list[ArRequest]:
+        if not msgs:
             raise InvalidArgument("requests", "must not be empty")
         reqs = []
-        for i, r in enumerate(request.requests):
+        for i, msg in enumerate(msgs):
             try:
-                reqs.append(self.engine.validate(request_from_proto(r)))
+                reqs.append(self.engine.validate(request_from_proto(msg)))
             except InvalidArgument as exc:
+                if single:
+                    raise
                 raise InvalidArgument(f"requests[{i}].{exc.field}", exc.message.split(": ", 1)[-1]) from None
-        results = await self.executor.run(self.engine.generate, reqs)
-        log.info("generated a batch of %d request(s), %d row(s)", len(reqs), sum(r.n for r in reqs))
-        return ar_service_pb2.GenerateBatchResponse(responses=[result_to_proto(r) for r in results])
+        check_batch(reqs, self.engine.limits, single=single)
+        return reqs
+
+    async def _execute(self, msgs: Sequence[ar_service_pb2.GenerateRequest], context: grpc.aio.ServicerContext,
+                       *, single: bool) -> list[ArResult]:
+        """Validate, wait for the model (or leave the queue), run, and count the outcome of every request."""
+        count = max(len(msgs), 1)
+        control = RunControl(deadline=_deadline(context))
+        try:
+            reqs = self._validate(msgs, single)
+            waited = await self.admission.acquire(control.deadline)
+            metrics.QUEUE_SECONDS.observe(waited)
+            self.current = control
+            results = await self.admission.run_acquired(self._generate, reqs, control)
+        except asyncio.CancelledError:
+            # Client cancel or deadline: a queued call never starts; a running batch stops at its next step.
+            control.cancel.set()
+            passed = control.deadline is not None and time.monotonic() >= control.deadline - 0.01
+            metrics.record(metrics.Outcome.DEADLINE_EXCEEDED if passed else metrics.Outcome.CANCELLED, count)
+            log.info("caller gone (%s) after %d step(s)", "deadline" if passed else "cancelled", control.steps_done)
+            raise
+        except Exception as exc:
+            metrics.record(metrics.outcome_of(exc), count)
+            raise
+        metrics.record(metrics.Outcome.OK, count)
+        return results
+
+    def _generate(self, reqs: list[ArRequest], control: RunControl) -> list[ArResult]:
+        """On the worker thread: the batch itself, with its metrics (also counted when its caller left)."""
+        try:
+            control.check()  # the caller left between admission and the thread picking it up
+            metrics.BUSY.set(1)
+            metrics.BATCH_SIZE.observe(sum(r.n for r in reqs))
+            t0 = time.perf_counter()
+            try:
+                results = self.engine.generate(reqs, control)
+            finally:
+                metrics.COMPUTE_SECONDS.observe(time.perf_counter() - t0)
+                metrics.BUSY.set(0)
+        finally:
+            self.current = None
+        usage = sum((r.usage for r in results), Usage())
+        metrics.GENERATED_TOKENS.inc(usage.completion_tokens)
+        metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
+        metrics.CACHED_TOKENS.inc(usage.cached_tokens)
+        return results
