@@ -12,6 +12,7 @@ from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, common_pb2
 from services.ar import metrics
 from services.ar.batcher import AdmissionQueue
 from services.ar.domain import ArBackend, ArRequest, ArResult, RunControl, Sampling, Usage, check_batch
+from services.runtime.deadlines import rpc_deadline
 from services.runtime.errors import InvalidArgument
 from services.runtime.executor import SerialExecutor
 from services.runtime.logs import request_id_var
@@ -43,15 +44,6 @@ def result_to_proto(result: ArResult) -> ar_service_pb2.GenerateResponse:
                                             usage=usage_to_proto(o.usage)) for o in result.outputs],
         height=result.height, width=result.width, grid_height=grid_h, grid_width=grid_w,
         usage=usage_to_proto(result.usage))
-
-
-def _deadline(context: grpc.aio.ServicerContext) -> float | None:
-    """The RPC deadline on the monotonic clock."""
-    remaining = context.time_remaining()
-    # No deadline shows up as None or as an enormous value, depending on the grpc version.
-    if remaining is None or remaining > 10 * 365 * 86400:
-        return None
-    return time.monotonic() + remaining
 
 
 class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
@@ -98,7 +90,7 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
                        *, single: bool) -> list[ArResult]:
         """Validate, wait for the model (or leave the queue), run, and count the outcome of every request."""
         count = max(len(msgs), 1)
-        control = RunControl(deadline=_deadline(context))
+        control = RunControl(deadline=rpc_deadline(context))
         try:
             reqs = self._validate(msgs, single)
             waited = await self.admission.acquire(control.deadline)

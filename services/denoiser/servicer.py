@@ -27,6 +27,7 @@ from services.denoiser.engine import (
     StepProgress,
 )
 from services.denoiser.metrics import CancelReason, Outcome
+from services.runtime.deadlines import rpc_deadline
 from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from services.runtime.executor import SerialExecutor
 
@@ -93,15 +94,6 @@ class JobRecord:
         return self.control.steps_done
 
 
-def _deadline(context: grpc.aio.ServicerContext) -> float | None:
-    """The RPC deadline on the monotonic clock, so the engine can stop on it even before gRPC cancels us."""
-    remaining = context.time_remaining()
-    # No deadline shows up as None or as an enormous value, depending on the grpc version.
-    if remaining is None or remaining > 10 * 365 * 86400:
-        return None
-    return time.monotonic() + remaining
-
-
 class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
     def __init__(self, engine: DenoiseEngine, executor: SerialExecutor) -> None:
         self.engine = engine
@@ -160,7 +152,7 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         self._busy = True
         self._idle.clear()
         metrics.BUSY.inc()
-        control = JobControl(deadline=_deadline(context), on_event=emit)
+        control = JobControl(deadline=rpc_deadline(context), on_event=emit)
         record = JobRecord(steps=job.steps, partial_images=job.partial_images, control=control)
         self.current_job = record
         work = asyncio.ensure_future(self.executor.run(self.engine.run, job, control))
