@@ -5,14 +5,18 @@ import argparse
 import asyncio
 import logging
 
+from gateway.auth import ENV_KEYS, ApiKeyInterceptor, api_keys_from
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
+from gateway.membership import split_host_port
+from gateway.metrics import GatewayMetrics
 from gateway.scheduler import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.logs import configure_logging
 from services.runtime.metrics import serve_metrics
 from services.runtime.server import announce, common_server_args, run_until_signalled, start_server
+from services.runtime.tls import client_tls_args, client_tls_from_args, server_tls_from_args
 
 log = logging.getLogger("gateway")
 SERVICE_NAME = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -23,45 +27,81 @@ def _size(text: str) -> tuple[int, int]:
     return int(w), int(h)
 
 
+def _target(text: str) -> str:
+    try:
+        split_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d = SchedulerConfig()
     p = argparse.ArgumentParser(description="GLM-Image gateway: schedules requests over AR and denoiser pools",
-                                parents=[common_server_args(50050)])
-    p.add_argument("--ar", action="append", default=[], metavar="HOST:PORT", help="AR server (repeatable)")
-    p.add_argument("--denoiser", action="append", default=[], metavar="HOST:PORT",
+                                parents=[common_server_args(50050), client_tls_args()])
+    p.add_argument("--ar", action="append", default=[], type=_target, metavar="HOST:PORT",
+                   help="AR server (repeatable)")
+    p.add_argument("--denoiser", action="append", default=[], type=_target, metavar="HOST:PORT",
                    help="denoiser server (repeatable)")
+    p.add_argument("--ar-dns", action="append", default=[], type=_target, metavar="NAME:PORT",
+                   help="DNS name whose A/AAAA records are the AR servers (repeatable; a headless Service)")
+    p.add_argument("--denoiser-dns", action="append", default=[], type=_target, metavar="NAME:PORT",
+                   help="DNS name whose A/AAAA records are the denoisers (repeatable; a headless Service)")
+    p.add_argument("--dns-interval", type=float, default=5.0, help="seconds between DNS re-resolutions")
     p.add_argument("--default-size", type=_size, default=(256, 256), metavar="WxH")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds, when the client sets none")
-    p.add_argument("--max-queued-outputs", type=int, default=d.max_queued_outputs)
-    p.add_argument("--ar-batch-max-outputs", type=int, default=d.ar_batch_max_outputs)
-    p.add_argument("--ar-batch-delay-ms", type=float, default=d.ar_batch_delay * 1000)
-    p.add_argument("--ar-max-inflight-batches", type=int, default=d.ar_max_inflight_batches)
-    p.add_argument("--ar-retries", type=int, default=d.ar_retries)
-    p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--max-queued-outputs", type=int, default=d.max_queued_outputs,
+                   help="admission bound on the pending-AR queue, in output slots; past it RESOURCE_EXHAUSTED")
+    p.add_argument("--ar-batch-max-outputs", type=int, default=d.ar_batch_max_outputs,
+                   help="AR batch capacity in output slots")
+    p.add_argument("--ar-batch-delay-ms", type=float, default=d.ar_batch_delay * 1000,
+                   help="a batch leaves when full or when its oldest request waited this long")
+    p.add_argument("--ar-max-inflight-batches", type=int, default=d.ar_max_inflight_batches,
+                   help="batches in flight per AR server")
+    p.add_argument("--ar-retries", type=int, default=d.ar_retries,
+                   help="extra tries of a failed AR batch before its requests fail")
+    p.add_argument("--max-attempts", type=int, default=d.max_attempts,
+                   help="tries per denoise output (the first counts) before the request fails")
+    p.add_argument("--outputs", choices=("fan-out", "serial"), default="fan-out",
+                   help="fan-out: a request's n outputs run on n denoisers at once; serial: one after another, "
+                        "as the reference deployment does (for benchmark baselines)")
+    p.add_argument("--api-key", action="append", default=[],
+                   help=f"require 'authorization: Bearer <key>' on GatewayService (repeatable; also ${ENV_KEYS}, "
+                        "comma-separated); health and reflection stay open")
     return p.parse_args(argv)
 
 
 def config_from(args: argparse.Namespace) -> GatewayConfig:
     width, height = args.default_size
+    try:
+        scheduler = SchedulerConfig(max_queued_outputs=args.max_queued_outputs,
+                                    ar_batch_max_outputs=args.ar_batch_max_outputs,
+                                    ar_batch_delay=args.ar_batch_delay_ms / 1000,
+                                    ar_max_inflight_batches=args.ar_max_inflight_batches,
+                                    ar_retries=args.ar_retries, max_attempts=args.max_attempts,
+                                    serial_outputs=args.outputs == "serial")
+    except ValueError as exc:
+        raise SystemExit(f"gateway: {exc}") from None
     return GatewayConfig(
-        ar_addresses=tuple(args.ar), denoiser_addresses=tuple(args.denoiser),
-        scheduler=SchedulerConfig(max_queued_outputs=args.max_queued_outputs,
-                                  ar_batch_max_outputs=args.ar_batch_max_outputs,
-                                  ar_batch_delay=args.ar_batch_delay_ms / 1000,
-                                  ar_max_inflight_batches=args.ar_max_inflight_batches,
-                                  ar_retries=args.ar_retries, max_attempts=args.max_attempts),
-        default_height=height, default_width=width, request_timeout=args.request_timeout)
+        ar_addresses=tuple(args.ar), denoiser_addresses=tuple(args.denoiser), scheduler=scheduler,
+        default_height=height, default_width=width, request_timeout=args.request_timeout,
+        ar_dns=tuple(args.ar_dns), denoiser_dns=tuple(args.denoiser_dns), dns_interval=args.dns_interval,
+        client_tls=client_tls_from_args(args), api_keys=api_keys_from(args.api_key))
 
 
 async def serve(args: argparse.Namespace) -> None:
     config = config_from(args)
-    driver = Driver(config)
+    tls = server_tls_from_args(args)
+    driver = Driver(config, metrics=GatewayMetrics())
     servicer = GatewayServicer(driver, config)
+    interceptors = [ApiKeyInterceptor(config.api_keys, [SERVICE_NAME])] if config.api_keys else []
     server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
-                                [SERVICE_NAME], f"{args.host}:{args.port}")
+                                [SERVICE_NAME], f"{args.host}:{args.port}", interceptors=interceptors, tls=tls)
     await driver.start()
     announce(server, args, "GatewayService")
     serve_metrics(args.host, args.metrics_port)
+    if config.api_keys:
+        log.info("API keys required on %s (%d key(s))", SERVICE_NAME, len(config.api_keys))
     # The gateway itself is ready at once; whether workers are available is reported by GetStatus and /health.
     await server.set_serving(True)
     try:

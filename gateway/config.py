@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.scheduler import SchedulerConfig
+from services.runtime.tls import ClientTls
 
 
 @dataclass(frozen=True)
@@ -18,3 +19,9 @@ class GatewayConfig:
     # Health watch re-connect backoff: short enough that a restarted worker is back within a second or two.
     health_retry_min: float = 0.1
     health_retry_max: float = 1.0
+    # NAME:PORT targets whose A/AAAA records list workers (Kubernetes headless Services), re-resolved periodically.
+    ar_dns: tuple[str, ...] = ()
+    denoiser_dns: tuple[str, ...] = ()
+    dns_interval: float = 5.0
+    client_tls: ClientTls | None = None  # how the gateway dials AR and denoisers; None: plaintext
+    api_keys: tuple[str, ...] = ()  # GatewayService callers must present one; empty: auth off

@@ -2,21 +2,28 @@
 
 Everything that touches the network or the clock lives here; every decision lives in gateway.scheduler.
 All scheduler calls happen on the event loop thread, so the state machine needs no locks.
+
+Streaming is a driver concern only: for a streamed request the denoise job runs as ``DenoiseStream`` and its
+progress and previews are relayed to the caller, while the scheduler sees the same DispatchDenoise and
+DenoiseSucceeded as for a unary one.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import scheduler as sch
 from gateway.config import GatewayConfig
+from gateway.membership import DnsMembership
+from gateway.metrics import GatewayMetrics
 from glmimage.v1 import (
     ar_service_pb2,
     ar_service_pb2_grpc,
@@ -24,6 +31,8 @@ from glmimage.v1 import (
     denoiser_service_pb2_grpc,
     gateway_service_pb2,
 )
+from services.model.checks import round_up
+from services.runtime.tls import make_channel
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +46,19 @@ RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOUR
 ERROR_CODE_OF = {grpc.StatusCode.INVALID_ARGUMENT: sch.ErrorKind.INVALID_ARGUMENT,
                  grpc.StatusCode.OUT_OF_RANGE: sch.ErrorKind.INVALID_ARGUMENT,
                  grpc.StatusCode.FAILED_PRECONDITION: sch.ErrorKind.INVALID_ARGUMENT}
+
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # Pings find a worker whose node vanished without closing the connection: the health Watch then breaks
+    # and the worker is marked unhealthy. Servers allow them (services.runtime.server.start_server).
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+# Called with (image index, DenoiseStreamResponse carrying progress or partial_image).
+Relay = Callable[[int, denoiser_service_pb2.DenoiseStreamResponse], None]
 
 
 class RequestFailed(Exception):
@@ -54,19 +76,31 @@ class Outcome:
     priors: Sequence[ar_service_pb2.PriorOutput]
 
 
+@dataclass(frozen=True)
+class StreamOptions:
+    partial_images: int  # previews per image, 0-3
+    relay: Relay
+
+
 @dataclass
 class _Pending:
     request: gateway_service_pb2.GenerateImagesRequest
     height: int
     width: int
+    n: int
     future: asyncio.Future[Outcome]
+    stream: StreamOptions | None
+    arrived: float
+    ar_dispatched: bool = False
+    ar_done: float | None = None
+    denoise_dispatched: set[int] = field(default_factory=set)  # output indices dispatched at least once
 
 
 class _Worker:
-    def __init__(self, address: str, role: sch.WorkerRole) -> None:
+    def __init__(self, address: str, role: sch.WorkerRole, config: GatewayConfig) -> None:
         self.address = address
         self.role = role
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = make_channel(address, config.client_tls, CHANNEL_OPTIONS)
         self.watch_task: asyncio.Task | None = None
         if role is sch.WorkerRole.AR:
             self.stub = ar_service_pb2_grpc.ArServiceStub(self.channel)
@@ -77,16 +111,21 @@ class _Worker:
 
 
 class Driver:
-    def __init__(self, config: GatewayConfig, scheduler: sch.Scheduler | None = None) -> None:
+    def __init__(self, config: GatewayConfig, scheduler: sch.Scheduler | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self.scheduler = scheduler or sch.Scheduler(config.scheduler)
+        self.metrics = metrics
         self._pending: dict[str, _Pending] = {}
         self._workers: dict[str, _Worker] = {}
+        self._removed: set[str] = set()  # removed from the scheduler, maybe still draining
         self._ar_calls: dict[int, asyncio.Task] = {}
         self._denoise_calls: dict[sch.JobId, asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
         self._duplicates = itertools.count(1)
+        self.dns: list[DnsMembership] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -95,49 +134,97 @@ class Driver:
             self.add_worker(address, sch.WorkerRole.AR)
         for address in self.config.denoiser_addresses:
             self.add_worker(address, sch.WorkerRole.DENOISER)
+        for targets, role in ((self.config.ar_dns, sch.WorkerRole.AR),
+                              (self.config.denoiser_dns, sch.WorkerRole.DENOISER)):
+            for target in targets:
+                dns = DnsMembership.from_target(target, role, self.add_worker, self.remove_worker,
+                                                interval=self.config.dns_interval)
+                self.dns.append(dns)
+                self._spawn(dns.run(), f"dns:{target}")
 
     async def close(self) -> None:
         self._closed = True
         if self._timer:
             self._timer.cancel()
-        tasks = [*self._ar_calls.values(), *self._denoise_calls.values(),
+        tasks = [*self._ar_calls.values(), *self._denoise_calls.values(), *self._background,
                  *(w.watch_task for w in self._workers.values() if w.watch_task)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(w.channel.close() for w in self._workers.values()), return_exceptions=True)
 
-    def add_worker(self, address: str, role: sch.WorkerRole) -> None:
-        if address in self._workers:
-            return
-        worker = _Worker(address, role)
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # ---- membership ------------------------------------------------------------------------------------------
+
+    def worker_role(self, address: str) -> sch.WorkerRole | None:
+        worker = self._workers.get(address)
+        return None if worker is None else worker.role
+
+    def add_worker(self, address: str, role: sch.WorkerRole) -> bool:
+        """Add a worker; it gets work once its health watch sees SERVING. False if it already was a member."""
+        worker = self._workers.get(address)
+        if worker is not None:
+            if address in self._removed and worker.role is role:
+                self._removed.discard(address)  # re-added while draining: the scheduler keeps it
+                self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
+                return True
+            return False
+        worker = _Worker(address, role, self.config)
         self._workers[address] = worker
+        log.info("%s worker %s added", role.value.lower(), address)
         self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
         worker.watch_task = asyncio.create_task(self._watch_health(worker), name=f"health:{address}")
+        return True
 
-    def remove_worker(self, address: str) -> None:
-        if address in self._workers:
+    def remove_worker(self, address: str) -> bool:
+        """Drain and remove a worker: its current job finishes, no new job is sent. False if unknown."""
+        if address not in self._workers:
+            return False
+        if address not in self._removed:
+            self._removed.add(address)
+            log.info("worker %s removed; draining", address)
             self._feed(sch.WorkerRemoved(now=time.monotonic(), worker=address))
+        return True
+
+    def _reap(self) -> None:
+        """Close what the scheduler has let go of (a removed worker that has drained)."""
+        for address in [a for a in self._removed if not self.scheduler.has_worker(a)]:
+            self._removed.discard(address)
+            worker = self._workers.pop(address)
+            if worker.watch_task:
+                worker.watch_task.cancel()
+            self._spawn(worker.channel.close(), f"close:{address}")
+            log.info("worker %s drained and gone", address)
 
     # ---- requests --------------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, request: gateway_service_pb2.GenerateImagesRequest,
-                       height: int, width: int, n: int, timeout: float) -> Outcome:
+                       height: int, width: int, n: int, timeout: float,
+                       stream: StreamOptions | None = None) -> Outcome:
         """Admit a request and wait for it. Cancelling the awaiting task cancels the request downstream."""
         loop = asyncio.get_running_loop()
-        pending = _Pending(request=request, height=height, width=width, future=loop.create_future())
+        now = time.monotonic()
+        pending = _Pending(request=request, height=height, width=width, n=n, future=loop.create_future(),
+                           stream=stream, arrived=now)
         # The id comes from the client's x-request-id and may repeat; the scheduler needs it unique.
         if request_id in self._pending:
             request_id = f"{request_id}.{next(self._duplicates)}"
         self._pending[request_id] = pending
-        now = time.monotonic()
-        self._feed(sch.RequestArrived(now=now, request_id=request_id, n=n, height=height, width=width,
-                                      deadline=now + timeout))
+        # Both stages round sizes up to multiples of 32, so requests that differ below that share AR batches.
+        self._feed(sch.RequestArrived(now=now, request_id=request_id, n=n, height=round_up(height),
+                                      width=round_up(width), deadline=now + timeout))
         try:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
             if not pending.future.done():
                 self._feed(sch.RequestCancelled(now=time.monotonic(), request_id=request_id))
+            if pending.future.done() and not pending.future.cancelled():
+                pending.future.exception()  # the caller is gone: mark the "cancelled" failure as seen
             raise
         finally:
             self._pending.pop(request_id, None)
@@ -147,11 +234,15 @@ class Driver:
 
     # ---- the loop: events in, actions out --------------------------------------------------------------------
 
-    def _feed(self, event: object) -> None:
+    def _feed(self, event: sch.Event) -> None:
         if self._closed:
             return
         for action in self.scheduler.handle(event):
             self._perform(action)
+        if self._removed:
+            self._reap()
+        if self.metrics is not None:
+            self.metrics.publish(self.scheduler.snapshot(), self.scheduler.counters)
         self._arm_timer()
 
     def _arm_timer(self) -> None:
@@ -164,25 +255,32 @@ class Driver:
             delay = max(0.0, wake - time.monotonic())
             self._timer = loop.call_later(delay, lambda: self._feed(sch.Tick(now=time.monotonic())))
 
-    def _perform(self, action: object) -> None:
+    def _perform(self, action: sch.Action) -> None:
         match action:
             case sch.DispatchArBatch():
+                self._observe_ar_dispatch(action)
                 self._ar_calls[action.batch_id] = asyncio.create_task(self._run_ar_batch(action))
             case sch.CancelArBatch(batch_id=batch_id):
                 task = self._ar_calls.pop(batch_id, None)
                 if task:
                     task.cancel()
             case sch.DispatchDenoise():
-                self._denoise_calls[action.job] = asyncio.create_task(self._run_denoise(action))
+                self._observe_denoise_dispatch(action.job)
+                task = asyncio.create_task(self._run_denoise(action))
+                self._denoise_calls[action.job] = task
+                task.add_done_callback(functools.partial(self._denoise_task_done, action))
             case sch.CancelDenoise(job=job):
                 task = self._denoise_calls.get(job)
                 if task:
                     task.cancel()  # cancels the RPC; the denoiser stops at its next step
             case sch.CompleteRequest():
                 pending = self._pending.get(action.request_id)
+                self._observe_completed(action, pending)
                 if pending and not pending.future.done():
                     pending.future.set_result(Outcome(images=action.results, priors=action.ar_outputs))
             case sch.FailRequest():
+                if self.metrics is not None:
+                    self.metrics.requests.labels(action.code.value).inc()
                 pending = self._pending.get(action.request_id)
                 if pending and not pending.future.done():
                     pending.future.set_exception(RequestFailed(action.code, action.message))
@@ -190,18 +288,63 @@ class Driver:
             case _:
                 raise TypeError(f"unknown scheduler action {action!r}")
 
+    # ---- metrics (no-ops without a GatewayMetrics) -----------------------------------------------------------
+
+    def _observe_ar_dispatch(self, action: sch.DispatchArBatch) -> None:
+        if self.metrics is None:
+            return
+        now, slots = time.monotonic(), 0
+        for rid in action.request_ids:
+            p = self._pending.get(rid)
+            if p is None:
+                continue
+            slots += p.n
+            if not p.ar_dispatched:  # queue time until the first dispatch; a retry is not a new wait
+                p.ar_dispatched = True
+                self.metrics.queue_seconds.labels("ar").observe(now - p.arrived)
+        self.metrics.ar_batch_size.observe(slots)
+
+    def _observe_denoise_dispatch(self, job: sch.JobId) -> None:
+        p = self._pending.get(job.request_id)
+        if self.metrics is None or p is None or p.ar_done is None or job.index in p.denoise_dispatched:
+            return
+        p.denoise_dispatched.add(job.index)
+        self.metrics.queue_seconds.labels("denoise").observe(time.monotonic() - p.ar_done)
+
+    def _observe_completed(self, action: sch.CompleteRequest, pending: _Pending | None) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.requests.labels("ok").inc()
+        m.images.inc(len(action.results))
+        priors: Sequence[ar_service_pb2.PriorOutput] = action.ar_outputs
+        m.tokens.labels("prompt").inc(sum(p.usage.prompt_tokens for p in priors))
+        m.tokens.labels("completion").inc(sum(p.usage.completion_tokens for p in priors))
+        if pending is not None:
+            m.request_seconds.observe(time.monotonic() - pending.arrived)
+
     # ---- RPCs -----------------------------------------------------------------------------------------------
 
     async def _run_ar_batch(self, action: sch.DispatchArBatch) -> None:
-        worker = self._workers[action.worker]
+        worker = self._workers.get(action.worker)
         # A request cancelled since dispatch is left out; the scheduler drops it when the batch returns anyway.
         rids = [rid for rid in action.request_ids if rid in self._pending]
+        if worker is None or not rids:
+            self._ar_calls.pop(action.batch_id, None)
+            if worker is None:
+                event: sch.Event = sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id,
+                                                     message=f"worker {action.worker} is gone")
+            else:  # nobody is waiting for this batch any more: do not make the AR run it
+                event = sch.ArBatchSucceeded(now=time.monotonic(), batch_id=action.batch_id, outputs={})
+            self._feed(event)
+            return
         requests = []
         for rid in rids:
             p = self._pending[rid].request
             requests.append(ar_service_pb2.GenerateRequest(
                 prompt=p.prompt, n=p.n or 1, height=action.height, width=action.width,
                 seed=p.seed if p.HasField("seed") else None, sampling=p.sampling, request_id=rid))
+        started = time.monotonic()
         try:
             response = await worker.stub.GenerateBatch(
                 ar_service_pb2.GenerateBatchRequest(requests=requests),
@@ -214,43 +357,83 @@ class Driver:
                                          message=f"{err.code().name}: {err.details()}"))
             return
         self._ar_calls.pop(action.batch_id, None)
+        now = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.ar_seconds.observe(now - started)
+        for rid in rids:
+            if (p := self._pending.get(rid)) is not None:
+                p.ar_done = now
         # A short reply leaves some requests without outputs; the scheduler fails exactly those (INTERNAL).
         outputs = {rid: list(r.outputs) for rid, r in zip(rids, response.responses, strict=False)}
-        self._feed(sch.ArBatchSucceeded(now=time.monotonic(), batch_id=action.batch_id, outputs=outputs))
+        self._feed(sch.ArBatchSucceeded(now=now, batch_id=action.batch_id, outputs=outputs))
 
     async def _run_denoise(self, action: sch.DispatchDenoise) -> None:
-        job, worker = action.job, self._workers[action.worker]
+        job = action.job
+        worker = self._workers.get(action.worker)
         pending = self._pending.get(job.request_id)
-        prior: ar_service_pb2.PriorOutput = action.ar_output
-        if pending is None:  # the request ended between dispatch and now: hand the slot straight back
+        if pending is None or worker is None:  # ended between dispatch and now: hand the slot straight back
             self._denoise_calls.pop(job, None)
-            self._feed(sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
+            self._feed(sch.DenoiseFailed(now=time.monotonic(), job=job, worker=action.worker,
                                          message="request already finished", retryable=False))
             return
+        prior: ar_service_pb2.PriorOutput = action.ar_output
+        p = pending.request
+        request = denoiser_service_pb2.DenoiseRequest(
+            prompt=p.prompt, prior_tokens=prior.tokens, height=pending.height, width=pending.width,
+            num_inference_steps=p.num_inference_steps,
+            guidance_scale=p.guidance_scale if p.HasField("guidance_scale") else None,
+            seed=prior.seed, output_format=p.output_format,
+            output_compression=p.output_compression if p.HasField("output_compression") else None,
+            request_id=job.request_id)
+        metadata = (("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"),)
+        started = time.monotonic()
         try:
-            p = pending.request
-            request = denoiser_service_pb2.DenoiseRequest(
-                prompt=p.prompt, prior_tokens=prior.tokens, height=pending.height, width=pending.width,
-                num_inference_steps=p.num_inference_steps,
-                guidance_scale=p.guidance_scale if p.HasField("guidance_scale") else None,
-                seed=prior.seed, output_format=p.output_format,
-                output_compression=p.output_compression if p.HasField("output_compression") else None,
-                request_id=job.request_id)
-            response = await worker.stub.Denoise(
-                request, timeout=self.config.request_timeout,
-                metadata=(("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"),))
+            if pending.stream is None:
+                response = await worker.stub.Denoise(request, timeout=self.config.request_timeout,
+                                                     metadata=metadata)
+            else:
+                response = await self._denoise_stream(worker, request, metadata, job.index, pending.stream)
         except asyncio.CancelledError:
-            event = sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
-                                      message="cancelled", retryable=True)
+            event: sch.Event = sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
+                                                 message="cancelled", retryable=True)
         except grpc.aio.AioRpcError as err:
             code = err.code()
             event = sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
                                       message=err.details() or code.name, retryable=code in RETRYABLE_CODES,
                                       code=ERROR_CODE_OF.get(code, sch.ErrorKind.INTERNAL))
         else:
-            event = sch.DenoiseSucceeded(now=time.monotonic(), job=job, worker=worker.address, result=response)
+            if response is None:
+                event = sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
+                                          message="the denoise stream ended without a result", retryable=True)
+            else:
+                event = sch.DenoiseSucceeded(now=time.monotonic(), job=job, worker=worker.address,
+                                             result=response)
+                if self.metrics is not None:
+                    self.metrics.denoise_seconds.observe(event.now - started)
         self._denoise_calls.pop(job, None)
         self._feed(event)
+
+    def _denoise_task_done(self, action: sch.DispatchDenoise, task: asyncio.Task) -> None:
+        # The coroutine removes itself and reports the outcome; one cancelled before it ever ran did neither, and
+        # the worker's slot would stay held forever.
+        if self._denoise_calls.get(action.job) is task:
+            del self._denoise_calls[action.job]
+            self._feed(sch.DenoiseFailed(now=time.monotonic(), job=action.job, worker=action.worker,
+                                         message="cancelled before it started", retryable=True))
+
+    async def _denoise_stream(self, worker: _Worker, request: denoiser_service_pb2.DenoiseRequest,
+                              metadata: tuple[tuple[str, str], ...], index: int,
+                              stream: StreamOptions) -> denoiser_service_pb2.DenoiseResponse | None:
+        """Run a streamed job, relaying its events; the final result, or None if the stream ended without it."""
+        call = worker.stub.DenoiseStream(
+            denoiser_service_pb2.DenoiseStreamRequest(job=request, partial_images=stream.partial_images),
+            timeout=self.config.request_timeout, metadata=metadata)
+        async for message in call:
+            if message.WhichOneof("event") == "result":
+                return message.result
+            # Relayed synchronously: once CancelDenoise has cancelled this task, nothing stale gets through.
+            stream.relay(index, message)
+        return None
 
     async def _watch_health(self, worker: _Worker) -> None:
         """Follow grpc.health.v1 Watch; any break in the stream counts as unhealthy until it says SERVING again."""

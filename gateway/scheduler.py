@@ -84,6 +84,9 @@ class SchedulerConfig:
     ar_max_inflight_batches: int = 1  # per AR worker
     ar_retries: int = 0  # extra tries for a failed AR batch before failing its requests
     max_attempts: int = 3  # per denoise output (the first try counts)
+    # The reference deployment's policy, kept as the benchmark baseline: a request's outputs run one after
+    # another instead of fanning out (the next output starts when the previous one is done).
+    serial_outputs: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queued_outputs < 1:
@@ -280,6 +283,7 @@ class Snapshot:
     pending_ar_requests: int
     pending_ar_outputs: int
     pending_denoise_outputs: int
+    pending_denoise_requests: int  # requests with at least one output waiting for a denoiser
     active_requests: int
     workers: tuple[WorkerSnapshot, ...]
 
@@ -461,9 +465,14 @@ class Scheduler:
             pending_ar_requests=sum(len(q) for q in self._pending_ar.values()),
             pending_ar_outputs=self._pending_ar_outputs,
             pending_denoise_outputs=len(self._denoise_q),
+            pending_denoise_requests=len({k[1] for k in self._denoise_q}),
             active_requests=len(self._active),
             workers=tuple(self._worker_snapshot(w) for w in self._workers.values()),
         )
+
+    def has_worker(self, address: str) -> bool:
+        """Whether ``address`` is still a member (a removed worker stays one until it has drained)."""
+        return address in self._workers
 
     # --------------------------------------------------------------------------------------------- event handlers
 
@@ -540,7 +549,7 @@ class Scheduler:
                 continue
             req.stage = _Stage.DENOISING
             req.ar_outputs = tuple(outs)
-            for out in req.outputs:
+            for out in req.outputs[:1] if self.config.serial_outputs else req.outputs:
                 self._enqueue_output(req, out, front=False)
 
     def _on_ar_failed(self, ev: ArBatchFailed, actions: list[Action]) -> None:
@@ -557,6 +566,9 @@ class Scheduler:
         out.worker = None
         out.result = ev.result
         req.done += 1
+        if self.config.serial_outputs and req.done < req.n:
+            # Outputs finish in index order here; the next one goes first, like a continuation of this job.
+            self._enqueue_output(req, req.outputs[out.index + 1], front=True)
         if req.done == req.n:
             self._end(req, actions)
             self.counters.completed += 1

@@ -1,15 +1,21 @@
-"""GatewayService over gRPC: validate at the edge, hand the request to the driver, shape the reply."""
+"""GatewayService over gRPC: validate at the edge, hand the request to the driver, shape the reply.
+
+Usage is carried as the AR reports it, ``cached_tokens`` included; hiding it unless asked
+(``--enable-cache-report``) is the REST front's rule, not this service's.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
 from gateway import scheduler as sch
 from gateway.config import GatewayConfig
-from gateway.driver import Driver, RequestFailed
-from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
+from gateway.driver import Driver, Outcome, RequestFailed, StreamOptions
+from gateway.membership import split_host_port
+from glmimage.v1 import common_pb2, denoiser_service_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.errors import InvalidArgument, error_for
 from services.runtime.logs import request_id_var
 
@@ -23,6 +29,8 @@ STATE_TO_PROTO = {
 }
 ROLE_TO_PROTO = {sch.WorkerRole.AR: gateway_service_pb2.WORKER_ROLE_AR,
                  sch.WorkerRole.DENOISER: gateway_service_pb2.WORKER_ROLE_DENOISER}
+ROLE_FROM_PROTO = {v: k for k, v in ROLE_TO_PROTO.items()}
+MAX_PARTIAL_IMAGES = 3
 
 
 def sum_usage(usages) -> common_pb2.Usage:
@@ -34,6 +42,18 @@ def sum_usage(usages) -> common_pb2.Usage:
         total.reasoning_tokens += u.reasoning_tokens
         total.cached_tokens += u.cached_tokens
     return total
+
+
+def job_label(job: sch.JobId | None) -> str:
+    return f"{job.request_id}/{job.index}#{job.attempt}" if job else ""
+
+
+def check_address(address: str) -> str:
+    try:
+        split_host_port(address)
+    except ValueError as exc:
+        raise InvalidArgument("address", str(exc)) from None
+    return address.strip()
 
 
 class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
@@ -57,26 +77,74 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         width = r.width or self.config.default_width
         return n, height, width
 
-    async def GenerateImages(self, request, context: grpc.aio.ServicerContext):
-        n, height, width = self._validate(request)
-        rid = request_id_var.get()
-        timeout = self.config.request_timeout
+    def _timeout(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
-        if remaining is not None:
-            timeout = min(timeout, remaining)
-        try:
-            outcome = await self.driver.generate(rid, request, height, width, n, timeout)
-        except RequestFailed as exc:
-            raise error_for(exc.code, exc.message) from None
-        except asyncio.CancelledError:
-            log.info("client went away; request cancelled downstream")
-            raise
+        return self.config.request_timeout if remaining is None else min(self.config.request_timeout, remaining)
+
+    def _response(self, outcome: Outcome, height: int, width: int) -> gateway_service_pb2.GenerateImagesResponse:
         images = [gateway_service_pb2.GeneratedImage(index=i, image=img.image, seed=prior.seed, usage=prior.usage)
                   for i, (img, prior) in enumerate(zip(outcome.images, outcome.priors, strict=True))]
         log.info("completed %d image(s) at %dx%d", len(images), width, height)
         return gateway_service_pb2.GenerateImagesResponse(
             images=images, usage=sum_usage(p.usage for p in outcome.priors), height=height, width=width,
-            output_format=outcome.images[0].output_format, request_id=rid)
+            output_format=outcome.images[0].output_format, request_id=request_id_var.get())
+
+    async def GenerateImages(self, request, context: grpc.aio.ServicerContext):
+        n, height, width = self._validate(request)
+        try:
+            outcome = await self.driver.generate(request_id_var.get(), request, height, width, n,
+                                                 self._timeout(context))
+        except RequestFailed as exc:
+            raise error_for(exc.code, exc.message) from None
+        except asyncio.CancelledError:
+            log.info("client went away; request cancelled downstream")
+            raise
+        return self._response(outcome, height, width)
+
+    async def GenerateImagesStream(self, request, context: grpc.aio.ServicerContext
+                                   ) -> AsyncIterator[gateway_service_pb2.GenerateImagesStreamResponse]:
+        n, height, width = self._validate(request.request)
+        if request.partial_images > MAX_PARTIAL_IMAGES:
+            raise InvalidArgument("partial_images",
+                                  f"must be between 0 and {MAX_PARTIAL_IMAGES}, got {request.partial_images}")
+        done = object()
+        events: asyncio.Queue[gateway_service_pb2.GenerateImagesStreamResponse | object] = asyncio.Queue()
+        previews_sent: dict[int, int] = {}  # image index -> previews relayed so far
+
+        def relay(index: int, message: denoiser_service_pb2.DenoiseStreamResponse) -> None:
+            if message.WhichOneof("event") == "progress":
+                events.put_nowait(gateway_service_pb2.GenerateImagesStreamResponse(
+                    progress=gateway_service_pb2.ImageProgress(image_index=index, step=message.progress.step,
+                                                               total_steps=message.progress.total_steps)))
+                return
+            partial = message.partial_image
+            # A retried job (another worker) takes its previews again; the client already has those.
+            if partial.partial_image_index < previews_sent.get(index, 0):
+                return
+            previews_sent[index] = partial.partial_image_index + 1
+            events.put_nowait(gateway_service_pb2.GenerateImagesStreamResponse(
+                partial_image=gateway_service_pb2.ImagePartial(
+                    image_index=index, partial_image_index=partial.partial_image_index, image=partial.image)))
+
+        task = asyncio.ensure_future(self.driver.generate(
+            request_id_var.get(), request.request, height, width, n, self._timeout(context),
+            stream=StreamOptions(partial_images=request.partial_images, relay=relay)))
+        task.add_done_callback(lambda _: events.put_nowait(done))
+        # A client that goes away while this generator is parked at a yield does not cancel the generator's
+        # frame, so the call's own end cancels the request too.
+        context.add_done_callback(lambda _: task.cancel())
+        try:
+            while (event := await events.get()) is not done:
+                yield event
+            outcome = task.result()
+        except RequestFailed as exc:
+            raise error_for(exc.code, exc.message) from None
+        except asyncio.CancelledError:
+            log.info("client went away; request cancelled downstream")
+            raise
+        finally:
+            task.cancel()  # a no-op once done
+        yield gateway_service_pb2.GenerateImagesStreamResponse(completed=self._response(outcome, height, width))
 
     async def GetStatus(self, request, context: grpc.aio.ServicerContext):
         snap = self.driver.snapshot()
@@ -85,6 +153,25 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             pending_denoise_outputs=snap.pending_denoise_outputs, active_requests=snap.active_requests,
             workers=[gateway_service_pb2.WorkerStatus(
                 address=w.address, role=ROLE_TO_PROTO[w.role], state=STATE_TO_PROTO[w.state], inflight=w.inflight,
-                current_job=(f"{w.current_job.request_id}/{w.current_job.index}#{w.current_job.attempt}"
-                             if w.current_job else ""))
+                current_job=job_label(w.current_job))
                 for w in snap.workers])
+
+    async def AddWorker(self, request, context: grpc.aio.ServicerContext):
+        address = check_address(request.address)
+        role = ROLE_FROM_PROTO.get(request.role)
+        if role is None:
+            raise InvalidArgument("role", "must be WORKER_ROLE_AR or WORKER_ROLE_DENOISER")
+        known = self.driver.worker_role(address)
+        if known is not None and known is not role:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"address: {address} is already a {known.value.lower()} worker; remove it first")
+        self.driver.add_worker(address, role)
+        log.info("admin: added %s worker %s", role.value.lower(), address)
+        return gateway_service_pb2.AddWorkerResponse()
+
+    async def RemoveWorker(self, request, context: grpc.aio.ServicerContext):
+        address = check_address(request.address)
+        if not self.driver.remove_worker(address):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"address: {address} is not a worker of this gateway")
+        log.info("admin: removed worker %s (draining)", address)
+        return gateway_service_pb2.RemoveWorkerResponse()

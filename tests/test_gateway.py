@@ -12,8 +12,8 @@ from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.scheduler import SchedulerConfig
 from gateway.servicer import GatewayServicer
+from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc, gateway_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
-from glmimage.v1 import gateway_service_pb2_grpc
 from services.runtime.server import start_server
 
 PROMPT = 'a blue "OPEN" sign'
@@ -123,3 +123,30 @@ async def test_client_cancel_frees_the_denoisers(gateway) -> None:
     status = await stub.GetStatus(pb.GetStatusRequest())
     assert status.active_requests == 0 and status.pending_denoise_outputs == 0
     assert all(w.state == pb.WORKER_STATE_AVAILABLE and not w.current_job for w in status.workers)
+
+
+async def test_stream_with_the_real_denoiser(gateway) -> None:
+    stub, _, (denoiser, _) = gateway
+    # Until the denoiser implements DenoiseStream this cannot run; an empty job is refused cheaply once it does.
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{denoiser.port}") as channel:
+        probe = denoiser_service_pb2_grpc.DenoiserServiceStub(channel).DenoiseStream(
+            denoiser_service_pb2.DenoiseStreamRequest(job=denoiser_service_pb2.DenoiseRequest()))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await probe.read()
+        if err.value.code() == grpc.StatusCode.UNIMPLEMENTED:
+            pytest.skip("the denoiser does not implement DenoiseStream yet")
+    call = stub.GenerateImagesStream(pb.GenerateImagesStreamRequest(
+        request=pb.GenerateImagesRequest(prompt=PROMPT, n=2, height=64, width=64, seed=5, num_inference_steps=3),
+        partial_images=1))
+    *streamed, last = [event async for event in call]
+    for index in (0, 1):
+        progress = [e.progress for e in streamed if e.HasField("progress") and e.progress.image_index == index]
+        assert [(p.step, p.total_steps) for p in progress] == [(1, 3), (2, 3), (3, 3)]
+        previews = [e.partial_image for e in streamed
+                    if e.HasField("partial_image") and e.partial_image.image_index == index]
+        assert [p.partial_image_index for p in previews] == [0]
+        Image.open(io.BytesIO(previews[0].image)).load()
+    assert [i.seed for i in last.completed.images] == [5, 6]
+    for img in last.completed.images:
+        assert Image.open(io.BytesIO(img.image)).size == (64, 64)
+    assert last.completed.usage.completion_tokens == sum(i.usage.completion_tokens for i in last.completed.images)

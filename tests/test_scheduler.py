@@ -926,6 +926,52 @@ def test_snapshot_reports_states_and_queues() -> None:
     }
 
 
+def test_snapshot_counts_requests_waiting_for_a_denoiser() -> None:
+    s = ready()
+    to_denoise(s, "a", 4)  # four outputs on d0..d3
+    to_denoise(s, "b", 2)
+    to_denoise(s, "c", 1)
+    snap = s.snapshot()
+    assert (snap.pending_denoise_requests, snap.pending_denoise_outputs) == (2, 3)
+
+
+def test_has_worker_until_drained() -> None:
+    s = ready()
+    to_denoise(s, "a", 1)
+    assert not s.has_worker("nope")
+    s.handle(WorkerRemoved(1.0, "d0"))
+    assert s.has_worker("d0")  # draining: still holds a/0
+    s.handle(DenoiseSucceeded(2.0, job("a"), "d0", "x"))
+    assert not s.has_worker("d0")
+
+
+def test_serial_outputs_run_one_after_another() -> None:
+    """The benchmark baseline: a request's outputs never run at the same time, and each starts at once."""
+    s = ready(serial_outputs=True)
+    (d,) = only(to_denoise(s, "a", 3), DispatchDenoise)
+    assert d.job == job("a", 0)
+    to_denoise(s, "b", 1)  # b/0 starts on another denoiser meanwhile
+    (d1,) = only(s.handle(DenoiseSucceeded(1.0, job("a", 0), d.worker, "r0")), DispatchDenoise)
+    assert d1.job == job("a", 1) and d1.ar_output == "a/ar1"
+    # A failure retries the same output; the next one still waits for it.
+    (d1b,) = only(s.handle(DenoiseFailed(2.0, d1.job, d1.worker, "boom", retryable=True)), DispatchDenoise)
+    assert d1b.job == job("a", 1, 2)
+    (d2,) = only(s.handle(DenoiseSucceeded(3.0, d1b.job, d1b.worker, "r1")), DispatchDenoise)
+    assert d2.job == job("a", 2)
+    (done,) = only(s.handle(DenoiseSucceeded(4.0, d2.job, d2.worker, "r2")), CompleteRequest)
+    assert done.results == ("r0", "r1", "r2")
+
+
+def test_serial_outputs_cancel_mid_way() -> None:
+    s = ready(serial_outputs=True)
+    (d,) = only(to_denoise(s, "a", 3), DispatchDenoise)
+    s.handle(DenoiseSucceeded(1.0, job("a", 0), d.worker, "r0"))
+    acts = s.handle(RequestCancelled(2.0, "a"))
+    assert only(acts, CancelDenoise) == [CancelDenoise(job("a", 1), "d1")]
+    assert only(acts, FailRequest)[0].code is ErrorKind.CANCELLED
+    assert s.snapshot().pending_denoise_outputs == 0
+
+
 def test_counters_balance() -> None:
     s = ready(max_queued_outputs=3)
     to_denoise(s, "a", 1)
@@ -1000,6 +1046,7 @@ configs = st.builds(
     ar_max_inflight_batches=st.integers(1, 2),
     ar_retries=st.sampled_from([1, 0]),
     max_attempts=st.sampled_from([2, 3, 1]),
+    serial_outputs=st.sampled_from([False, True]),
 )
 
 
@@ -1239,10 +1286,20 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             assert r.ar_failures <= self.cfg.ar_retries, f"{rid} exceeded the AR retry budget"
             if r.denoising:
+                waiting = 0
+                running = 0
                 for i in range(r.n):
                     att = w.attempts.get((rid, i))
-                    if i not in r.done and not (att and JobId(rid, i, att[0]) in held_jobs):
-                        exp_dn += 1
+                    if att and JobId(rid, i, att[0]) in held_jobs:
+                        running += 1
+                    elif i not in r.done:
+                        waiting += 1
+                if self.cfg.serial_outputs:
+                    # One output at a time: the next waits in the queue only while none of its siblings runs.
+                    assert running <= 1
+                    exp_dn += 0 if running else min(waiting, 1)
+                else:
+                    exp_dn += waiting
             elif r.batch is None or r.batch not in held_batches:
                 exp_ar_reqs += 1
                 exp_ar_outs += r.n

@@ -13,6 +13,7 @@ from services.model.device import DEVICE_CHOICES, DTYPE_CHOICES
 from services.runtime.executor import SerialExecutor
 from services.runtime.metrics import serve_metrics
 from services.runtime.server import announce, run_until_signalled, start_server
+from services.runtime.tls import server_tls_from_args
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,13 @@ async def serve_model(
 ) -> None:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    tls = server_tls_from_args(args)  # flag errors before the (slow) model load
     executor = SerialExecutor(name)
     # Load before binding, so nothing can reach a half-loaded model; health stays NOT_SERVING through warm-up.
     engine = await executor.run(load)
     servicer = make_servicer(engine, executor)
-    server = await start_server(lambda s: register(servicer, s), [service_name], f"{args.host}:{args.port}")
+    server = await start_server(lambda s: register(servicer, s), [service_name], f"{args.host}:{args.port}",
+                                tls=tls)
     announce(server, args, service_name)
     serve_metrics(args.host, args.metrics_port)
     await executor.run(engine.warm_up)

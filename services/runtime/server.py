@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.runtime.errors import ErrorKind, ServiceError
 from services.runtime.logs import new_request_id, request_id_var
+from services.runtime.tls import ServerTls, add_server_tls_args
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +127,20 @@ async def start_server(
     *,
     max_message_mb: int = 64,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    tls: ServerTls | None = None,
 ) -> GrpcServer:
-    """Start a server with health (NOT_SERVING until the caller says otherwise) and reflection."""
+    """Start a server with health (NOT_SERVING until the caller says otherwise) and reflection.
+
+    ``interceptors`` run after the error interceptor, so what they raise or abort with is mapped the same way.
+    With ``tls`` the port serves TLS only (mutual TLS when it names a client CA)."""
     options = [
         ("grpc.max_receive_message_length", max_message_mb * 1024 * 1024),
         ("grpc.max_send_message_length", max_message_mb * 1024 * 1024),
         ("grpc.so_reuseport", 0),  # two servers on one port must fail loudly, not share traffic
+        # Let the gateway's keepalive pings through (see CHANNEL_OPTIONS in gateway.driver): they are how it
+        # notices a worker whose node vanished without closing the connection.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
     ]
     server = grpc.aio.server(interceptors=[ErrorInterceptor(), *interceptors], options=options)
     add_servicers(server)
@@ -139,7 +148,7 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(service_names)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     await server.start()
@@ -182,6 +191,7 @@ def common_server_args(default_port: int) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0 picks a free one); off when unset")
     p.add_argument("--log-level", default="INFO")
+    add_server_tls_args(p)
     return p
 
 

@@ -1,0 +1,241 @@
+"""Simulated AR and denoiser gRPC servers: real servers (services.runtime.server plumbing, health, reflection)
+whose work is a sleep from a cost model. For benchmarks of the scheduler and for gateway tests that need
+precise control over timing; they hold no model and produce no real image.
+
+Cost model (reference figures of the 16-NPU deployment, DESIGN.md section 2), multiplied by ``scale``:
+- AR batch of b outputs at 1024x1024: 20.4, 21.3, 22.8, 25.9, 29.4, 33.2 s for b = 1, 2, 4, 8, 16, 32, linear in
+  between (and flat beyond 32). A simulated AR server runs one batch at a time, like one engine: a second batch
+  waits for the first.
+- Denoise: 12.2 s per image, batch 1 (a busy simulated denoiser refuses a second job, like the real one).
+
+`python -m bench.sim_backends --denoisers 14 --scale 0.01 --ready-file FILE` serves a simulated cluster.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from glmimage.v1 import (
+    ar_service_pb2,
+    ar_service_pb2_grpc,
+    common_pb2,
+    denoiser_service_pb2,
+    denoiser_service_pb2_grpc,
+)
+from services.runtime.errors import InvalidArgument, ResourceExhausted
+from services.runtime.logs import configure_logging
+from services.runtime.server import GrpcServer, install_shutdown_signals, start_server
+from services.runtime.tls import ServerTls
+
+log = logging.getLogger(__name__)
+
+AR_BATCH_SECONDS: tuple[tuple[int, float], ...] = ((1, 20.4), (2, 21.3), (4, 22.8), (8, 25.9), (16, 29.4),
+                                                   (32, 33.2))
+DENOISE_SECONDS = 12.2
+AR_SERVICE = "glmimage.v1.ArService"
+DENOISER_SERVICE = "glmimage.v1.DenoiserService"
+
+
+def ar_batch_seconds(outputs: int, table: Sequence[tuple[int, float]] = AR_BATCH_SECONDS) -> float:
+    """Reference AR batch time (unscaled) for a batch of ``outputs`` output slots, linear between the points."""
+    if outputs <= table[0][0]:
+        return table[0][1]
+    for (b0, t0), (b1, t1) in zip(table, table[1:], strict=False):
+        if outputs <= b1:
+            return t0 + (t1 - t0) * (outputs - b0) / (b1 - b0)
+    return table[-1][1]
+
+
+def tiny_png(width: int = 8, height: int = 8, shade: int = 128) -> bytes:
+    """A valid grey PNG, built by hand so the simulation needs no imaging library."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    rows = b"".join(b"\x00" + bytes([shade]) * width for _ in range(height))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+@dataclass(frozen=True)
+class SimCosts:
+    scale: float = 0.01  # 0.01: the reference figures scaled down 100x
+    denoise_seconds: float = DENOISE_SECONDS
+
+    def ar(self, outputs: int) -> float:
+        return ar_batch_seconds(outputs) * self.scale
+
+    def denoise(self) -> float:
+        return self.denoise_seconds * self.scale
+
+
+class SimAr(ar_service_pb2_grpc.ArServiceServicer):
+    """Simulated AR server: one batch at a time, sleeping the cost model's batch time."""
+
+    def __init__(self, costs: SimCosts = SimCosts(), cached_tokens: int = 0, tokens_per_output: int = 16) -> None:
+        self.costs = costs
+        self.cached_tokens = cached_tokens  # reported per output, as a prefix-caching AR would
+        self.tokens_per_output = tokens_per_output
+        self._engine = asyncio.Lock()  # FIFO: a second batch waits for the first, like one engine
+        self.batches: list[int] = []  # output slots of each batch run, in order
+
+    def _response(self, r: ar_service_pb2.GenerateRequest) -> ar_service_pb2.GenerateResponse:
+        if not r.prompt.strip():
+            raise InvalidArgument("prompt", "must not be empty")
+        n, seed = r.n or 1, r.seed if r.HasField("seed") else 0
+        prompt_tokens = len(r.prompt.split()) + 8  # a stand-in for the chat template
+        usage = common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=self.tokens_per_output + 1,
+                                 total_tokens=prompt_tokens + self.tokens_per_output + 1,
+                                 cached_tokens=min(self.cached_tokens, prompt_tokens))
+        outputs = [ar_service_pb2.PriorOutput(
+            tokens=common_pb2.TokenRow(token_ids=list(range(self.tokens_per_output))), seed=seed + i, usage=usage)
+            for i in range(n)]
+        return ar_service_pb2.GenerateResponse(outputs=outputs, height=r.height, width=r.width)
+
+    async def _run(self, requests: Sequence[ar_service_pb2.GenerateRequest]) -> list[ar_service_pb2.GenerateResponse]:
+        responses = [self._response(r) for r in requests]
+        outputs = sum(len(r.outputs) for r in responses)
+        async with self._engine:
+            self.batches.append(outputs)
+            await asyncio.sleep(self.costs.ar(outputs))
+        return responses
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext):
+        (response,) = await self._run([request])
+        return response
+
+    async def GenerateBatch(self, request, context: grpc.aio.ServicerContext):
+        if not request.requests:
+            raise InvalidArgument("requests", "must not be empty")
+        return ar_service_pb2.GenerateBatchResponse(responses=await self._run(request.requests))
+
+
+class SimDenoiser(denoiser_service_pb2_grpc.DenoiserServiceServicer):
+    """Simulated batch-1 denoiser: sleeps the cost model's time, spread over the steps of the job.
+
+    ``gate``, when given, holds every job of two steps or more after its first step until the event is set, so
+    a test can look at a gateway while it is sure where each job is."""
+
+    def __init__(self, costs: SimCosts = SimCosts(), default_steps: int = 4, gate: asyncio.Event | None = None,
+                 image: bytes | None = None) -> None:
+        self.costs = costs
+        self.default_steps = default_steps
+        self.gate = gate
+        self.image = image or tiny_png()
+        self.busy = False
+        self.running = asyncio.Event()  # set while a job holds the slot
+        self.jobs: list[str] = []  # x-request-id of every job accepted, in order
+        self.completed = 0
+        self.cancelled = 0
+
+    async def _steps(self, request: denoiser_service_pb2.DenoiseRequest, partial_images: int,
+                     context: grpc.aio.ServicerContext):
+        """Yield (step, total, partial index or None) as the job advances; owns the slot while it runs."""
+        if self.busy:
+            raise ResourceExhausted("busy: this denoiser runs one job at a time")
+        if not request.prior_tokens.token_ids:
+            raise InvalidArgument("prior_tokens", "must not be empty")
+        total = request.num_inference_steps or self.default_steps
+        previews = {max(1, (j + 1) * total // (partial_images + 1)): j for j in range(partial_images)}
+        self.busy = True
+        self.running.set()
+        rid = dict(context.invocation_metadata()).get("x-request-id", "")
+        self.jobs.append(rid if isinstance(rid, str) else rid.decode())
+        per_step = self.costs.denoise() / total
+        try:
+            for step in range(1, total + 1):
+                await asyncio.sleep(per_step)
+                yield step, total, previews.get(step)
+                if step == 1 and step < total and self.gate is not None:
+                    await self.gate.wait()  # after the first step is out, so a stream shows it
+            self.completed += 1
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.busy = False
+            self.running.clear()
+
+    def _result(self, request: denoiser_service_pb2.DenoiseRequest, steps: int) -> denoiser_service_pb2.DenoiseResponse:
+        return denoiser_service_pb2.DenoiseResponse(
+            image=self.image, output_format=request.output_format or common_pb2.IMAGE_FORMAT_PNG,
+            height=request.height, width=request.width, steps_completed=steps, seed=request.seed)
+
+    async def Denoise(self, request, context: grpc.aio.ServicerContext):
+        done = 0
+        async for step, _, _ in self._steps(request, 0, context):
+            done = step
+        return self._result(request, done)
+
+    async def DenoiseStream(self, request, context: grpc.aio.ServicerContext):
+        steps = 0
+        async for steps, total, preview in self._steps(request.job, request.partial_images, context):
+            yield denoiser_service_pb2.DenoiseStreamResponse(
+                progress=denoiser_service_pb2.DenoiseProgress(step=steps, total_steps=total))
+            if preview is not None:
+                yield denoiser_service_pb2.DenoiseStreamResponse(partial_image=denoiser_service_pb2.PartialImage(
+                    partial_image_index=preview, step=steps, image=tiny_png(shade=40 * (preview + 1))))
+        yield denoiser_service_pb2.DenoiseStreamResponse(result=self._result(request.job, steps))
+
+
+async def serve_sim_ar(servicer: SimAr, host: str = "127.0.0.1", port: int = 0,
+                       tls: ServerTls | None = None) -> GrpcServer:
+    server = await start_server(lambda s: ar_service_pb2_grpc.add_ArServiceServicer_to_server(servicer, s),
+                                [AR_SERVICE], f"{host}:{port}", tls=tls)
+    server.servicer = servicer
+    await server.set_serving(True)
+    return server
+
+
+async def serve_sim_denoiser(servicer: SimDenoiser, host: str = "127.0.0.1", port: int = 0,
+                             tls: ServerTls | None = None) -> GrpcServer:
+    server = await start_server(
+        lambda s: denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server(servicer, s),
+        [DENOISER_SERVICE], f"{host}:{port}", tls=tls)
+    server.servicer = servicer
+    await server.set_serving(True)
+    return server
+
+
+async def _main(args: argparse.Namespace) -> None:
+    costs = SimCosts(scale=args.scale)
+    ars = [await serve_sim_ar(SimAr(costs), args.host) for _ in range(args.ar)]
+    dns = [await serve_sim_denoiser(SimDenoiser(costs, default_steps=args.steps), args.host)
+           for _ in range(args.denoisers)]
+    addresses = {"ar": [f"{args.host}:{s.port}" for s in ars], "denoisers": [f"{args.host}:{s.port}" for s in dns]}
+    stop = install_shutdown_signals()
+    if args.ready_file:
+        tmp = args.ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(addresses))
+        tmp.replace(args.ready_file)
+    log.info("simulated cluster up: %d AR, %d denoisers, scale %g", len(ars), len(dns), args.scale)
+    await stop.wait()
+    for server in (*ars, *dns):
+        await server.stop(None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Simulated AR and denoiser servers (cost model, no model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--ar", type=int, default=1, help="simulated AR servers")
+    p.add_argument("--denoisers", type=int, default=14)
+    p.add_argument("--scale", type=float, default=0.01, help="multiplier on the reference times")
+    p.add_argument("--steps", type=int, default=1,
+                   help="denoise steps when a request gives none (the job's time is split over its steps)")
+    p.add_argument("--ready-file", type=Path, default=None, help="write {ar: [...], denoisers: [...]} here")
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    configure_logging(args.log_level)
+    asyncio.run(_main(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Prometheus metrics of the gateway.
+
+Histograms and outcome counters are observed by the driver on the event-loop thread (prometheus-client objects
+are thread-safe). Queue depths, worker states and the scheduler's own counters are read at scrape time from a
+state the driver publishes after every event: the scrape runs on the HTTP server's thread and must never walk
+the scheduler's live dicts. The HPA scales denoisers on ``glmimage_gateway_queue_outputs{stage="denoise"}``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway import scheduler as sch
+
+# Reference AR batches take 20-33 s and denoising 12 s; the buckets also cover the tiny model and 100x-faster
+# simulations, which run in milliseconds.
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300,
+                   600)
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64)
+STAGES = ("ar", "denoise")
+ROLES = {sch.WorkerRole.AR: "ar", sch.WorkerRole.DENOISER: "denoiser"}
+STATES = {s: s.value.lower() for s in sch.WorkerState}
+
+
+@dataclass(frozen=True)
+class _Published:
+    snapshot: sch.Snapshot
+    counters: sch.Counters  # a copy: the scheduler's own object keeps changing
+
+
+_EMPTY = _Published(sch.Scheduler().snapshot(), sch.Counters())
+
+
+class GatewayMetrics(Collector):
+    def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
+        # One instance per registry: tests and the benchmark give each gateway its own registry.
+        reg = registry if registry is not None else CollectorRegistry()
+        self.registry = reg
+        self._state = _EMPTY
+        self.ar_batch_size = Histogram("glmimage_gateway_ar_batch_size", "AR batch size in output slots",
+                                       buckets=BATCH_BUCKETS, registry=reg)
+        self.queue_seconds = Histogram(
+            "glmimage_gateway_queue_seconds",
+            "Seconds waited in a queue: stage=ar per request (admission to AR dispatch), stage=denoise per output "
+            "(AR result to denoise dispatch)", ["stage"], buckets=SECONDS_BUCKETS, registry=reg)
+        self.ar_seconds = Histogram("glmimage_gateway_ar_seconds", "Seconds per successful AR batch RPC",
+                                    buckets=SECONDS_BUCKETS, registry=reg)
+        self.denoise_seconds = Histogram("glmimage_gateway_denoise_seconds", "Seconds per successful denoise RPC",
+                                         buckets=SECONDS_BUCKETS, registry=reg)
+        self.request_seconds = Histogram("glmimage_gateway_request_seconds",
+                                         "End-to-end seconds of successful requests, admission to last image",
+                                         buckets=SECONDS_BUCKETS, registry=reg)
+        self.requests = Counter("glmimage_gateway_requests", "Requests ended, by outcome (ok or the error kind)",
+                                ["outcome"], registry=reg)
+        self.images = Counter("glmimage_gateway_images", "Images returned to clients", registry=reg)
+        self.tokens = Counter("glmimage_gateway_tokens", "AR tokens of successful requests", ["kind"],
+                              registry=reg)
+        for outcome in ("ok", *(k.value for k in sch.ErrorKind)):
+            self.requests.labels(outcome)  # every series exists from the start, so rate() sees the first one
+        for kind in ("prompt", "completion"):
+            self.tokens.labels(kind)
+        for stage in STAGES:
+            self.queue_seconds.labels(stage)
+        reg.register(self)
+
+    def publish(self, snapshot: sch.Snapshot, counters: sch.Counters) -> None:
+        copy = dataclasses.replace(counters, failed=dict(counters.failed), requeues=dict(counters.requeues))
+        self._state = _Published(snapshot, copy)  # one reference swap: a scrape sees one consistent state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state
+        snap, c = state.snapshot, state.counters
+        q_req = GaugeMetricFamily("glmimage_gateway_queue_requests", "Requests waiting, per stage", labels=["stage"])
+        q_req.add_metric(["ar"], snap.pending_ar_requests)
+        q_req.add_metric(["denoise"], snap.pending_denoise_requests)
+        yield q_req
+        q_out = GaugeMetricFamily("glmimage_gateway_queue_outputs", "Output slots (images) waiting, per stage",
+                                  labels=["stage"])
+        q_out.add_metric(["ar"], snap.pending_ar_outputs)
+        q_out.add_metric(["denoise"], snap.pending_denoise_outputs)
+        yield q_out
+        yield GaugeMetricFamily("glmimage_gateway_active_requests", "Requests admitted and not ended",
+                                value=snap.active_requests)
+        workers = GaugeMetricFamily("glmimage_gateway_workers", "Workers by role and state",
+                                    labels=["role", "state"])
+        counts = {(r, s): 0 for r in ROLES.values() for s in STATES.values()}
+        for w in snap.workers:
+            counts[ROLES[w.role], STATES[w.state]] += 1
+        for (role, st), n in counts.items():
+            workers.add_metric([role, st], n)
+        yield workers
+        requeues = CounterMetricFamily("glmimage_gateway_requeues", "Work put back in a queue, by reason",
+                                       labels=["reason"])
+        for reason, n in c.requeues.items():
+            requeues.add_metric([reason], n)
+        yield requeues
+        yield CounterMetricFamily("glmimage_gateway_fenced_results",
+                                  "Results dropped because their attempt was superseded or their request ended",
+                                  value=c.fenced_results)
+        yield CounterMetricFamily("glmimage_gateway_admission_rejections",
+                                  "Requests refused at admission (queue full, or they could never fit)",
+                                  value=c.rejected)

@@ -1,0 +1,101 @@
+"""Optional TLS for every gRPC hop: server credentials (with mutual TLS when a client CA is given) and the
+client side the gateway uses to reach the AR and denoiser servers.
+
+Plaintext stays the default (loopback in `make run`); everything here is off unless a flag names a file.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+def _read(path: Path | None) -> bytes | None:
+    return None if path is None else path.read_bytes()
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    cert: Path  # PEM chain presented to clients
+    key: Path
+    client_ca: Path | None = None  # set: clients must present a certificate signed by it (mutual TLS)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            root_certificates=_read(self.client_ca),
+            require_client_auth=self.client_ca is not None)
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    ca: Path | None = None  # None: the system roots
+    cert: Path | None = None  # client certificate, for servers that require mutual TLS
+    key: Path | None = None
+    # Name to check the server certificate against when it differs from the dialled host (e.g. pod IPs
+    # resolved from a headless Service, with a certificate issued for the Service name).
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs both --tls-client-cert and --tls-client-key")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca), private_key=_read(self.key),
+                                            certificate_chain=_read(self.cert))
+
+    def options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def make_channel(address: str, tls: ClientTls | None = None,
+                 options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """An aio channel to ``address``: TLS when ``tls`` is given, plaintext otherwise."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
+
+
+def add_server_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
+                   help="serve TLS with this certificate chain (needs --tls-key); plaintext when unset")
+    p.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="private key of --tls-cert")
+    p.add_argument("--tls-client-ca", type=Path, default=None, metavar="PEM",
+                   help="require client certificates signed by this CA (mutual TLS)")
+
+
+def server_tls_from_args(args: argparse.Namespace) -> ServerTls | None:
+    cert, key, ca = args.tls_cert, args.tls_key, args.tls_client_ca
+    if cert is None and key is None:
+        if ca is not None:
+            raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if cert is None or key is None:
+        raise SystemExit("TLS needs both --tls-cert and --tls-key")
+    return ServerTls(cert=cert, key=key, client_ca=ca)
+
+
+def client_tls_args() -> argparse.ArgumentParser:
+    """Flags of a process that dials other gRPC servers; use as an argparse parent."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
+                   help="dial upstream servers over TLS, trusting this CA; plaintext when no --tls-ca* flag is set")
+    p.add_argument("--tls-client-cert", type=Path, default=None, metavar="PEM",
+                   help="client certificate for upstream servers that require mutual TLS")
+    p.add_argument("--tls-client-key", type=Path, default=None, metavar="PEM")
+    p.add_argument("--tls-server-name", default=None,
+                   help="name to verify upstream certificates against instead of the dialled host")
+    return p
+
+
+def client_tls_from_args(args: argparse.Namespace) -> ClientTls | None:
+    if not any((args.tls_ca, args.tls_client_cert, args.tls_client_key, args.tls_server_name)):
+        return None
+    try:
+        return ClientTls(ca=args.tls_ca, cert=args.tls_client_cert, key=args.tls_client_key,
+                         server_name=args.tls_server_name)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None

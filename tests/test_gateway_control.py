@@ -1,0 +1,438 @@
+"""GatewayService beyond unary generation: streaming, status, membership (admin RPCs and DNS), metrics, auth.
+
+The gateway is the real one (driver, scheduler, servicer on a real gRPC server); the AR and denoisers are the
+simulated servers of bench/sim_backends.py (real gRPC servers with health) so a test can hold a job at a known
+step (the gate) and look at the gateway meanwhile. Nothing sleeps a fixed time: tests wait on conditions.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.sim_backends import SimAr, SimCosts, SimDenoiser, serve_sim_ar, serve_sim_denoiser
+from gateway.auth import ApiKeyInterceptor, api_keys_from
+from gateway.config import GatewayConfig
+from gateway.driver import Driver
+from gateway.membership import DnsMembership, join_host_port, resolve, split_host_port
+from gateway.metrics import GatewayMetrics
+from gateway.scheduler import SchedulerConfig, WorkerRole
+from gateway.servicer import GatewayServicer
+from glmimage.v1 import gateway_service_pb2 as pb
+from glmimage.v1 import gateway_service_pb2_grpc
+from services.runtime.server import GrpcServer, start_server
+
+GATEWAY = "glmimage.v1.GatewayService"
+FAST = SimCosts(scale=0.001)  # AR ~20-33 ms, denoise ~12 ms
+AVAILABLE, BUSY = pb.WORKER_STATE_AVAILABLE, pb.WORKER_STATE_BUSY
+UNHEALTHY, DRAINING = pb.WORKER_STATE_UNHEALTHY, pb.WORKER_STATE_DRAINING
+
+
+@dataclass
+class Cluster:
+    ar: GrpcServer
+    denoisers: list[GrpcServer]
+    gate: asyncio.Event  # jobs hold after their first step until it is set
+
+    def address(self, server: GrpcServer) -> str:
+        return f"127.0.0.1:{server.port}"
+
+    @property
+    def sims(self) -> list[SimDenoiser]:
+        return [d.servicer for d in self.denoisers]
+
+
+@dataclass
+class Gateway:
+    stub: gateway_service_pb2_grpc.GatewayServiceStub
+    driver: Driver
+    channel: grpc.aio.Channel
+    port: int
+
+    async def status(self) -> pb.GetStatusResponse:
+        return await self.stub.GetStatus(pb.GetStatusRequest())
+
+    async def workers(self) -> dict[str, pb.WorkerStatus]:
+        return {w.address: w for w in (await self.status()).workers}
+
+    async def until(self, predicate: Callable[[pb.GetStatusResponse], bool], timeout: float = 10.0
+                    ) -> pb.GetStatusResponse:
+        async with asyncio.timeout(timeout):
+            while not predicate(status := await self.status()):
+                await asyncio.sleep(0.005)
+        return status
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    gate = asyncio.Event()
+    gate.set()
+    ar = await serve_sim_ar(SimAr(FAST, cached_tokens=5))
+    denoisers = [await serve_sim_denoiser(SimDenoiser(FAST, gate=gate)) for _ in range(3)]
+    yield Cluster(ar, denoisers, gate)
+    gate.set()
+    for server in (ar, *denoisers):
+        await server.stop(None)
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(ar: list[str], denoisers: list[str], *, metrics: GatewayMetrics | None = None,
+                          api_keys: tuple[str, ...] = (), wait_available: bool = True,
+                          **scheduler: object) -> AsyncIterator[Gateway]:
+    config = GatewayConfig(ar_addresses=tuple(ar), denoiser_addresses=tuple(denoisers),
+                           scheduler=SchedulerConfig(ar_batch_delay=0.0, **scheduler),  # type: ignore[arg-type]
+                           request_timeout=30, api_keys=api_keys)
+    driver = Driver(config, metrics=metrics)
+    servicer = GatewayServicer(driver, config)
+    interceptors = [ApiKeyInterceptor(api_keys, [GATEWAY])] if api_keys else []
+    server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
+                                [GATEWAY], "127.0.0.1:0", interceptors=interceptors)
+    await driver.start()
+    await server.set_serving(True)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    gw = Gateway(gateway_service_pb2_grpc.GatewayServiceStub(channel), driver, channel, server.port)
+    if wait_available:  # the health watchers have seen every worker SERVING
+        n = len(ar) + len(denoisers)
+        await wait_for(lambda: sum(w.state.value == "AVAILABLE" for w in driver.snapshot().workers) == n)
+    try:
+        yield gw
+    finally:
+        await channel.close()
+        await server.stop(None)
+        await driver.close()
+
+
+@pytest.fixture
+async def gateway(cluster: Cluster) -> AsyncIterator[Gateway]:
+    async with running_gateway([cluster.address(cluster.ar)], [cluster.address(d) for d in cluster.denoisers],
+                               max_queued_outputs=8) as gw:
+        yield gw
+
+
+def request(n: int = 1, **kw: object) -> pb.GenerateImagesRequest:
+    return pb.GenerateImagesRequest(prompt='a blue "OPEN" sign', n=n, height=64, width=64, seed=7, **kw)
+
+
+async def rpc_error(call: Awaitable[object]) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value
+
+
+# ---- streaming -----------------------------------------------------------------------------------------------
+
+
+async def test_stream_relays_progress_and_previews_per_image_then_completes(gateway: Gateway) -> None:
+    call = gateway.stub.GenerateImagesStream(
+        pb.GenerateImagesStreamRequest(request=request(n=2, num_inference_steps=4), partial_images=2))
+    events = [e async for e in call]
+    *streamed, last = events
+    assert last.WhichOneof("event") == "completed"
+    for index in (0, 1):
+        steps = [e.progress.step for e in streamed
+                 if e.WhichOneof("event") == "progress" and e.progress.image_index == index]
+        assert steps == [1, 2, 3, 4]
+        assert all(e.progress.total_steps == 4 for e in streamed if e.WhichOneof("event") == "progress")
+        previews = [e.partial_image for e in streamed
+                    if e.WhichOneof("event") == "partial_image" and e.partial_image.image_index == index]
+        assert [p.partial_image_index for p in previews] == [0, 1]
+        assert all(p.image.startswith(b"\x89PNG") for p in previews)
+    done = last.completed
+    assert [i.index for i in done.images] == [0, 1] and [i.seed for i in done.images] == [7, 8]
+    assert done.usage.prompt_tokens == sum(i.usage.prompt_tokens for i in done.images) > 0
+    # The AR's cached_tokens are carried as reported (summed); only the REST front hides them.
+    assert done.usage.cached_tokens == 10 and all(i.usage.cached_tokens == 5 for i in done.images)
+
+
+async def test_stream_validates_partial_images(gateway: Gateway) -> None:
+    err = await rpc_error(gateway.stub.GenerateImagesStream(
+        pb.GenerateImagesStreamRequest(request=request(), partial_images=4)).read())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("partial_images:")
+    err = await rpc_error(gateway.stub.GenerateImagesStream(
+        pb.GenerateImagesStreamRequest(request=pb.GenerateImagesRequest(prompt=" "))).read())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt:")
+
+
+async def test_stream_client_going_away_cancels_the_job(gateway: Gateway, cluster: Cluster) -> None:
+    cluster.gate.clear()
+    call = gateway.stub.GenerateImagesStream(pb.GenerateImagesStreamRequest(request=request(num_inference_steps=4)))
+    first = await call.read()
+    assert first.progress.step == 1
+    (sim,) = [s for s in cluster.sims if s.busy]
+    call.cancel()
+    await wait_for(lambda: not sim.busy)
+    assert sim.cancelled == 1 and sim.completed == 0
+    status = await gateway.until(lambda s: s.active_requests == 0)
+    assert all(w.state == AVAILABLE and not w.current_job for w in status.workers)
+
+
+async def test_stream_of_a_failed_request_ends_with_its_status(gateway: Gateway) -> None:
+    err = await rpc_error(gateway.stub.GenerateImagesStream(
+        pb.GenerateImagesStreamRequest(request=request(n=9))).read())  # over --max-queued-outputs=8
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max-queued-outputs" in err.details()
+
+
+# ---- status and membership -----------------------------------------------------------------------------------
+
+
+async def test_status_shows_each_worker_state_and_job_and_removal_drains(gateway: Gateway, cluster: Cluster) -> None:
+    cluster.gate.clear()
+    d0, d1, d2 = (cluster.address(d) for d in cluster.denoisers)
+    first = asyncio.ensure_future(gateway.stub.GenerateImages(request(n=2), metadata=(("x-request-id", "job-a"),)))
+    status = await gateway.until(lambda s: sum(w.state == BUSY for w in s.workers) == 2)
+    busy = {w.address: w.current_job for w in status.workers if w.state == BUSY}
+    assert sorted(busy.values()) == ["job-a/0#1", "job-a/1#1"]
+    (free,) = {d0, d1, d2} - set(busy)
+    held = sorted(busy)[0]
+
+    await cluster.denoisers[[d0, d1, d2].index(free)].set_serving(False)
+    await gateway.until(lambda s: {w.address: w.state for w in s.workers}[free] == UNHEALTHY)
+
+    await gateway.stub.RemoveWorker(pb.RemoveWorkerRequest(address=held))
+    workers = await gateway.workers()
+    assert workers[held].state == DRAINING and workers[held].current_job == busy[held]
+    assert workers[cluster.address(cluster.ar)].state == AVAILABLE
+    jobs_before = len(cluster.sims[[d0, d1, d2].index(held)].jobs)
+
+    cluster.gate.set()  # the draining worker finishes its job; then it is gone
+    assert len((await first).images) == 2
+    await gateway.until(lambda s: held not in {w.address for w in s.workers})
+    # No new job goes to the drained worker: n=2 now needs the other busy one and the free one once healthy.
+    await cluster.denoisers[[d0, d1, d2].index(free)].set_serving(True)
+    await gateway.until(lambda s: {w.address: w.state for w in s.workers}[free] == AVAILABLE)
+    resp = await gateway.stub.GenerateImages(request(n=2))
+    assert len(resp.images) == 2
+    assert len(cluster.sims[[d0, d1, d2].index(held)].jobs) == jobs_before
+
+
+async def test_admin_add_worker_gets_work(cluster: Cluster) -> None:
+    ar, (d0, d1, _) = cluster.address(cluster.ar), [cluster.address(d) for d in cluster.denoisers]
+    async with running_gateway([ar], [d0]) as gw:
+        await gw.stub.AddWorker(pb.AddWorkerRequest(address=d1, role=pb.WORKER_ROLE_DENOISER))
+        await gw.stub.AddWorker(pb.AddWorkerRequest(address=d1, role=pb.WORKER_ROLE_DENOISER))  # idempotent
+        status = await gw.until(lambda s: [w.state for w in s.workers].count(AVAILABLE) == 3)
+        assert {w.address: w.role for w in status.workers}[d1] == pb.WORKER_ROLE_DENOISER
+        cluster.gate.clear()
+        call = asyncio.ensure_future(gw.stub.GenerateImages(request(n=2)))
+        status = await gw.until(lambda s: sum(w.state == BUSY for w in s.workers) == 2)
+        assert {w.address for w in status.workers if w.state == BUSY} == {d0, d1}  # both outputs at once
+        cluster.gate.set()
+        assert len((await call).images) == 2
+
+
+@pytest.mark.parametrize("rpc, message, code, field", [
+    ("AddWorker", pb.AddWorkerRequest(address="", role=pb.WORKER_ROLE_DENOISER), "INVALID_ARGUMENT", "address"),
+    ("AddWorker", pb.AddWorkerRequest(address="nohost", role=pb.WORKER_ROLE_DENOISER), "INVALID_ARGUMENT",
+     "address"),
+    ("AddWorker", pb.AddWorkerRequest(address="h:0", role=pb.WORKER_ROLE_AR), "INVALID_ARGUMENT", "address"),
+    ("AddWorker", pb.AddWorkerRequest(address="::1:5", role=pb.WORKER_ROLE_AR), "INVALID_ARGUMENT", "address"),
+    ("AddWorker", pb.AddWorkerRequest(address="h:50061"), "INVALID_ARGUMENT", "role"),
+    ("RemoveWorker", pb.RemoveWorkerRequest(address=""), "INVALID_ARGUMENT", "address"),
+    ("RemoveWorker", pb.RemoveWorkerRequest(address="10.0.0.9:1"), "NOT_FOUND", "address"),
+])
+async def test_admin_rpcs_validate(gateway: Gateway, rpc: str, message: object, code: str, field: str) -> None:
+    err = await rpc_error(getattr(gateway.stub, rpc)(message))
+    assert err.code() == getattr(grpc.StatusCode, code) and err.details().startswith(f"{field}:")
+
+
+async def test_admin_add_refuses_a_second_role_for_an_address(gateway: Gateway, cluster: Cluster) -> None:
+    err = await rpc_error(gateway.stub.AddWorker(pb.AddWorkerRequest(address=cluster.address(cluster.denoisers[0]),
+                                                                     role=pb.WORKER_ROLE_AR)))
+    assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("denoiser.ns.svc:50061", ("denoiser.ns.svc", 50061)),
+    ("[fd00::1]:7", ("fd00::1", 7)),
+    (" 10.0.0.1:65535 ", ("10.0.0.1", 65535)),
+])
+def test_split_host_port(target: str, expected: tuple[str, int]) -> None:
+    assert split_host_port(target) == expected
+    assert join_host_port("fd00::1", 7) == "[fd00::1]:7"
+
+
+@pytest.mark.parametrize("target", ["", "host", ":80", "host:", "host:0", "host:70000", "host:http", "a b:1",
+                                    "fd00::1:7"])
+def test_split_host_port_rejects(target: str) -> None:
+    with pytest.raises(ValueError):
+        split_host_port(target)
+
+
+async def test_dns_membership_adds_drains_and_survives_lookup_failures(cluster: Cluster) -> None:
+    """A headless Service, with the resolver injected: records appear, vanish (drain), and lookups fail."""
+    ar = cluster.address(cluster.ar)
+    d0, d1, d2 = (cluster.address(d) for d in cluster.denoisers)
+    records: set[str] | None = {d0, d1, d2}
+
+    async def resolver(host: str, port: int) -> frozenset[str]:
+        assert (host, port) == ("denoisers.glm.svc", 50061)
+        if records is None:
+            raise OSError("temporary failure in name resolution")
+        return frozenset(records)
+
+    async with running_gateway([ar], [d2]) as gw:
+        dns = DnsMembership.from_target("denoisers.glm.svc:50061", WorkerRole.DENOISER, gw.driver.add_worker,
+                                        gw.driver.remove_worker, resolver=resolver)
+        await dns.refresh()
+        await gw.until(lambda s: [w.state for w in s.workers].count(AVAILABLE) == 4)
+        cluster.gate.clear()
+        call = asyncio.ensure_future(gw.stub.GenerateImages(request(n=3)))
+        await gw.until(lambda s: sum(w.state == BUSY for w in s.workers) == 3)
+        records = None  # a failed lookup removes nobody
+        await dns.refresh()
+        assert {w.address for w in (await gw.status()).workers} == {ar, d0, d1, d2}
+        records = {d1}  # d0 vanished while busy: it drains; d2 is static, so not the watcher's to remove
+        await dns.refresh()
+        assert (await gw.workers())[d0].state == DRAINING
+        cluster.gate.set()
+        assert len((await call).images) == 3
+        status = await gw.until(lambda s: d0 not in {w.address for w in s.workers})
+        assert {w.address for w in status.workers} == {ar, d1, d2}
+
+
+async def test_dns_membership_resolves_localhost(cluster: Cluster) -> None:
+    port = cluster.denoisers[0].port
+    assert f"127.0.0.1:{port}" in await resolve("localhost", port)
+    async with running_gateway([cluster.address(cluster.ar)], []) as gw:
+        dns = DnsMembership.from_target(f"localhost:{port}", WorkerRole.DENOISER, gw.driver.add_worker,
+                                        gw.driver.remove_worker)
+        await dns.refresh()
+        # localhost may also resolve to ::1, where nothing listens: that one just stays unhealthy.
+        await gw.until(lambda s: any(w.address == f"127.0.0.1:{port}" and w.state == AVAILABLE for w in s.workers))
+        assert len((await gw.stub.GenerateImages(request())).images) == 1
+
+
+# ---- metrics ---------------------------------------------------------------------------------------------------
+
+
+def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_metrics_follow_queues_workers_and_outcomes(cluster: Cluster) -> None:
+    registry = CollectorRegistry()
+    ar, dns = cluster.address(cluster.ar), [cluster.address(d) for d in cluster.denoisers]
+    async with running_gateway([ar], dns, metrics=GatewayMetrics(registry), max_queued_outputs=6) as gw:
+        m = scrape(registry)
+        assert m["glmimage_gateway_workers", (("role", "denoiser"), ("state", "available"))] == 3
+        assert m["glmimage_gateway_workers", (("role", "ar"), ("state", "available"))] == 1
+        cluster.gate.clear()
+        calls = [asyncio.ensure_future(gw.stub.GenerateImages(request(n=n))) for n in (2, 3)]
+        # 5 outputs on 3 denoisers: 2 wait in the denoise queue, which is what the HPA scales on.
+        await gw.until(lambda s: s.pending_denoise_outputs == 2)
+        m = scrape(registry)
+        assert m["glmimage_gateway_queue_outputs", (("stage", "denoise"),)] == 2
+        assert m["glmimage_gateway_queue_requests", (("stage", "denoise"),)] == 1
+        assert m["glmimage_gateway_queue_outputs", (("stage", "ar"),)] == 0
+        assert m["glmimage_gateway_workers", (("role", "denoiser"), ("state", "busy"))] == 3
+        assert (await rpc_error(gw.stub.GenerateImages(request(n=7)))).code() == grpc.StatusCode.INVALID_ARGUMENT
+        cluster.gate.set()
+        await asyncio.gather(*calls)
+        m = scrape(registry)
+    assert m["glmimage_gateway_requests_total", (("outcome", "ok"),)] == 2
+    assert m["glmimage_gateway_requests_total", (("outcome", "invalid_argument"),)] == 1
+    assert m["glmimage_gateway_admission_rejections_total", ()] == 1
+    assert m["glmimage_gateway_images_total", ()] == 5
+    assert m["glmimage_gateway_tokens_total", (("kind", "prompt"),)] == 5 * 12  # 4 words + 8, per output
+    assert m["glmimage_gateway_tokens_total", (("kind", "completion"),)] == 5 * 17
+    assert m["glmimage_gateway_ar_batch_size_count", ()] >= 1
+    assert m["glmimage_gateway_ar_batch_size_sum", ()] == 5
+    assert m["glmimage_gateway_denoise_seconds_count", ()] == 5
+    assert m["glmimage_gateway_queue_seconds_count", (("stage", "denoise"),)] == 5
+    assert m["glmimage_gateway_queue_seconds_count", (("stage", "ar"),)] == 2
+    assert m["glmimage_gateway_request_seconds_count", ()] == 2
+    assert m["glmimage_gateway_requeues_total", (("reason", "worker_unhealthy"),)] == 0
+    assert m["glmimage_gateway_fenced_results_total", ()] == 0
+    assert m["glmimage_gateway_queue_outputs", (("stage", "denoise"),)] == 0
+
+
+def test_metrics_text_passes_promtool(tmp_path) -> None:
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool (apt: prometheus) is not installed")
+    registry = CollectorRegistry()
+    GatewayMetrics(registry)
+    result = subprocess.run([promtool, "check", "metrics"], input=generate_latest(registry), capture_output=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---- auth ------------------------------------------------------------------------------------------------------
+
+
+def test_api_keys_from_flags_and_env() -> None:
+    assert api_keys_from(["a", "", "b"], {"GLMIMAGE_API_KEYS": " c, a ,,"}) == ("a", "b", "c")
+    assert api_keys_from([], {}) == ()
+
+
+async def test_api_keys_guard_gateway_service_but_not_health_or_reflection(cluster: Cluster) -> None:
+    ar, dns = cluster.address(cluster.ar), [cluster.address(cluster.denoisers[0])]
+    async with running_gateway([ar], dns, api_keys=("k-one", "k-two")) as gw:
+        calls = {
+            "GenerateImages": lambda md: gw.stub.GenerateImages(request(), metadata=md),
+            "GenerateImagesStream": lambda md: gw.stub.GenerateImagesStream(
+                pb.GenerateImagesStreamRequest(request=request()), metadata=md).read(),
+            "GetStatus": lambda md: gw.stub.GetStatus(pb.GetStatusRequest(), metadata=md),
+            "RemoveWorker": lambda md: gw.stub.RemoveWorker(pb.RemoveWorkerRequest(address="h:1"), metadata=md),
+        }
+        for name, call in calls.items():
+            for md in [(), (("authorization", "Bearer nope"),), (("authorization", "k-one"),),
+                       (("authorization", "Bearer "),), (("authorization", "Bearer k-one2"),)]:
+                err = await rpc_error(call(md))
+                assert err.code() == grpc.StatusCode.UNAUTHENTICATED, (name, md)
+        assert len((await gw.stub.GenerateImages(request(), metadata=(("authorization", "Bearer k-two"),))).images)
+        events = [e async for e in gw.stub.GenerateImagesStream(
+            pb.GenerateImagesStreamRequest(request=request()), metadata=(("authorization", "bearer k-one"),))]
+        assert events[-1].WhichOneof("event") == "completed"
+        health = await health_pb2_grpc.HealthStub(gw.channel).Check(health_pb2.HealthCheckRequest(service=GATEWAY))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(gw.channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        listed = [s.name async for r in reflection for s in r.list_services_response.service]
+        assert GATEWAY in listed
+
+
+async def test_a_denoise_task_cancelled_before_it_ran_frees_its_worker(cluster: Cluster) -> None:
+    """A CancelDenoise can land before the dispatched RPC task has run at all (cancel in the same loop turn)."""
+    from gateway import scheduler as sch
+
+    class CancelFirstDispatch(Driver):
+        cancelled: list[sch.JobId] = []
+
+        def _perform(self, action: sch.Action) -> None:
+            super()._perform(action)
+            if isinstance(action, sch.DispatchDenoise) and not self.cancelled:
+                self.cancelled.append(action.job)
+                self._denoise_calls[action.job].cancel()
+
+    config = GatewayConfig(ar_addresses=(cluster.address(cluster.ar),),
+                           denoiser_addresses=(cluster.address(cluster.denoisers[0]),),
+                           scheduler=SchedulerConfig(ar_batch_delay=0.0), request_timeout=30)
+    driver = CancelFirstDispatch(config)
+    await driver.start()
+    try:
+        await wait_for(lambda: all(w.state.value == "AVAILABLE" for w in driver.snapshot().workers))
+        outcome = await asyncio.wait_for(driver.generate("r1", request(), 64, 64, 1, 30), 10)
+        assert len(outcome.images) == 1 and driver.cancelled[0].attempt == 1
+        assert driver.scheduler.counters.requeues["denoise_failed"] == 1  # retried on attempt 2, same worker
+        assert all(w.state.value == "AVAILABLE" for w in driver.snapshot().workers)
+    finally:
+        await driver.close()
