@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import io
+import ipaddress
 import json
 import re
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,6 +21,10 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from fastapi import FastAPI
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given
@@ -25,11 +32,23 @@ from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from gateway.rest import __main__ as rest_main
 from gateway.rest.app import RestSettings, create_app
-from gateway.rest.schemas import ImageGenerationRequest
+from gateway.rest.schemas import (
+    ImageGenCompletedEvent,
+    ImageGenerationRequest,
+    ImageGenPartialImageEvent,
+    ImagesResponse,
+)
 from glmimage.v1 import common_pb2
 from glmimage.v1 import gateway_service_pb2 as gw
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
+
+try:
+    import schemathesis
+    from schemathesis import GenerationMode
+except ImportError:  # without it the hypothesis fuzz below still runs
+    schemathesis = None
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROMPT_TOKENS = 11
@@ -42,17 +61,29 @@ def _png(index: int) -> bytes:
     return buf.getvalue()
 
 
+STREAM_STEPS = 4  # denoising steps the fake reports per image when the request leaves it to the server
+
+
 class FakeGateway(gw_grpc.GatewayServiceServicer):
-    """Answers GenerateImages with n tiny PNGs; can abort, block, or report cached tokens."""
+    """Answers GenerateImages with n tiny PNGs, and GenerateImagesStream with progress, partials and the result.
+
+    It can abort (before or mid-stream), block until cancelled, end a stream without a result, require an
+    API key like the real gateway, and report cached tokens.
+    """
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         self.calls: list[tuple[gw.GenerateImagesRequest, dict[str, str]]] = []
+        self.stream_calls: list[tuple[gw.GenerateImagesStreamRequest, dict[str, str]]] = []
         self.abort: tuple[grpc.StatusCode, str] | None = None
+        self.abort_mid_stream: tuple[grpc.StatusCode, str] | None = None
+        self.stream_without_result = False
+        self.required_authorization: str | None = None
         self.cached_tokens = 0
         self.block = False
+        self.block_after_first = False
         self.started = asyncio.Event()
         self.cancelled = asyncio.Event()
         self.workers = [
@@ -60,20 +91,55 @@ class FakeGateway(gw_grpc.GatewayServiceServicer):
             gw.WorkerStatus(address="dn:1", role=gw.WORKER_ROLE_DENOISER, state=gw.WORKER_STATE_BUSY),
         ]
 
+    async def _admit(self, context: grpc.aio.ServicerContext) -> dict[str, str]:
+        metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        if self.required_authorization is not None and metadata.get("authorization") != self.required_authorization:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
+        if self.abort is not None:
+            await context.abort(*self.abort)
+        return metadata
+
+    async def _block(self) -> None:
+        self.started.set()
+        try:
+            await asyncio.Event().wait()  # until the client cancels
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
     async def GenerateImages(
         self, request: gw.GenerateImagesRequest, context: grpc.aio.ServicerContext
     ) -> gw.GenerateImagesResponse:
-        metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
-        self.calls.append((request, metadata))
-        if self.abort is not None:
-            await context.abort(*self.abort)
+        self.calls.append((request, {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}))
+        metadata = await self._admit(context)
         if self.block:
-            self.started.set()
-            try:
-                await asyncio.Event().wait()  # until the client cancels
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
+            await self._block()
+        return self._response(request, metadata)
+
+    async def GenerateImagesStream(
+        self, request: gw.GenerateImagesStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gw.GenerateImagesStreamResponse]:
+        self.stream_calls.append((request, {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}))
+        metadata = await self._admit(context)
+        if self.block:
+            await self._block()
+        inner = request.request
+        steps = inner.num_inference_steps or STREAM_STEPS
+        for index in range(inner.n or 1):
+            for step in range(1, steps + 1):
+                yield gw.GenerateImagesStreamResponse(
+                    progress=gw.ImageProgress(image_index=index, step=step, total_steps=steps))
+                if self.block_after_first:
+                    await self._block()
+                if step <= request.partial_images:
+                    yield gw.GenerateImagesStreamResponse(partial_image=gw.ImagePartial(
+                        image_index=index, partial_image_index=step - 1, image=_png(100 + step)))
+        if self.abort_mid_stream is not None:
+            await context.abort(*self.abort_mid_stream)
+        if not self.stream_without_result:
+            yield gw.GenerateImagesStreamResponse(completed=self._response(inner, metadata))
+
+    def _response(self, request: gw.GenerateImagesRequest, metadata: dict[str, str]) -> gw.GenerateImagesResponse:
         n = request.n or 1
         per_image = common_pb2.Usage(
             prompt_tokens=PROMPT_TOKENS,
@@ -98,6 +164,9 @@ class FakeGateway(gw_grpc.GatewayServiceServicer):
     async def GetStatus(
         self, request: gw.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> gw.GetStatusResponse:
+        metadata = dict(context.invocation_metadata())
+        if self.required_authorization is not None and metadata.get("authorization") != self.required_authorization:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
         return gw.GetStatusResponse(workers=self.workers, active_requests=0)
 
 
@@ -275,7 +344,9 @@ BAD_BODIES: list[tuple[str, Any, str | None]] = [
     ("output_compression 101", {"prompt": "x", "output_compression": 101}, "output_compression"),
     ("background transparent", {"prompt": "x", "background": "transparent"}, "background"),
     ("quality ultra", {"prompt": "x", "quality": "ultra"}, "quality"),
-    ("stream true", {"prompt": "x", "stream": True}, "stream"),
+    ("stream as string", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("partial_images -1", {"prompt": "x", "stream": True, "partial_images": -1}, "partial_images"),
+    ("stream with url", {"prompt": "x", "stream": True, "response_format": "url"}, "response_format"),
     ("partial_images 4", {"prompt": "x", "partial_images": 4}, "partial_images"),
     ("seed -1", {"prompt": "x", "seed": -1}, "seed"),
     ("seed 2**32", {"prompt": "x", "seed": 2**32}, "seed"),
@@ -295,7 +366,7 @@ async def test_bad_inputs_400(
 ) -> None:
     err = _assert_error(await _generate(client, body), 400, param)
     assert err["type"] == "invalid_request_error"
-    assert backend.servicer.calls == []
+    assert backend.servicer.calls == [] and backend.servicer.stream_calls == []
 
 
 @pytest.mark.parametrize(
@@ -317,9 +388,7 @@ async def test_raw_bodies_400(
     _assert_error(resp, 400, param, code)
 
 
-async def test_stream_message(client: httpx.AsyncClient) -> None:
-    err = _assert_error(await _generate(client, {"prompt": "x", "stream": True}), 400, "stream")
-    assert "streaming is not supported yet" in err["message"]
+async def test_url_message(client: httpx.AsyncClient) -> None:
     resp = await _generate(client, {"prompt": "x", "response_format": "url"})
     err = _assert_error(resp, 400, "response_format")
     assert "no image store" in err["message"]
@@ -484,38 +553,418 @@ async def test_openapi_documents_body(client: httpx.AsyncClient) -> None:
 # --- client disconnect ------------------------------------------------------------------------------
 
 
-async def test_client_disconnect_cancels_grpc_call(app: FastAPI, backend: Backend) -> None:
-    # Raw ASGI call: receive() hands over the body, then reports http.disconnect on demand.
-    backend.servicer.block = True
-    body = json.dumps({"prompt": "slow"}).encode()
-    disconnect = asyncio.Event()
-    sent: list[dict[str, Any]] = []
-    body_sent = False
+class RawClient:
+    """Drives the ASGI app directly so the test decides when the client hangs up.
 
-    async def receive() -> dict[str, Any]:
-        nonlocal body_sent
-        if not body_sent:
-            body_sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await disconnect.wait()
+    receive() hands over the body once, then reports http.disconnect when `hang_up()` is called.
+    """
+
+    def __init__(self, app: FastAPI, body: dict[str, Any]) -> None:
+        self.body = json.dumps(body).encode()
+        self.disconnect = asyncio.Event()
+        self.body_chunk_sent = asyncio.Event()
+        self.sent: list[dict[str, Any]] = []
+        self._body_given = False
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/v1/images/generations", "raw_path": b"/v1/images/generations",
+            "query_string": b"", "root_path": "",
+            "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1234), "server": ("test", 80),
+        }
+        self.task = asyncio.create_task(app(scope, self._receive, self._send))
+
+    async def _receive(self) -> dict[str, Any]:
+        if not self._body_given:
+            self._body_given = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self.disconnect.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
+    async def _send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+        if message["type"] == "http.response.body" and message.get("body"):
+            self.body_chunk_sent.set()
 
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": "/v1/images/generations", "raw_path": b"/v1/images/generations", "query_string": b"",
-        "root_path": "", "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1234), "server": ("test", 80),
-    }
-    task = asyncio.create_task(app(scope, receive, send))
+    def hang_up(self) -> None:
+        self.disconnect.set()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream-before-first-event"])
+async def test_client_disconnect_cancels_grpc_call(app: FastAPI, backend: Backend, stream: bool) -> None:
+    backend.servicer.block = True
+    raw = RawClient(app, {"prompt": "slow", "stream": stream})
     await asyncio.wait_for(backend.servicer.started.wait(), 10)
-    assert not task.done()
-    disconnect.set()
+    assert not raw.task.done()
+    raw.hang_up()
     await asyncio.wait_for(backend.servicer.cancelled.wait(), 10)
-    await asyncio.wait_for(task, 10)
-    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    await asyncio.wait_for(raw.task, 10)
+    assert raw.sent[0]["type"] == "http.response.start" and raw.sent[0]["status"] == 499
+
+
+async def test_client_disconnect_mid_stream_cancels_grpc_call(app: FastAPI, backend: Backend) -> None:
+    backend.servicer.block_after_first = True
+    raw = RawClient(app, {"prompt": "slow", "stream": True, "partial_images": 2})
+    await asyncio.wait_for(backend.servicer.started.wait(), 10)
+    await asyncio.wait_for(raw.body_chunk_sent.wait(), 10)  # the 200 and the first progress comment are out
+    assert raw.sent[0]["status"] == 200 and not raw.task.done()
+    raw.hang_up()
+    await asyncio.wait_for(backend.servicer.cancelled.wait(), 10)
+    await asyncio.wait_for(raw.task, 10)
+    assert raw.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert b"image_generation" not in b"".join(m.get("body", b"") for m in raw.sent)
+
+
+# --- streaming (SSE) ------------------------------------------------------------------------------------
+
+PARTIAL = "image_generation.partial_image"
+COMPLETED = "image_generation.completed"
+PARTIAL_KEYS = {"type", "b64_json", "created_at", "size", "quality", "background", "output_format",
+                "partial_image_index", "image_index"}
+COMPLETED_KEYS = {"type", "b64_json", "created_at", "size", "quality", "background", "output_format", "usage",
+                  "image_index"}
+
+
+def parse_sse(text: str) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """(event name, data) pairs and comment lines; checks each event's data names its own type."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    comments: list[str] = []
+    for block in text.split("\n\n"):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith(":"):
+                comments.append(line[1:].strip())
+            elif line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                data = json.loads(line.removeprefix("data: "))
+        if name is not None:
+            assert data is not None and data["type"] == name, block
+            events.append((name, data))
+    return events, comments
+
+
+def _image_usage(n_images: int = 1, cached: int | None = None) -> dict[str, Any]:
+    usage: dict[str, Any] = {
+        "input_tokens": PROMPT_TOKENS * n_images,
+        "output_tokens": COMPLETION_TOKENS_PER_IMAGE * n_images,
+        "total_tokens": (PROMPT_TOKENS + COMPLETION_TOKENS_PER_IMAGE) * n_images,
+        "input_tokens_details": {"text_tokens": PROMPT_TOKENS * n_images, "image_tokens": 0},
+        "prompt_tokens": PROMPT_TOKENS * n_images,
+        "completion_tokens": COMPLETION_TOKENS_PER_IMAGE * n_images,
+        "reasoning_tokens": 0,
+        "image_count": n_images,
+    }
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+async def test_stream_events(client: httpx.AsyncClient, backend: Backend) -> None:
+    resp = await _generate(client, {
+        "prompt": "a fox", "stream": True, "partial_images": 2, "n": 2, "size": "512x256", "quality": "low",
+        "output_format": "webp", "model": "dall-e-3",
+    }, headers={"Authorization": "Bearer t"})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    assert resp.headers["cache-control"] == "no-cache"
+    events, comments = parse_sse(resp.text)
+    assert [(name, d["image_index"], d.get("partial_image_index")) for name, d in events] == [
+        (PARTIAL, 0, 0), (PARTIAL, 0, 1), (PARTIAL, 1, 0), (PARTIAL, 1, 1), (COMPLETED, 0, None), (COMPLETED, 1, None),
+    ]
+    for name, data in events:
+        assert set(data) == (PARTIAL_KEYS if name == PARTIAL else COMPLETED_KEYS)
+        assert (data["size"], data["quality"], data["background"], data["output_format"]) == (
+            "512x256", "low", "opaque", "webp")
+        assert isinstance(data["created_at"], int)
+        assert base64.b64decode(data["b64_json"]).startswith(PNG_MAGIC)
+    # Each completed event bills its own image, so the events add up to the request's usage.
+    assert [d["usage"] for name, d in events if name == COMPLETED] == [_image_usage(), _image_usage()]
+    # quality=low is 10 steps; progress is sent as SSE comments, which clients ignore.
+    assert comments == [f"progress image={i} step={k}/10" for i in range(2) for k in range(1, 11)]
+    [(sreq, metadata)] = backend.servicer.stream_calls
+    assert sreq.partial_images == 2
+    assert (sreq.request.n, sreq.request.width, sreq.request.height) == (2, 512, 256)
+    assert sreq.request.num_inference_steps == 10
+    assert sreq.request.output_format == common_pb2.IMAGE_FORMAT_WEBP
+    assert metadata["authorization"] == "Bearer t"
+    assert metadata["x-request-id"] == resp.headers["x-request-id"] == sreq.request.request_id
+    assert backend.servicer.calls == []
+
+
+async def test_stream_without_partials(client: httpx.AsyncClient, backend: Backend) -> None:
+    resp = await _generate(client, {"prompt": "x", "stream": True})
+    events, _ = parse_sse(resp.text)
+    assert [name for name, _ in events] == [COMPLETED]
+    assert events[0][1]["usage"] == _image_usage()
+    assert backend.servicer.stream_calls[0][0].partial_images == 0
+
+
+async def test_stream_false_is_json(client: httpx.AsyncClient, backend: Backend) -> None:
+    resp = await _generate(client, {"prompt": "x", "stream": False, "partial_images": 3})
+    assert resp.headers["content-type"] == "application/json"
+    assert len(resp.json()["data"]) == 1
+    assert len(backend.servicer.calls) == 1 and backend.servicer.stream_calls == []
+
+
+@pytest.mark.parametrize("n", [1, 3])
+async def test_openai_sdk_stream(app: FastAPI, n: int) -> None:
+    from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
+
+    async with _http(app) as http:
+        sdk = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0, http_client=http)
+        stream = await sdk.images.generate(model="gpt-image-1", prompt="a lighthouse", n=n, size="256x256",
+                                           stream=True, partial_images=2)
+        events = [event async for event in stream]
+    assert [type(e) for e in events] == [ImageGenPartialImageEvent] * 2 * n + [ImageGenCompletedEvent] * n
+    partials = [e for e in events if isinstance(e, ImageGenPartialImageEvent)]
+    completed = [e for e in events if isinstance(e, ImageGenCompletedEvent)]
+    assert [e.partial_image_index for e in partials] == [0, 1] * n
+    assert [e.model_dump()["image_index"] for e in completed] == list(range(n))  # the SDK keeps extensions
+    for event in completed:
+        assert base64.b64decode(event.b64_json).startswith(PNG_MAGIC)
+        assert (event.size, event.output_format, event.background) == ("256x256", "png", "opaque")
+        assert event.usage.input_tokens == PROMPT_TOKENS
+        assert event.usage.output_tokens == COMPLETION_TOKENS_PER_IMAGE
+        assert event.usage.input_tokens_details.text_tokens == PROMPT_TOKENS
+    assert sum(e.usage.output_tokens for e in completed) == COMPLETION_TOKENS_PER_IMAGE * n
+
+
+@pytest.mark.parametrize(("code", "http_status"), [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+    (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    (grpc.StatusCode.UNIMPLEMENTED, 501),
+    (grpc.StatusCode.UNAVAILABLE, 503),
+], ids=lambda v: getattr(v, "name", str(v)))
+async def test_stream_error_before_first_event_keeps_http_status(
+    client: httpx.AsyncClient, backend: Backend, code: grpc.StatusCode, http_status: int
+) -> None:
+    backend.servicer.abort = (code, "nope")
+    resp = await _generate(client, {"prompt": "x", "stream": True, "partial_images": 1})
+    _assert_error(resp, http_status, None, code.name.lower())
+    assert ("retry-after" in resp.headers) == (http_status == 429)
+
+
+async def test_openai_sdk_stream_errors(app: FastAPI, backend: Backend) -> None:
+    async with _http(app) as http:
+        sdk = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0, http_client=http)
+        backend.servicer.abort = (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        with pytest.raises(openai.RateLimitError):
+            await sdk.images.generate(prompt="x", stream=True, partial_images=1)
+        backend.servicer.abort = None
+        backend.servicer.abort_mid_stream = (grpc.StatusCode.DEADLINE_EXCEEDED, "too slow")
+        stream = await sdk.images.generate(prompt="x", stream=True, partial_images=1)
+        seen = []
+        with pytest.raises(openai.APIError, match="too slow"):
+            async for event in stream:
+                seen.append(event.type)
+        assert seen == [PARTIAL]
+
+
+async def test_stream_error_after_first_event_is_an_error_event(client: httpx.AsyncClient, backend: Backend) -> None:
+    backend.servicer.abort_mid_stream = (grpc.StatusCode.DEADLINE_EXCEEDED, "too slow")
+    resp = await _generate(client, {"prompt": "x", "stream": True, "partial_images": 1})
+    assert resp.status_code == 200  # already sent with the first event
+    events, _ = parse_sse(resp.text)
+    assert [name for name, _ in events] == [PARTIAL, "error"]
+    assert events[-1][1]["error"] == {
+        "message": "too slow", "type": "timeout_error", "param": None, "code": "deadline_exceeded"}
+
+
+async def test_stream_without_result_is_an_error_event(client: httpx.AsyncClient, backend: Backend) -> None:
+    backend.servicer.stream_without_result = True
+    events, _ = parse_sse((await _generate(client, {"prompt": "x", "stream": True, "partial_images": 1})).text)
+    assert [name for name, _ in events] == [PARTIAL, "error"]
+    assert events[-1][1]["error"]["code"] == "incomplete_stream"
+
+
+async def test_stream_cache_report(backend: Backend) -> None:
+    backend.servicer.cached_tokens = 5
+    async with rest_client(RestSettings(gateway_address=backend.address, enable_cache_report=True)) as c:
+        events, _ = parse_sse((await _generate(c, {"prompt": "x", "n": 2, "stream": True})).text)
+    assert [d["usage"] for _, d in events] == [_image_usage(cached=5)] * 2
+
+
+# --- the gateway's own API keys ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_gateway_key_check_reaches_the_client(client: httpx.AsyncClient, backend: Backend, stream: bool) -> None:
+    # REST checks no key here; the gateway does, on the forwarded authorization metadata.
+    backend.servicer.required_authorization = "Bearer gw-key"
+    body = {"prompt": "x", "stream": stream}
+    _assert_error(await _generate(client, body), 401, None, "unauthenticated")
+    _assert_error(await _generate(client, body, headers={"Authorization": "Bearer other"}), 401, None,
+                  "unauthenticated")
+    resp = await _generate(client, body, headers={"Authorization": "Bearer gw-key"})
+    assert resp.status_code == 200, resp.text
+
+
+async def test_health_uses_the_gateway_api_key(backend: Backend) -> None:
+    backend.servicer.required_authorization = "Bearer for-rest"
+    async with rest_client(RestSettings(gateway_address=backend.address)) as c:
+        resp = await c.get("/health")
+        assert resp.status_code == 503 and "--gateway-api-key" in resp.json()["reason"]
+    async with rest_client(RestSettings(gateway_address=backend.address, gateway_api_key="for-rest")) as c:
+        assert (await c.get("/health")).status_code == 200
+        # Generation carries the client's key, never REST's own.
+        _assert_error(await _generate(c, {"prompt": "x"}), 401, None, "unauthenticated")
+
+
+def test_gateway_api_key_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GLMIMAGE_GATEWAY_API_KEY", raising=False)
+    assert rest_main.settings_from_args(rest_main.parse_args([])).gateway_api_key is None
+    assert rest_main.settings_from_args(rest_main.parse_args(["--gateway-api-key", "a"])).gateway_api_key == "a"
+    monkeypatch.setenv("GLMIMAGE_GATEWAY_API_KEY", "b")
+    assert rest_main.settings_from_args(rest_main.parse_args([])).gateway_api_key == "b"
+
+
+async def test_same_key_on_rest_and_gateway_with_the_sdk(backend: Backend) -> None:
+    backend.servicer.required_authorization = "Bearer shared"
+    app = create_app(RestSettings(gateway_address=backend.address, api_keys=("shared",)))
+    async with app.router.lifespan_context(app), _http(app) as http:
+        sdk = openai.AsyncOpenAI(base_url="http://test/v1", api_key="shared", max_retries=0, http_client=http)
+        assert len((await sdk.images.generate(prompt="x", n=2)).data) == 2
+        events = [e async for e in await sdk.images.generate(prompt="x", stream=True)]
+        assert [e.type for e in events] == [COMPLETED]
+        with pytest.raises(openai.AuthenticationError):
+            await sdk.with_options(api_key="wrong").images.generate(prompt="x")
+
+
+# --- TLS to the gateway -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca: Path  # a CA that signed nothing here: the gateway's certificate must not verify with it
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _issue(
+    name: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None, *, server: bool = False
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A self-signed CA when issuer is None, else a leaf signed by issuer (server or client usage)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (x509.CertificateBuilder().subject_name(subject).public_key(key.public_key())
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=1)))
+    if issuer is None:
+        builder = builder.issuer_name(subject).add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        return builder.sign(key, hashes.SHA256()), key
+    issuer_cert, issuer_key = issuer
+    builder = builder.issuer_name(issuer_cert.subject).add_extension(
+        x509.BasicConstraints(ca=False, path_length=None), True)
+    usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+    builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), False)
+    if server:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+    return builder.sign(issuer_key, hashes.SHA256()), key
+
+
+def make_pki(directory: Path) -> Pki:
+    ca = _issue("test CA", None)
+    server = _issue("gateway", ca, server=True)
+    client = _issue("rest", ca)
+    other = _issue("other CA", None)
+    files = {
+        "ca": ca[0].public_bytes(serialization.Encoding.PEM),
+        "server_cert": server[0].public_bytes(serialization.Encoding.PEM),
+        "server_key": _pem_key(server[1]),
+        "client_cert": client[0].public_bytes(serialization.Encoding.PEM),
+        "client_key": _pem_key(client[1]),
+        "other_ca": other[0].public_bytes(serialization.Encoding.PEM),
+    }
+    for name, data in files.items():
+        (directory / f"{name}.pem").write_bytes(data)
+    return Pki(**{name: directory / f"{name}.pem" for name in files})
+
+
+@dataclass
+class TlsBackend:
+    address: str
+    pki: Pki
+
+
+@pytest_asyncio.fixture(scope="module")
+async def tls_backend(backend: Backend, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TlsBackend]:
+    """The same fake gateway servicer on a second port that demands mutual TLS."""
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    server = grpc.aio.server()
+    gw_grpc.add_GatewayServiceServicer_to_server(backend.servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(backend.health, server)
+    credentials = grpc.ssl_server_credentials(
+        [(pki.server_key.read_bytes(), pki.server_cert.read_bytes())],
+        root_certificates=pki.ca.read_bytes(), require_client_auth=True)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    await server.start()
+    try:
+        yield TlsBackend(f"127.0.0.1:{port}", pki)
+    finally:
+        await server.stop(grace=None)
+
+
+@pytest.mark.parametrize("server_name", [None, "localhost"])
+async def test_mutual_tls(tls_backend: TlsBackend, backend: Backend, server_name: str | None) -> None:
+    pki = tls_backend.pki
+    settings = RestSettings(gateway_address=tls_backend.address, gateway_tls_ca=pki.ca,
+                            gateway_tls_client_cert=pki.client_cert, gateway_tls_client_key=pki.client_key,
+                            gateway_tls_server_name=server_name)
+    async with rest_client(settings) as c:
+        resp = await _generate(c, {"prompt": "over TLS", "n": 2})
+        assert resp.status_code == 200, resp.text
+        assert len(resp.json()["data"]) == 2
+        events, _ = parse_sse((await _generate(c, {"prompt": "x", "stream": True, "partial_images": 1})).text)
+        assert [name for name, _ in events] == [PARTIAL, COMPLETED]
+        assert (await c.get("/health")).status_code == 200
+    assert [r.prompt for r, _ in backend.servicer.calls] == ["over TLS"]
+
+
+@pytest.mark.parametrize("case", ["plaintext", "no client certificate", "untrusted gateway", "wrong server name"])
+async def test_tls_refused(tls_backend: TlsBackend, backend: Backend, case: str) -> None:
+    pki = tls_backend.pki
+    settings = {
+        "plaintext": RestSettings(gateway_address=tls_backend.address),
+        "no client certificate": RestSettings(gateway_address=tls_backend.address, gateway_tls_ca=pki.ca),
+        "untrusted gateway": RestSettings(
+            gateway_address=tls_backend.address, gateway_tls_ca=pki.other_ca,
+            gateway_tls_client_cert=pki.client_cert, gateway_tls_client_key=pki.client_key),
+        "wrong server name": RestSettings(
+            gateway_address=tls_backend.address, gateway_tls_ca=pki.ca, gateway_tls_client_cert=pki.client_cert,
+            gateway_tls_client_key=pki.client_key, gateway_tls_server_name="not-the-gateway.example"),
+    }[case]
+    async with rest_client(replace(settings, request_timeout=10, health_timeout=10)) as c:
+        _assert_error(await _generate(c, {"prompt": "x"}), 503, None, "unavailable")
+        assert (await c.get("/health")).status_code == 503
+    assert backend.servicer.calls == []
+
+
+def test_tls_settings_and_flags(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="together"):
+        RestSettings(gateway_tls_client_cert=tmp_path / "c.pem")
+    with pytest.raises(SystemExit):
+        rest_main.parse_args(["--gateway-tls-client-key", "k.pem"])
+    args = rest_main.parse_args(["--gateway-address", "gw:443", "--gateway-tls-ca", "ca.pem",
+                                 "--gateway-tls-client-cert", "c.pem", "--gateway-tls-client-key", "k.pem",
+                                 "--gateway-tls-server-name", "gw.internal"])
+    settings = rest_main.settings_from_args(args)
+    assert (settings.gateway_tls_ca, settings.gateway_tls_client_cert, settings.gateway_tls_client_key,
+            settings.gateway_tls_server_name) == (Path("ca.pem"), Path("c.pem"), Path("k.pem"), "gw.internal")
+    assert settings.gateway_tls and not RestSettings().gateway_tls
+    with pytest.raises(FileNotFoundError):  # a bad path fails when the app is built, not on the first request
+        create_app(settings)
 
 
 # --- fuzz ------------------------------------------------------------------------------------------
@@ -541,24 +990,66 @@ FIELD_DICTS = st.dictionaries(st.sampled_from(FIELD_NAMES), JSON_VALUES, max_siz
 BODIES = st.one_of(FIELD_DICTS, FIELD_DICTS.map(lambda d: {**d, "prompt": "fuzz"}), JSON_VALUES)
 
 
+def check_answer(resp: httpx.Response) -> None:
+    """What any request must get: no 5xx, and a body in the documented shape for its status."""
+    assert resp.status_code < 500, resp.text
+    if resp.status_code != 200:
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    elif resp.headers["content-type"].startswith("text/event-stream"):
+        events, _ = parse_sse(resp.text)
+        for name, data in events:
+            (ImageGenPartialImageEvent if name == PARTIAL else ImageGenCompletedEvent).model_validate(data)
+        assert events and events[-1][0] == COMPLETED
+    else:
+        body = ImagesResponse.model_validate(resp.json())
+        assert len(body.data) == body.usage.image_count
+
+
 @hyp_settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=BODIES)
 async def test_fuzz_never_5xx(client: httpx.AsyncClient, body: Any) -> None:
-    resp = await _generate(client, body)
-    assert resp.status_code < 500, (body, resp.text)
-    if resp.status_code == 200:
-        assert len(resp.json()["data"]) == resp.json()["usage"]["image_count"]
-    else:
-        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    check_answer(await _generate(client, body))
+
+
+if schemathesis is not None:
+    # Cases generated from our own OpenAPI document: valid ones (which must still be answered sensibly) and
+    # schema-violating ones (which must all be 4xx).
+    _GENERATIONS = schemathesis.openapi.from_dict(create_app(RestSettings()).openapi())["/v1/images/generations"]
+    _CASES = (_GENERATIONS["POST"].as_strategy(GenerationMode.POSITIVE)
+              | _GENERATIONS["POST"].as_strategy(GenerationMode.NEGATIVE))
+
+    @hyp_settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=_CASES)
+    async def test_schemathesis_never_5xx(client: httpx.AsyncClient, case: Any) -> None:
+        kwargs = case.as_transport_kwargs(base_url="http://test")
+        if "data" in kwargs:  # raw bytes (not JSON); httpx calls that `content`
+            kwargs["content"] = kwargs.pop("data")
+        kwargs.pop("cookies", None)  # always empty: the API has no cookie parameters
+        check_answer(await client.request(**kwargs))
+else:
+    def test_schemathesis_never_5xx() -> None:
+        pytest.skip("schemathesis is not installed (it comes with the dev extra)")
 
 
 async def test_normal_request_after_fuzz(client: httpx.AsyncClient) -> None:
-    # Runs after the fuzz test (file order): the app must still be healthy.
+    # Runs after the fuzz tests (file order): the app must still be healthy.
     resp = await _generate(client, {"prompt": "still fine", "n": 2})
     assert resp.status_code == 200, resp.text
     assert len(resp.json()["data"]) == 2
+    assert (await client.get("/health")).status_code == 200
 
 
-def test_settings_are_replaceable() -> None:
-    s = replace(RestSettings(), api_keys=("a",))
-    assert s.api_keys == ("a",) and s.quality_steps["auto"] == 0
+async def test_listen_socket_gives_accepted_connections_tcp_nodelay() -> None:
+    # Without TCP_NODELAY every keep-alive response after the first waits ~40 ms (Nagle vs delayed ACK).
+    sock = rest_main.listen_socket("127.0.0.1", 0)
+    accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, sock=sock)
+    async with server:
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        assert await asyncio.wait_for(accepted, 10) != 0
+        writer.close()

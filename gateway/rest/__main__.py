@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import socket
@@ -38,11 +37,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--default-size", type=_size, default=_DEFAULTS.default_size, help="size used for 'auto'")
     p.add_argument("--api-key", action="append", default=[],
                    help="accepted Bearer key (repeatable; also GLMIMAGE_API_KEYS, comma-separated)")
+    p.add_argument("--gateway-api-key", default=None,
+                   help="key for the REST front's own gateway calls (GetStatus behind /health), when the gateway "
+                   "requires keys; also GLMIMAGE_GATEWAY_API_KEY. Generation calls forward the client's key.")
     p.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens")
     p.add_argument("--request-timeout", type=float, default=_DEFAULTS.request_timeout, help="seconds")
+    tls = p.add_argument_group("TLS to the gateway", "any of these turns TLS on for the gateway channel")
+    tls.add_argument("--gateway-tls-ca", type=Path, default=None,
+                     help="PEM CA bundle that signed the gateway's certificate (default: the system roots)")
+    tls.add_argument("--gateway-tls-client-cert", type=Path, default=None,
+                     help="PEM client certificate chain, for mutual TLS (with --gateway-tls-client-key)")
+    tls.add_argument("--gateway-tls-client-key", type=Path, default=None,
+                     help="PEM private key of --gateway-tls-client-cert")
+    tls.add_argument("--gateway-tls-server-name", default=None,
+                     help="name the gateway's certificate must carry, when it differs from the dialled host")
     p.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.gateway_tls_client_cert is None) != (args.gateway_tls_client_key is None):
+        p.error("--gateway-tls-client-cert and --gateway-tls-client-key go together")
+    return args
 
 
 def settings_from_args(args: argparse.Namespace) -> RestSettings:
@@ -56,7 +70,33 @@ def settings_from_args(args: argparse.Namespace) -> RestSettings:
         api_keys=api_keys,
         request_timeout=args.request_timeout,
         enable_cache_report=args.enable_cache_report,
+        gateway_tls_ca=args.gateway_tls_ca,
+        gateway_tls_client_cert=args.gateway_tls_client_cert,
+        gateway_tls_client_key=args.gateway_tls_client_key,
+        gateway_tls_server_name=args.gateway_tls_server_name,
+        gateway_api_key=args.gateway_api_key or os.environ.get("GLMIMAGE_GATEWAY_API_KEY") or None,
     )
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket created with an explicit IPPROTO_TCP.
+
+    socket.create_server leaves proto at 0, and asyncio only sets TCP_NODELAY on accepted sockets whose proto
+    is IPPROTO_TCP: without it, Nagle's algorithm meets the client's delayed ACK and every response after the
+    first on a keep-alive connection waits ~40 ms.
+    """
+    family, type_, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -66,15 +106,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     app = create_app(settings_from_args(args))
     # Bind here rather than in uvicorn so that --port 0 can report the port it got.
-    sock = socket.create_server((args.host, args.port), reuse_port=False)
+    sock = listen_socket(args.host, args.port)
     if args.port_file is not None:
         tmp = args.port_file.with_suffix(".tmp")
         tmp.write_text(str(sock.getsockname()[1]))
         tmp.replace(args.port_file)
     logging.getLogger("gateway.rest").info("REST front listening on %s:%d", args.host, sock.getsockname()[1])
-    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on")
+    # The stdlib loop: uvloop measured no faster here (the time goes to FastAPI and the gRPC client).
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", loop="asyncio")
     # uvicorn installs its own SIGINT/SIGTERM handlers and shuts down gracefully.
-    asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """OpenAI-compatible REST front for GLM-Image.
 
 A thin translator: it validates OpenAI Images API requests, calls
-`glmimage.v1.GatewayService` over one gRPC channel and maps the answer (or the
-gRPC status) back to OpenAI-shaped JSON. It holds no model and no torch.
+`glmimage.v1.GatewayService` over one gRPC channel (plaintext or TLS) and maps the
+answer (or the gRPC status) back to OpenAI-shaped JSON, or to server-sent events
+when the client asks for `stream: true`. It holds no model and no torch.
 """
 
 from __future__ import annotations
@@ -14,30 +15,42 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 
+from . import sse
 from .errors import APIError, error_response, from_rpc_error, from_validation_errors
-from .schemas import ErrorResponse, ImageGenerationRequest, ImagesResponse, ModelList
+from .schemas import (
+    ErrorResponse,
+    ImageGenCompletedEvent,
+    ImageGenerationRequest,
+    ImageGenPartialImageEvent,
+    ImagesResponse,
+    ModelList,
+)
 
 log = logging.getLogger("glmimage.rest")
 
 REQUEST_ID_HEADER = "x-request-id"
-# How often the handler checks whether the HTTP client is still there.
-DISCONNECT_POLL_S = 0.05
+PARTIAL_EVENT = "image_generation.partial_image"
+COMPLETED_EVENT = "image_generation.completed"
+ERROR_EVENT = "error"
 # Ten 2048x2048 PNGs can exceed gRPC's 4 MiB default by far.
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -76,10 +89,45 @@ class RestSettings:
     request_timeout: float = 300.0
     enable_cache_report: bool = False
     health_timeout: float = 5.0
+    # Bearer key for REST's own gateway calls (GetStatus behind /health) when the gateway checks keys.
+    # Generation calls carry the client's own Authorization header instead, so the gateway checks the caller.
+    gateway_api_key: str | None = None
+    # TLS to the gateway: on when any is set. CA: PEM roots to verify the gateway (None: system roots);
+    # client cert and key (PEM, both or neither): mutual TLS.
+    gateway_tls_ca: Path | None = None
+    gateway_tls_client_cert: Path | None = None
+    gateway_tls_client_key: Path | None = None
+    # Name to check the gateway's certificate against, when it differs from the dialled host.
+    gateway_tls_server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.gateway_tls_client_cert is None) != (self.gateway_tls_client_key is None):
+            raise ValueError("gateway TLS: give the client certificate and its key together, or neither")
 
     @property
     def model_names(self) -> tuple[str, ...]:
         return (self.served_model, *self.model_aliases)
+
+    @property
+    def gateway_tls(self) -> bool:
+        return any(p is not None for p in (self.gateway_tls_ca, self.gateway_tls_client_cert,
+                                           self.gateway_tls_client_key, self.gateway_tls_server_name))
+
+
+def channel_credentials(settings: RestSettings) -> grpc.ChannelCredentials | None:
+    """TLS credentials for the gateway channel, or None for plaintext. Reads the PEM files now, so a bad path
+    fails at start-up rather than on the first request."""
+    if not settings.gateway_tls:
+        return None
+
+    def read(path: Path | None) -> bytes | None:
+        return path.read_bytes() if path is not None else None
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(settings.gateway_tls_ca),
+        private_key=read(settings.gateway_tls_client_key),
+        certificate_chain=read(settings.gateway_tls_client_cert),
+    )
 
 
 class RestMetrics:
@@ -229,8 +277,6 @@ def _to_grpc(
         body.prompt.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates from JSON \ud800 escapes; protobuf would reject them
         raise APIError(400, "prompt is not valid Unicode", param="prompt", code="invalid_value") from None
-    if body.stream:
-        raise APIError(400, "streaming is not supported yet", param="stream", code="unsupported_value")
     if body.response_format == "url":
         raise APIError(400, "response_format 'url' is not supported: no image store is configured; "
                        "use 'b64_json'", param="response_format", code="unsupported_value")
@@ -260,8 +306,7 @@ def _to_grpc(
     return req, quality
 
 
-def _usage(resp: gateway_service_pb2.GenerateImagesResponse, settings: RestSettings) -> dict[str, Any]:
-    u = resp.usage
+def _usage(u: common_pb2.Usage, image_count: int, settings: RestSettings) -> dict[str, Any]:
     usage: dict[str, Any] = {
         "input_tokens": u.prompt_tokens,
         "output_tokens": u.completion_tokens,
@@ -270,7 +315,7 @@ def _usage(resp: gateway_service_pb2.GenerateImagesResponse, settings: RestSetti
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "reasoning_tokens": u.reasoning_tokens,
-        "image_count": len(resp.images),
+        "image_count": image_count,
     }
     # Cache hits reveal what other users prompted, so reporting them is opt-in.
     if settings.enable_cache_report and u.cached_tokens > 0:
@@ -278,55 +323,198 @@ def _usage(resp: gateway_service_pb2.GenerateImagesResponse, settings: RestSetti
     return usage
 
 
-async def _cancel_on_disconnect(request: Request, call: grpc.aio.UnaryUnaryCall, gone: asyncio.Event) -> None:
-    while not call.done():
-        if await request.is_disconnected():
-            gone.set()
-            call.cancel()  # propagates as a gRPC cancellation down to the AR/denoiser work
-            return
-        await asyncio.sleep(DISCONNECT_POLL_S)
+class _CallGuard:
+    """Cancels a gateway call when the HTTP client hangs up, and maps its failures to APIError.
+
+    It waits on ASGI `receive` (which, once the body is read, only returns `http.disconnect`) instead of
+    polling, so an idle request costs nothing. The cancellation reaches the AR and denoiser work downstream.
+    """
+
+    def __init__(self, call: grpc.aio.Call, receive: Receive) -> None:
+        self.call = call
+        self.gone = False
+        self._watcher = asyncio.create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.call.cancel()
+
+    async def wait(self, step: Awaitable[Any]) -> Any:
+        """Await one step of the call (the unary result, or one stream read); None if the client went away."""
+        try:
+            return await step
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.gone and not (task and task.cancelling()):
+                return None
+            raise
+        except grpc.aio.AioRpcError as err:
+            if self.gone:
+                return None
+            raise from_rpc_error(err) from err
+
+    def close(self) -> None:
+        self._watcher.cancel()
+        if not self.call.done():
+            self.call.cancel()
+
+
+@dataclass
+class _Generation:
+    """What one /v1/images/generations call needs to answer: the gRPC request and the echoed settings."""
+
+    request: gateway_service_pb2.GenerateImagesRequest
+    quality: str
+    metadata: tuple[tuple[str, str], ...]
+    rid: str
+
+    @property
+    def output_format(self) -> str:
+        return _FORMAT_NAMES.get(self.request.output_format, "png")
+
+    def echo(self, size: str, output_format: str) -> dict[str, Any]:
+        return {"size": size, "quality": self.quality, "background": "opaque", "output_format": output_format}
 
 
 async def _generate(
-    gateway: _Gateway,
-    req: gateway_service_pb2.GenerateImagesRequest,
-    metadata: tuple[tuple[str, str], ...],
-    timeout: float,
-    request: Request,
+    gateway: _Gateway, gen: _Generation, timeout: float, receive: Receive
 ) -> gateway_service_pb2.GenerateImagesResponse | None:
     """Run GenerateImages; None if the HTTP client went away (the RPC is then cancelled)."""
-    call = gateway.stub.GenerateImages(req, metadata=metadata, timeout=timeout)
-    gone = asyncio.Event()
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, call, gone))
+    guard = _CallGuard(gateway.stub.GenerateImages(gen.request, metadata=gen.metadata, timeout=timeout), receive)
     try:
-        return await call
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if gone.is_set() and not (task and task.cancelling()):
-            return None
-        raise
-    except grpc.aio.AioRpcError as err:
-        if gone.is_set():
-            return None
-        raise from_rpc_error(err) from err
+        return await guard.wait(guard.call)
     finally:
-        watcher.cancel()
-        if not call.done():
-            call.cancel()
+        guard.close()
+
+
+def _completed_events(
+    resp: gateway_service_pb2.GenerateImagesResponse, gen: _Generation, settings: RestSettings
+) -> list[bytes]:
+    """One completed event per image, each with that image's usage, so the events add up to the request's."""
+    size = f"{resp.width or gen.request.width}x{resp.height or gen.request.height}"
+    echo = gen.echo(size, _FORMAT_NAMES.get(resp.output_format, gen.output_format))
+    per_image = all(img.HasField("usage") for img in resp.images)
+    events = []
+    for i, img in enumerate(resp.images):
+        if per_image:
+            usage = _usage(img.usage, 1, settings)
+        else:  # a gateway without per-image usage: the whole bill on the last event keeps the sum right
+            last = i == len(resp.images) - 1
+            usage = _usage(resp.usage if last else common_pb2.Usage(), len(resp.images) if last else 0, settings)
+        events.append(sse.event(COMPLETED_EVENT, {
+            "type": COMPLETED_EVENT,
+            "b64_json": base64.b64encode(img.image).decode("ascii"),
+            "created_at": int(time.time()),
+            **echo,
+            "usage": usage,
+            "image_index": img.index,  # extension: which of the n images this is
+        }))
+    return events
+
+
+def _error_event(err: APIError) -> bytes:
+    # The openai SDK raises APIError for any event whose data has an "error" object.
+    body = {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+    return sse.event(ERROR_EVENT, {"type": ERROR_EVENT, "error": body})
+
+
+async def _stream_events(
+    guard: _CallGuard,
+    first: gateway_service_pb2.GenerateImagesStreamResponse,
+    gen: _Generation,
+    settings: RestSettings,
+    metrics: RestMetrics,
+) -> AsyncIterator[bytes]:
+    """GenerateImagesStream messages -> OpenAI image-generation events. Progress becomes SSE comments
+    (OpenAI has no progress event; comments are ignored by clients and keep proxies from timing out)."""
+    call: grpc.aio.UnaryStreamCall = guard.call  # type: ignore[assignment]
+    partial_echo = gen.echo(f"{gen.request.width}x{gen.request.height}", gen.output_format)
+    msg: Any = first
+    try:
+        while msg is not None and msg is not grpc.aio.EOF:
+            kind = msg.WhichOneof("event")
+            if kind == "progress":
+                p = msg.progress
+                yield sse.comment(f"progress image={p.image_index} step={p.step}/{p.total_steps}")
+            elif kind == "partial_image":
+                part = msg.partial_image
+                yield sse.event(PARTIAL_EVENT, {
+                    "type": PARTIAL_EVENT,
+                    "b64_json": base64.b64encode(part.image).decode("ascii"),
+                    "created_at": int(time.time()),
+                    **partial_echo,
+                    "partial_image_index": part.partial_image_index,
+                    "image_index": part.image_index,  # extension, as on the completed event
+                })
+            elif kind == "completed":
+                metrics.images.inc(len(msg.completed.images))
+                for chunk in _completed_events(msg.completed, gen, settings):
+                    yield chunk
+                log.info("%s stream done: %d image(s), %d+%d tokens", gen.rid, len(msg.completed.images),
+                         msg.completed.usage.prompt_tokens, msg.completed.usage.completion_tokens)
+                return
+            msg = await guard.wait(call.read())
+        if msg is None:
+            log.info("%s client disconnected mid-stream; gateway call cancelled", gen.rid)
+            return
+        log.warning("%s gateway stream ended without a result", gen.rid)
+        yield _error_event(APIError(502, "the gateway stream ended without a result", type="server_error",
+                                    code="incomplete_stream"))
+    except APIError as err:
+        log.info("%s stream failed: %d %s", gen.rid, err.status, err.message)
+        yield _error_event(err)
+    finally:
+        guard.close()
+
+
+async def _stream(
+    gateway: _Gateway, gen: _Generation, partial_images: int, settings: RestSettings, metrics: RestMetrics,
+    receive: Receive,
+) -> Response:
+    req = gateway_service_pb2.GenerateImagesStreamRequest(request=gen.request, partial_images=partial_images)
+    call = gateway.stub.GenerateImagesStream(req, metadata=gen.metadata, timeout=settings.request_timeout)
+    guard = _CallGuard(call, receive)
+    try:
+        # Wait for the first message before committing to a 200, so that errors the gateway reports at once
+        # (bad input, queue full, bad key, no streaming support) keep their HTTP status.
+        first = await guard.wait(call.read())
+    except BaseException:
+        guard.close()
+        raise
+    if first is None:
+        guard.close()
+        log.info("%s client disconnected; gateway call cancelled", gen.rid)
+        return Response(status_code=499)
+    if first is grpc.aio.EOF:
+        guard.close()
+        raise APIError(502, "the gateway stream ended without a result", type="server_error",
+                       code="incomplete_stream")
+    return sse.EventStreamResponse(_stream_events(guard, first, gen, settings, metrics))
 
 
 def create_app(settings: RestSettings) -> FastAPI:
     metrics = RestMetrics()
     created = int(time.time())
+    credentials = channel_credentials(settings)
+    own_metadata = (("authorization", f"Bearer {settings.gateway_api_key}"),) if settings.gateway_api_key else ()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # grpc.aio channels bind to the running loop, so create it here, not in create_app.
-        channel = grpc.aio.insecure_channel(settings.gateway_address, options=_CHANNEL_OPTIONS)
+        if credentials is None:
+            channel = grpc.aio.insecure_channel(settings.gateway_address, options=_CHANNEL_OPTIONS)
+        else:
+            options = list(_CHANNEL_OPTIONS)
+            if settings.gateway_tls_server_name:
+                options.append(("grpc.ssl_target_name_override", settings.gateway_tls_server_name))
+            channel = grpc.aio.secure_channel(settings.gateway_address, credentials, options=options)
         app.state.gateway = _Gateway(
             channel, gateway_service_pb2_grpc.GatewayServiceStub(channel), health_pb2_grpc.HealthStub(channel)
         )
-        log.info("REST front using gateway at %s", settings.gateway_address)
+        log.info("REST front using gateway at %s (%s)", settings.gateway_address,
+                 "TLS" if credentials is not None else "plaintext")
         try:
             yield
         finally:
@@ -365,22 +553,39 @@ def create_app(settings: RestSettings) -> FastAPI:
     @app.post(
         "/v1/images/generations",
         response_class=JSONResponse,
-        responses={200: {"model": ImagesResponse}, **error_responses},
+        responses={
+            200: {
+                "model": ImagesResponse,
+                "description": "JSON, or with `stream: true` server-sent events (`event: <type>`, `data: <json>`): "
+                "ImageGenPartialImageEvent, then one ImageGenCompletedEvent per image; a failure after the first "
+                "event is sent as an `error` event holding an ErrorResponse.",
+                "content": {sse.MEDIA_TYPE: {"schema": {"oneOf": [
+                    {"$ref": "#/components/schemas/ImageGenPartialImageEvent"},
+                    {"$ref": "#/components/schemas/ImageGenCompletedEvent"},
+                ]}}},
+            },
+            **error_responses,
+        },
         summary="Create images from a prompt",
     )
     async def generate_images(body: ImageGenerationRequest, request: Request) -> Response:
         rid = _request_id(request)
         req, quality = _to_grpc(body, settings, rid)
         metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_HEADER, rid),)
+        # Forwarded whether or not REST checks keys itself: the gateway may enforce its own.
         authorization = request.headers.get("authorization")
         if authorization and _HEADER_VALUE_RE.fullmatch(authorization):
             metadata += (("authorization", authorization),)
+        gen = _Generation(request=req, quality=quality, metadata=metadata, rid=rid)
         log.info(
-            "%s generate n=%d size=%dx%d steps=%d format=%s user=%r",
-            rid, req.n, req.width, req.height, req.num_inference_steps,
-            body.output_format or "png", body.user,
+            "%s generate n=%d size=%dx%d steps=%d format=%s stream=%s user=%r",
+            rid, req.n, req.width, req.height, req.num_inference_steps, gen.output_format, bool(body.stream),
+            body.user,
         )
-        resp = await _generate(request.app.state.gateway, req, metadata, settings.request_timeout, request)
+        gateway: _Gateway = request.app.state.gateway
+        if body.stream:
+            return await _stream(gateway, gen, body.partial_images or 0, settings, metrics, request.receive)
+        resp = await _generate(gateway, gen, settings.request_timeout, request.receive)
         if resp is None:
             log.info("%s client disconnected; gateway call cancelled", rid)
             return Response(status_code=499)
@@ -388,11 +593,9 @@ def create_app(settings: RestSettings) -> FastAPI:
         result = {
             "created": int(time.time()),
             "data": [{"b64_json": base64.b64encode(img.image).decode("ascii")} for img in resp.images],
-            "size": f"{resp.width or req.width}x{resp.height or req.height}",
-            "output_format": _FORMAT_NAMES.get(resp.output_format, "png"),
-            "quality": quality,
-            "background": "opaque",
-            "usage": _usage(resp, settings),
+            **gen.echo(f"{resp.width or req.width}x{resp.height or req.height}",
+                       _FORMAT_NAMES.get(resp.output_format, gen.output_format)),
+            "usage": _usage(resp.usage, len(resp.images), settings),
         }
         log.info("%s done: %d image(s), %d+%d tokens", rid, len(resp.images),
                  resp.usage.prompt_tokens, resp.usage.completion_tokens)
@@ -417,8 +620,12 @@ def create_app(settings: RestSettings) -> FastAPI:
             if check.status != health_pb2.HealthCheckResponse.SERVING:
                 name = health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)
                 return unavailable(f"gateway health is {name}")
-            status = await gateway.stub.GetStatus(gateway_service_pb2.GetStatusRequest(), timeout=timeout)
+            status = await gateway.stub.GetStatus(gateway_service_pb2.GetStatusRequest(), timeout=timeout,
+                                                  metadata=own_metadata)
         except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return unavailable(f"the gateway refused GetStatus ({err.details()}); "
+                                   "give the REST front a key with --gateway-api-key")
             return unavailable(f"gateway unreachable: {err.code().name}: {err.details()}")
         def ready(role: gateway_service_pb2.WorkerRole.ValueType) -> int:
             return sum(1 for w in status.workers if w.role == role and w.state in _READY_STATES)
@@ -440,4 +647,25 @@ def create_app(settings: RestSettings) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def openapi() -> dict[str, Any]:
+        # FastAPI only documents models that routes return as JSON; add the SSE event models by hand.
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            _, defs = models_json_schema(
+                [(ImageGenPartialImageEvent, "serialization"), (ImageGenCompletedEvent, "serialization")],
+                ref_template="#/components/schemas/{model}",
+            )
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in defs.get("$defs", {}).items():
+                schemas.setdefault(name, schema)
+            # Validation errors are answered 400 in OpenAI's shape (documented per route), never 422.
+            for operations in doc.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -53,9 +53,13 @@ class ImageGenerationRequest(BaseModel):
         None, description="`auto` or `opaque`; transparent backgrounds are not supported."
     )
     user: str | None = Field(None, description="End-user identifier; only logged.")
-    stream: bool | None = Field(None, description="Streaming is not supported yet; must be false or absent.")
+    stream: bool | None = Field(
+        None,
+        description="`true`: answer with server-sent events, `image_generation.partial_image` events then one "
+        "`image_generation.completed` event per image (with that image's usage), instead of one JSON body.",
+    )
     partial_images: int | None = Field(
-        None, ge=0, le=3, description="Accepted for compatibility; only meaningful with streaming."
+        None, ge=0, le=3, description="With `stream`: previews per image, 0 to 3. Ignored without `stream`."
     )
     # GLM-Image extensions.
     seed: int | None = Field(
@@ -108,6 +112,34 @@ class ImagesResponse(BaseModel):
     quality: str
     background: Literal["opaque"]
     usage: ImagesUsage
+
+
+class ImageGenPartialImageEvent(BaseModel):
+    """SSE `image_generation.partial_image`: a preview decoded from the current latents."""
+
+    type: Literal["image_generation.partial_image"]
+    b64_json: str
+    created_at: int
+    size: str
+    quality: str
+    background: Literal["opaque"]
+    output_format: OutputFormat
+    partial_image_index: int = Field(description="0-based, per image.")
+    image_index: int = Field(description="Extension: which of the `n` images this preview belongs to.")
+
+
+class ImageGenCompletedEvent(BaseModel):
+    """SSE `image_generation.completed`: one per image; the usage is that image's, so the events add up."""
+
+    type: Literal["image_generation.completed"]
+    b64_json: str
+    created_at: int
+    size: str
+    quality: str
+    background: Literal["opaque"]
+    output_format: OutputFormat
+    usage: ImagesUsage
+    image_index: int = Field(description="Extension: which of the `n` images this is.")
 
 
 class ErrorDetail(BaseModel):
