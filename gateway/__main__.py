@@ -68,6 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", action="append", default=[],
                    help=f"require 'authorization: Bearer <key>' on GatewayService (repeatable; also ${ENV_KEYS}, "
                         "comma-separated); health and reflection stay open")
+    p.add_argument("--denoise-timeout", type=float, default=600.0,
+                   help="seconds one denoise call may take before it is retried on another denoiser and its worker "
+                        "is sidelined until it answers a health check")
+    p.add_argument("--health-probe-timeout", type=float, default=1.0,
+                   help="seconds a worker has to answer a health probe")
+    p.add_argument("--queue-without-workers", action="store_true",
+                   help="hold requests until their deadline when a stage has no ready worker, instead of failing "
+                        "them at once with UNAVAILABLE (503)")
     return p.parse_args(argv)
 
 
@@ -79,12 +87,14 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
                                     ar_batch_delay=args.ar_batch_delay_ms / 1000,
                                     ar_max_inflight_batches=args.ar_max_inflight_batches,
                                     ar_retries=args.ar_retries, max_attempts=args.max_attempts,
-                                    serial_outputs=args.outputs == "serial")
+                                    serial_outputs=args.outputs == "serial",
+                                    fail_fast_without_workers=not args.queue_without_workers)
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from None
     return GatewayConfig(
         ar_addresses=tuple(args.ar), denoiser_addresses=tuple(args.denoiser), scheduler=scheduler,
         default_height=height, default_width=width, request_timeout=args.request_timeout,
+        denoise_timeout=args.denoise_timeout, health_probe_timeout=args.health_probe_timeout,
         ar_dns=tuple(args.ar_dns), denoiser_dns=tuple(args.denoiser_dns), dns_interval=args.dns_interval,
         client_tls=client_tls_from_args(args), api_keys=api_keys_from(args.api_key))
 

@@ -19,6 +19,10 @@ class GatewayConfig:
     # Health watch re-connect backoff: short enough that a restarted worker is back within a second or two.
     health_retry_min: float = 0.1
     health_retry_max: float = 1.0
+    # A health probe that does not answer in this time counts as a failure (a hung process keeps its socket open).
+    health_probe_timeout: float = 1.0
+    # Longest one denoise call may take before the job is retried elsewhere and the worker is probed.
+    denoise_timeout: float = 600.0
     # NAME:PORT targets whose A/AAAA records list workers (Kubernetes headless Services), re-resolved periodically.
     ar_dns: tuple[str, ...] = ()
     denoiser_dns: tuple[str, ...] = ()

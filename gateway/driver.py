@@ -57,6 +57,14 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
 )
 
+# Denoise failures that say more about the worker than about the job.
+SUSPECT_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
+
+
+class _NotServing(Exception):
+    """A health probe answered, but not SERVING."""
+
+
 # Called with (image index, DenoiseStreamResponse carrying progress or partial_image).
 Relay = Callable[[int, denoiser_service_pb2.DenoiseStreamResponse], None]
 
@@ -389,7 +397,7 @@ class Driver:
         started = time.monotonic()
         try:
             if pending.stream is None:
-                response = await worker.stub.Denoise(request, timeout=self.config.request_timeout,
+                response = await worker.stub.Denoise(request, timeout=self.config.denoise_timeout,
                                                      metadata=metadata)
             else:
                 response = await self._denoise_stream(worker, request, metadata, job.index, pending.stream)
@@ -398,6 +406,10 @@ class Driver:
                                                  message="cancelled", retryable=True)
         except grpc.aio.AioRpcError as err:
             code = err.code()
+            if code in SUSPECT_CODES:
+                # No answer in time, or the connection broke: take the worker out *before* the job is requeued,
+                # so the retry goes elsewhere, and let it back only once a health check answers again.
+                self._suspect(worker, f"{code.name} on a denoise call")
             event = sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
                                       message=err.details() or code.name, retryable=code in RETRYABLE_CODES,
                                       code=ERROR_CODE_OF.get(code, sch.ErrorKind.INTERNAL))
@@ -427,13 +439,23 @@ class Driver:
         """Run a streamed job, relaying its events; the final result, or None if the stream ended without it."""
         call = worker.stub.DenoiseStream(
             denoiser_service_pb2.DenoiseStreamRequest(job=request, partial_images=stream.partial_images),
-            timeout=self.config.request_timeout, metadata=metadata)
+            timeout=self.config.denoise_timeout, metadata=metadata)
         async for message in call:
             if message.WhichOneof("event") == "result":
                 return message.result
             # Relayed synchronously: once CancelDenoise has cancelled this task, nothing stale gets through.
             stream.relay(index, message)
         return None
+
+    def _suspect(self, worker: _Worker, why: str) -> None:
+        """Mark a worker unhealthy now and restart its health watch, which must see a fresh answer to clear it."""
+        if worker.watch_task is None or self._closed:
+            return
+        log.warning("%s %s is suspect (%s): unavailable until it answers a health check", worker.role.name.lower(),
+                    worker.address, why)
+        worker.watch_task.cancel()
+        self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=worker.address))
+        worker.watch_task = asyncio.create_task(self._watch_health(worker), name=f"health:{worker.address}")
 
     async def _watch_health(self, worker: _Worker) -> None:
         """Follow grpc.health.v1 Watch; any break in the stream counts as unhealthy until it says SERVING again."""
@@ -442,6 +464,12 @@ class Driver:
         healthy = False
         while not self._closed:
             try:
+                # A Check with a deadline first: a hung process keeps its connection open, so only an answer
+                # within the probe timeout proves it is alive; the Watch below then follows changes.
+                probe = await stub.Check(health_pb2.HealthCheckRequest(service=worker.service),
+                                         timeout=self.config.health_probe_timeout)
+                if probe.status != health_pb2.HealthCheckResponse.SERVING:
+                    raise _NotServing
                 call = stub.Watch(health_pb2.HealthCheckRequest(service=worker.service))
                 async for reply in call:
                     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -454,7 +482,7 @@ class Driver:
                     backoff = self.config.health_retry_min
             except asyncio.CancelledError:
                 return
-            except grpc.aio.AioRpcError:
+            except (grpc.aio.AioRpcError, _NotServing):
                 pass
             if healthy:
                 healthy = False

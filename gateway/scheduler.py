@@ -84,6 +84,9 @@ class SchedulerConfig:
     ar_max_inflight_batches: int = 1  # per AR worker
     ar_retries: int = 0  # extra tries for a failed AR batch before failing its requests
     max_attempts: int = 3  # per denoise output (the first try counts)
+    # Fail fast with UNAVAILABLE when a stage has no ready worker, instead of holding requests until their deadline:
+    # new requests are refused at admission, and requests waiting for the AR fail when the last AR worker goes.
+    fail_fast_without_workers: bool = False
     # The reference deployment's policy, kept as the benchmark baseline: a request's outputs run one after
     # another instead of fanning out (the next output starts when the previous one is done).
     serial_outputs: bool = False
@@ -434,10 +437,12 @@ class Scheduler:
                 self._on_worker_added(event)
             case WorkerRemoved():
                 self._on_worker_removed(event)
+                self._fail_stranded_ar_requests(actions)
             case WorkerHealthy():
                 self._on_worker_healthy(event)
             case WorkerUnhealthy():
                 self._on_worker_unhealthy(event, actions)
+                self._fail_stranded_ar_requests(actions)
             case RequestCancelled():
                 self._on_cancelled(event, actions)
             case Tick():
@@ -492,6 +497,10 @@ class Scheduler:
                 ErrorKind.INVALID_ARGUMENT,
                 f"n={ev.n} exceeds the gateway limit --max-queued-outputs={cfg.max_queued_outputs}",
             )
+        elif cfg.fail_fast_without_workers and not self._any_ready(WorkerRole.AR):
+            reject = (ErrorKind.UNAVAILABLE, "no AR server is available; retry later")
+        elif cfg.fail_fast_without_workers and not self._any_ready(WorkerRole.DENOISER):
+            reject = (ErrorKind.UNAVAILABLE, "no denoiser is available; retry later")
         elif self._pending_ar_outputs + ev.n > cfg.max_queued_outputs:
             reject = (
                 ErrorKind.RESOURCE_EXHAUSTED,
@@ -636,6 +645,17 @@ class Scheduler:
             del self._workers[w.address]
 
     # ----------------------------------------------------------------------------------------- request lifecycle
+
+    def _any_ready(self, role: WorkerRole) -> bool:
+        return any(w.role is role and w.healthy and not w.draining for w in self._workers.values())
+
+    def _fail_stranded_ar_requests(self, actions: list[Action]) -> None:
+        """With fail-fast on, requests still waiting for an AR batch fail once no AR worker is left to take it."""
+        if not self.config.fail_fast_without_workers or self._any_ready(WorkerRole.AR):
+            return
+        stranded = [req for q in self._pending_ar.values() for req in q]
+        for req in sorted(stranded, key=lambda r: r.seq):
+            self._fail(req, ErrorKind.UNAVAILABLE, "no AR server is available (it went away); retry later", actions)
 
     def _fail(self, req: _Request, code: ErrorKind, message: str, actions: list[Action]) -> None:
         self._end(req, actions)

@@ -1505,3 +1505,35 @@ def test_state_machine_invariants() -> None:
             suppress_health_check=[HealthCheck.too_slow],
         ),
     )
+
+
+# ------------------------------------------------------------------------------------------ fail fast (503)
+
+
+def test_fail_fast_refuses_admission_without_a_ready_worker_per_stage() -> None:
+    s = make(fail_fast_without_workers=True)
+    (rej,) = arrive(s, "a")
+    assert isinstance(rej, FailRequest) and rej.code is ErrorKind.UNAVAILABLE and "AR" in rej.message
+    up(s, "ar", WorkerRole.AR)
+    (rej,) = arrive(s, "b")
+    assert rej.code is ErrorKind.UNAVAILABLE and "denoiser" in rej.message
+    up(s, "d", WorkerRole.DENOISER)
+    assert not only(arrive(s, "c"), FailRequest)
+    assert s.counters.rejected == 2 and s.counters.admitted == 1
+
+
+def test_fail_fast_fails_requests_stranded_in_the_ar_queue_when_the_last_ar_goes() -> None:
+    s = make(fail_fast_without_workers=True, ar_batch_delay=10.0, ar_retries=1)
+    up(s, "ar", WorkerRole.AR)
+    up(s, "d", WorkerRole.DENOISER)
+    assert arrive(s, "a") == [] and arrive(s, "b") == []  # waiting for the batch delay
+    failed = only(s.handle(WorkerUnhealthy(1.0, "ar")), FailRequest)
+    assert sorted(f.request_id for f in failed) == ["a", "b"]
+    assert all(f.code is ErrorKind.UNAVAILABLE and "AR" in f.message for f in failed)
+    assert s.snapshot().active_requests == 0
+
+
+def test_without_fail_fast_requests_wait_for_workers() -> None:
+    s = make()
+    assert arrive(s, "a") == []
+    assert s.snapshot().pending_ar_requests == 1

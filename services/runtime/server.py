@@ -42,12 +42,46 @@ def request_id_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str |
     return None
 
 
+# Long-lived infrastructure streams (health Watch) must neither count as work nor hold a drain open.
+_INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+
+class InflightWork:
+    """Counts application RPCs in progress, so a drain can wait for exactly those and then stop at once."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def exit(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Sets the request id for the call, and turns exceptions into statuses.
+    """Sets the request id for the call, turns exceptions into statuses, and tracks work for drains.
 
     A ServiceError keeps its message; anything else is logged with its traceback and the
-    client only sees INTERNAL with the request id, so nothing internal leaks.
+    client only sees INTERNAL with the request id, so nothing internal leaks. While draining,
+    new application RPCs are refused with UNAVAILABLE so clients retry elsewhere.
     """
+
+    def __init__(self, work: InflightWork | None = None) -> None:
+        self.work = work or InflightWork()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -55,8 +89,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         rid = request_id_from(handler_call_details.invocation_metadata) or new_request_id()
         method = handler_call_details.method
+        work = None if method.startswith(_INFRA_PREFIXES) else self.work
 
         async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+            if isinstance(exc, NotImplementedError):  # the generated base servicer's answer for a missing method
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented by this server")
             if isinstance(exc, ServiceError):
                 log.info("%s failed: %s: %s", method, exc.kind.value, exc.message)
                 await context.abort(STATUS_OF[exc.kind], exc.message)
@@ -68,12 +105,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_unary(request, context):
                 request_id_var.set(rid)
+                if work is not None and work.draining:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
+                if work is not None:
+                    work.enter()
                 try:
                     return await inner_uu(request, context)
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - the edge is where everything is mapped
                     await _fail(context, exc)
+                finally:
+                    if work is not None:
+                        work.exit()
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, handler.request_deserializer, handler.response_serializer)
@@ -82,6 +126,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_stream(request, context):
                 request_id_var.set(rid)
+                if work is not None and work.draining:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
+                if work is not None:
+                    work.enter()
                 try:
                     stream = inner_us(request, context)
                     if inspect.isasyncgen(stream):
@@ -93,6 +141,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 except Exception as exc:  # noqa: BLE001
                     await _fail(context, exc)
+                finally:
+                    if work is not None:
+                        work.exit()
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer)
@@ -107,6 +158,7 @@ class GrpcServer:
     health: health.aio.HealthServicer
     port: int
     service_names: tuple[str, ...]
+    work: InflightWork = field(default_factory=InflightWork)
     _serving: bool = field(default=False, init=False)
 
     async def set_serving(self, serving: bool) -> None:
@@ -142,7 +194,8 @@ async def start_server(
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(), *interceptors], options=options)
+    work = InflightWork()
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(work), *interceptors], options=options)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -152,7 +205,8 @@ async def start_server(
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     await server.start()
-    grpc_server = GrpcServer(server=server, health=health_servicer, port=port, service_names=names)
+    grpc_server = GrpcServer(server=server, health=health_servicer, port=port, service_names=names,
+                             work=work)
     await grpc_server.set_serving(False)
     return grpc_server
 
@@ -174,9 +228,13 @@ async def run_until_signalled(
     await stop.wait()
     log.info("shutdown requested: draining for up to %.0fs", grace)
     await server.set_serving(False)
+    server.work.draining = True
     if on_drain is not None:
         await on_drain()
-    await server.server.stop(grace)
+    # Wait for application RPCs only: health Watch streams stay open forever and must not hold the exit.
+    if not await server.work.wait_idle(grace):
+        log.warning("%d RPC(s) still running after %.0fs; stopping anyway", server.work.count, grace)
+    await server.server.stop(0)
     log.info("stopped")
 
 

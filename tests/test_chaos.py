@@ -1,0 +1,206 @@
+"""Faults with real processes on loopback and the tiny model (issue 8). Each scenario ends by checking that the
+gateway's status shows no stuck job and every worker in the right state."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from glmimage.v1 import gateway_service_pb2 as pb
+from glmimage.v1 import gateway_service_pb2_grpc
+from tests.cluster import Cluster
+
+pytestmark = pytest.mark.chaos
+
+SIZE = 64
+PROMPT = 'chaos "OK"'
+
+
+def _stub(address: str) -> gateway_service_pb2_grpc.GatewayServiceStub:
+    return gateway_service_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(address))
+
+
+def _status(cluster: Cluster) -> pb.GetStatusResponse:
+    return _stub(cluster.procs["gateway"].address).GetStatus(pb.GetStatusRequest(), timeout=10)
+
+
+def _until(predicate, timeout: float, what: str) -> float:
+    """Poll a condition on the live system (the processes are not ours to hook); returns the seconds waited."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def _assert_settled(cluster: Cluster, expect_unhealthy: tuple[str, ...] = ()) -> None:
+    def settled() -> bool:
+        st = _status(cluster)
+        return (st.active_requests == 0 and st.pending_ar_outputs == 0 and st.pending_denoise_outputs == 0
+                and all(w.inflight == 0 and not w.current_job for w in st.workers))
+
+    _until(settled, 15, "no active request and no job in flight")
+    for w in _status(cluster).workers:
+        unhealthy = any(cluster.procs[n].address == w.address for n in expect_unhealthy)
+        want = pb.WORKER_STATE_UNHEALTHY if unhealthy else pb.WORKER_STATE_AVAILABLE
+        assert w.state == want, f"{w.address} is {pb.WorkerState.Name(w.state)}"
+
+
+def _generate(cluster: Cluster, seed: int, n: int, timeout: float = 60) -> list[bytes]:
+    resp = _stub(cluster.procs["gateway"].address).GenerateImages(
+        pb.GenerateImagesRequest(prompt=PROMPT, n=n, height=SIZE, width=SIZE, seed=seed), timeout=timeout)
+    return [img.image for img in resp.images]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster(tmp_path_factory.mktemp("chaos"))
+    c.start("ar", "ar", ["--max-batch-outputs", "16"], wait=False)
+    for i in range(3):
+        c.start(f"d{i}", "denoiser", metrics=True, wait=False)
+    for name in ("ar", "d0", "d1", "d2"):
+        c.wait_ready(name)
+    c.start("gateway", "gateway", ["--ar", c.procs["ar"].address,
+                                    *[f"--denoiser={c.procs[f'd{i}'].address}" for i in range(3)],
+                                    "--request-timeout", "60", "--ar-batch-max-outputs", "16",
+                                    "--denoise-timeout", "5"], metrics=True)
+    _until(lambda: all(w.state == pb.WORKER_STATE_AVAILABLE for w in _status(c).workers), 30, "workers available")
+    yield c
+    c.close()
+
+
+def test_sigkill_a_denoiser_mid_burst(cluster: Cluster) -> None:
+    jobs = [(10 * i, 1 + i % 2) for i in range(30)]  # spaced seeds: output j of a request uses seed + j
+    with cf.ThreadPoolExecutor(8) as pool:
+        reference = dict(zip(jobs, pool.map(lambda j: _generate(cluster, *j), jobs), strict=True))
+    victim = cluster.procs["d1"]
+    with cf.ThreadPoolExecutor(30) as pool:
+        futures = {j: pool.submit(_generate, cluster, *j) for j in jobs}
+        _until(lambda: any(w.address == victim.address and w.current_job for w in _status(cluster).workers),
+               30, "the victim to hold a job")
+        cluster.kill("d1", signal.SIGKILL)
+        results = {j: f.result() for j, f in futures.items()}
+    # Every request succeeded, and every output is exactly the reference for its seed: none lost or duplicated.
+    assert results == reference
+    digests = [hashlib.sha256(img).hexdigest() for imgs in results.values() for img in imgs]
+    assert len(set(digests)) == len(digests) == sum(n for _, n in jobs)
+
+    cluster.restart("d1")  # returns once it reports SERVING
+    serving_at = time.monotonic()
+    stub = _stub(cluster.procs["gateway"].address)
+    with cf.ThreadPoolExecutor(6) as pool:
+        # More outputs than denoisers, each long enough that every worker must take one.
+        load = [pool.submit(lambda i=i: stub.GenerateImages(pb.GenerateImagesRequest(
+            prompt=PROMPT, n=1, height=256, width=256, seed=100 + i, num_inference_steps=30), timeout=60))
+            for i in range(6)]
+        _until(lambda: any(w.address == victim.address and w.current_job for w in _status(cluster).workers)
+               or victim_jobs(cluster) > 0, 5, "the restarted denoiser to get work within 5 s of SERVING")
+        for f in load:
+            f.result()
+    assert time.monotonic() - serving_at < 10
+    _assert_settled(cluster)
+
+
+def victim_jobs(cluster: Cluster) -> float:
+    text = httpx.get(f"http://127.0.0.1:{cluster.procs['d1'].metrics_port}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("glmimage_denoiser_jobs_total{") and 'outcome="ok"' in line)
+
+
+def test_clients_disconnecting_free_the_denoisers(cluster: Cluster) -> None:
+    stub = _stub(cluster.procs["gateway"].address)
+    call = stub.GenerateImages.future(pb.GenerateImagesRequest(prompt=PROMPT, n=3, height=256, width=256, seed=1,
+                                                               num_inference_steps=200), timeout=60)
+    _until(lambda: sum(1 for w in _status(cluster).workers if w.current_job) == 3, 30, "three busy denoisers")
+    before = sum(cancelled_jobs(cluster, f"d{i}") for i in range(3))
+    call.cancel()
+    _until(lambda: not any(w.current_job for w in _status(cluster).workers), 5, "the denoisers to be freed")
+    _until(lambda: sum(cancelled_jobs(cluster, f"d{i}") for i in range(3)) - before == 3, 5,
+           "the cancelled-jobs metric to count three")
+    _assert_settled(cluster)
+
+
+def cancelled_jobs(cluster: Cluster, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{cluster.procs[name].metrics_port}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("glmimage_denoiser_cancelled_jobs_total"))
+
+
+def test_ar_killed_then_restarted(cluster: Cluster) -> None:
+    cluster.kill("ar", signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(cluster, seed=1, n=1, timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "AR" in err.value.details()
+    assert time.monotonic() - t0 < 30
+    cluster.restart("ar")
+    _until(lambda: any(w.role == pb.WORKER_ROLE_AR and w.state == pb.WORKER_STATE_AVAILABLE
+                       for w in _status(cluster).workers), 10, "the gateway to see the AR again")
+    assert len(_generate(cluster, seed=2, n=2)) == 2
+    _assert_settled(cluster)
+
+
+def test_hung_denoiser_is_bypassed_until_it_answers_health(cluster: Cluster) -> None:
+    victim = cluster.procs["d2"]
+    stub = _stub(cluster.procs["gateway"].address)
+    futures = [stub.GenerateImages.future(pb.GenerateImagesRequest(prompt=PROMPT, n=1, height=256, width=256,
+                                                                   seed=50 + i, num_inference_steps=30),
+                                          timeout=60) for i in range(3)]
+    _until(lambda: any(w.address == victim.address and w.current_job for w in _status(cluster).workers), 30,
+           "the victim to hold a job")
+    cluster.kill("d2", signal.SIGSTOP)  # stops answering, keeps its connections open
+    try:
+        for f in futures:
+            assert len(f.result().images) == 1
+        _until(lambda: any(w.address == victim.address and w.state == pb.WORKER_STATE_UNHEALTHY
+                           for w in _status(cluster).workers), 10, "the hung worker to be sidelined")
+        assert len(_generate(cluster, seed=60, n=2)) == 2  # served by the other two
+    finally:
+        cluster.kill("d2", signal.SIGCONT)
+    _until(lambda: all(w.state == pb.WORKER_STATE_AVAILABLE for w in _status(cluster).workers), 15,
+           "the worker to be back once it answers health checks")
+    _assert_settled(cluster)
+
+
+def test_overload_small_queue_gets_429_and_memory_stays_flat(cluster: Cluster) -> None:
+    small = cluster.start("gateway-small", "gateway", [
+        "--ar", cluster.procs["ar"].address, *[f"--denoiser={cluster.procs[f'd{i}'].address}" for i in range(3)],
+        "--max-queued-outputs", "4"])
+    rest_small = cluster.start("rest-small", "rest", ["--gateway-address", small.address])
+    rss = []
+    for _ in range(3):
+        with httpx.Client(timeout=60) as http, cf.ThreadPoolExecutor(16) as pool:
+            replies = list(pool.map(lambda i: http.post(
+                f"http://{rest_small.address}/v1/images/generations",
+                json={"prompt": PROMPT, "size": f"{SIZE}x{SIZE}", "seed": i}), range(16)))
+        codes = [r.status_code for r in replies]
+        assert set(codes) <= {200, 429}, codes
+        assert 200 in codes and 429 in codes
+        assert all(r.headers.get("retry-after") for r in replies if r.status_code == 429)
+        rss.append(small.rss())
+    assert max(rss) < rss[0] * 1.2 + 10 * 2**20, f"gateway RSS grew: {rss}"
+    cluster.kill("rest-small", signal.SIGTERM)
+    cluster.kill("gateway-small", signal.SIGTERM)
+
+
+def test_sigterm_gateway_under_load(cluster: Cluster) -> None:
+    stub = _stub(cluster.procs["gateway"].address)
+    inflight = [stub.GenerateImages.future(pb.GenerateImagesRequest(prompt=PROMPT, n=1, height=SIZE, width=SIZE,
+                                                                    seed=i, num_inference_steps=20), timeout=60)
+                for i in range(4)]
+    _until(lambda: _status(cluster).active_requests >= 4, 10, "requests in flight")
+    cluster.procs["gateway"].popen.send_signal(signal.SIGTERM)
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(cluster, seed=99, n=1, timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    for f in inflight:
+        assert len(f.result().images) == 1
+    assert cluster.procs["gateway"].popen.wait(60) == 0
