@@ -55,6 +55,11 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # gRPC's default reconnect backoff grows to minutes; a restarted worker must be reached within about a second
+    # of coming back (the health probe then re-admits it), so keep the backoff short and capped.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 )
 
 # Denoise failures that say more about the worker than about the job.
