@@ -66,6 +66,7 @@ bench: venv
 		if [ -f bench/$$b.py ]; then echo "== bench/$$b.py"; $(BIN)/python -m bench.$$b || exit 1; \
 		else echo "== bench/$$b.py: not present, skipped"; fi; \
 	done
+	$(BIN)/python -m bench.report
 
 soak: venv
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)

@@ -1,0 +1,131 @@
+"""Write BENCHMARKS.md from bench/results/*.json, so every figure in it comes from a recorded run.
+
+Run: .venv/bin/python -m bench.report (make bench runs it last).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.common import RESULTS
+
+OUT = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _f(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}"
+
+
+def _header(d: dict) -> str:
+    m = d.get("machine", {})
+    return (f"Command: `{d.get('command')}` — run {d.get('when')} on {m.get('cpu', '?')}, {m.get('cores')} cores, "
+            f"commit {m.get('commit', '?')}.\n")
+
+
+def ar(d: dict) -> str:
+    rows = ["| batch size | s per output | tokens/s |", "|---|---|---|"]
+    for b, r in d["service_engine"]["by_batch_size"].items():
+        rows.append(f"| {b} | {_f(r['per_output_seconds'], 4)} | {_f(r['tokens_per_second'], 0)} |")
+    pipe = d["diffusers_pipeline"]
+    return ("## AR batching (issue 3)\n\n" + _header(d) + "\nTiny model, 256x256, 2 torch threads, medians of "
+            f"{d['setup']['rounds']} interleaved rounds.\n\n" + "\n".join(rows) +
+            "\n\nService engine speed-up per output at batch 8 over batch 1: "
+            f"**{d['service_engine']['speedup_b8_over_b1']}x**"
+            f" (target 4x). The diffusers pipeline's own batched call: {pipe['speedup_b8_over_b1']}x, from a slower "
+            f"batch 1 ({_f(pipe['by_batch_size']['1']['per_output_seconds'], 3)} s vs "
+            f"{_f(d['service_engine']['by_batch_size']['1']['per_output_seconds'], 3)} s per output).\n")
+
+
+def denoiser(d: dict) -> str:
+    rows = ["| size | step (median) | VAE decode (median) |", "|---|---|---|"]
+    for size, r in d["sizes"].items():
+        rows.append(f"| {size} | {_f(r['step_seconds_median'] * 1000, 1)} ms | "
+                    f"{_f(r['vae_decode_seconds_median'] * 1000, 0)} ms |")
+    enc = ["| format | tiny-model output | smooth gradient with grain |", "|---|---|---|"]
+    a, b = d["encode_1024x1024"]["tiny_model_output"], d["encode_1024x1024"]["gradient_with_grain"]
+    for k in a:
+        enc.append(f"| {k} | {_f(a[k]['seconds_median'] * 1000, 1)} ms, {a[k]['bytes'] // 1024} KiB | "
+                   f"{_f(b[k]['seconds_median'] * 1000, 1)} ms, {b[k]['bytes'] // 1024} KiB |")
+    return ("## Denoiser steps, decode and encoding (issue 4)\n\n" + _header(d) +
+            f"\n{d.get('torch_threads')} torch threads; {d.get('notes', '')}.\n\n" + "\n".join(rows) +
+            "\n\nEncoding one 1024x1024 image:\n\n" + "\n".join(enc) + "\n")
+
+
+def scheduler_sim(d: dict) -> str:
+    s = d["summary"]
+    names = {"saturation_160_n1": "saturation, 160 clients, n=1", "mixed_8_n124": "8 clients, n from {1,2,4}",
+             "reference_56_n1": "56 clients, n=1 (reference concurrency)"}
+    rows = ["| load | throughput / bound | ours / baseline throughput | mean latency ours (baseline) | "
+            "p95 latency ours (baseline) |", "|---|---|---|---|---|"]
+    for k, label in names.items():
+        r = s[k]
+        rows.append(f"| {label} | {_f(r['throughput_vs_bound'], 3)} | {_f(r['throughput_ours_over_baseline'], 2)}x | "
+                    f"{_f(r['latency_mean'], 1)} s ({_f(r['baseline_latency_mean'], 1)} s) | "
+                    f"{_f(r['latency_p95'], 1)} s ({_f(r['baseline_latency_p95'], 1)} s) |")
+    met = "\n".join(f"- {k}: {'met' if v else 'MISSED'}" for k, v in d["targets_met"].items())
+    return ("## Scheduler simulation (issue 5)\n\n" + _header(d) +
+            f"\nThe real gateway (driver + scheduler + GatewayService) against simulated AR and denoiser gRPC servers "
+            f"whose costs are the reference figures scaled down 100x ({d['setup']['denoisers']} denoisers, "
+            f"--ar-batch-max-outputs {d['setup']['ar_batch_max_outputs']}); figures in reference seconds. Bound = "
+            f"min(14/12.2, 28/T_ar(28)) = {d['setup']['bound_img_per_s']} img/s. Baseline = the reference policy "
+            f"(one AR batch in flight, a request's outputs serial on one denoiser).\n\n" + "\n".join(rows) +
+            f"\n\nIdle pool, latency of n=4 over n=1: **{s['idle_n4_over_n1']}** (target <= 1.3).\n\n{met}\n\n"
+            "![throughput and latency against concurrency](bench/results/scheduler_sim.png)\n")
+
+
+def gateway(d: dict) -> str:
+    c1, c32, p = d["summary"]["c1"], d["summary"]["c32"], d["processes"]
+    return ("## Gateway overhead (issue 6)\n\n" + _header(d) +
+            "\nReal gateway and REST processes, zero-cost simulated backends; added latency = REST end-to-end minus "
+            "a direct gRPC call to the gateway, measured side by side; medians of rounds.\n\n"
+            "| figure | value | target |\n|---|---|---|\n"
+            f"| REST added latency p50, concurrency 1 | {_f(c1['rest_added_p50_ms'])} ms | <= 5 ms |\n"
+            f"| REST added latency p99, concurrency 1 | {_f(c1['rest_added_p99_ms'])} ms | |\n"
+            f"| REST added latency p50 / p99, concurrency 32 | {_f(c32['rest_added_p50_ms'])} / "
+            f"{_f(c32['rest_added_p99_ms'])} ms | |\n"
+            f"| REST requests/s, concurrency 32 | {_f(c32['rest_rps'], 0)} | >= 300 |\n"
+            f"| gateway peak RSS | {p['gateway']['peak_rss_mb']} MB (torch loaded: {p['gateway']['torch_loaded']}) "
+            f"| < 150 MB |\n"
+            f"| REST peak RSS | {p['rest']['peak_rss_mb']} MB (torch loaded: {p['rest']['torch_loaded']}) | |\n")
+
+
+def e2e(d: dict) -> str:
+    m = d["median"]
+    return ("## End to end on the real tiny model (issue 8)\n\n" + _header(d) +
+            f"\n{d['setup']['requests']} requests at {d['setup']['size']}x{d['setup']['size']}, "
+            f"{d['setup']['steps']} steps. Ours: {d['setup']['ours']}, {d['setup']['concurrency']} concurrent REST "
+            f"clients. Monolithic: {d['setup']['monolithic']}. Medians of {len(d['rounds'])} interleaved rounds; "
+            "ratios taken per round.\n\n| setup | images/s |\n|---|---|\n"
+            f"| ours | {_f(m['ours_img_s'])} |\n"
+            f"| monolithic, one call per request | {_f(m['monolithic_loop_img_s'])} |\n"
+            f"| monolithic, batches of 8 prompts | {_f(m['monolithic_batch8_img_s'])} |\n\n"
+            f"Ours over the per-request loop: **{_f(m['ours_over_loop'])}x** (target 2x). Ours over the batched call: "
+            f"**{_f(m['ours_over_batch8'])}x**.\n")
+
+
+def soak(d: dict) -> str:
+    return ("## Soak\n\n" + _header(d) +
+            f"\n{d['duration_s']:.0f} s, {d['clients']} clients, {d['denoiser_kills']} denoiser kills: "
+            f"{d['requests']} requests, {d['successes']} succeeded, failures {d['failures_by_reason'] or 'none'}, "
+            f"lost {d['lost']}.\n")
+
+
+def main() -> None:
+    parts = ["# Benchmarks\n\nGenerated by `python -m bench.report` from `bench/results/*.json` (`make bench` writes "
+             "them). The machine is a shared 2-core CPU box, so absolute figures are noisy; ratios are measured side "
+             "by side in one run and figures are medians.\n"]
+    for name, fn in (("ar", ar), ("denoiser", denoiser), ("scheduler_sim", scheduler_sim), ("gateway", gateway),
+                     ("e2e", e2e), ("soak", soak)):
+        d = _load(name)
+        parts.append(fn(d) if d else f"## {name}\n\nNot run yet: `.venv/bin/python -m bench.{name}`.\n")
+    OUT.write_text("\n".join(parts))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
