@@ -96,7 +96,7 @@ def test_sigkill_a_denoiser_mid_burst(cluster: Cluster) -> None:
     stub = _stub(cluster.procs["gateway"].address)
     load = [stub.GenerateImages.future(pb.GenerateImagesRequest(
         prompt=PROMPT, n=1, height=256, width=256, seed=100 + i, num_inference_steps=200), timeout=120)
-        for i in range(8)]
+        for i in range(16)]  # about a minute of work for two denoisers: it outlasts the restart
     try:
         _until(lambda: _status(cluster).pending_denoise_outputs > 0, 60, "a denoise backlog")
         cluster.restart("d1")  # returns once it reports SERVING
