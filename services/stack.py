@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -25,15 +25,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.runtime.logs import configure_logging
 
 log = logging.getLogger("services.stack")
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: the kernel SIGKILLs it when the launcher exits, even by SIGKILL."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
 
 @dataclass
 class Child:
@@ -133,7 +124,10 @@ class Stack:
 
     async def _spawn(self, child: Child) -> None:
         log.info("starting %s", child.name)
-        child.process = await asyncio.create_subprocess_exec(*child.argv, preexec_fn=_die_with_parent)
+        # Through the die_with_parent trampoline, so no child outlives the launcher (see that module for why not
+        # a preexec_fn).
+        child.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.runtime.die_with_parent", str(os.getpid()), "--", *child.argv)
 
     async def start(self) -> dict[str, str]:
         a = self.args

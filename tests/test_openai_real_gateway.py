@@ -61,7 +61,8 @@ async def gateway_process(backends: Backends, work: Path, *flags: str) -> AsyncI
     port_file = work / "port"
     argv = [sys.executable, "-m", "gateway", "--port", "0", "--port-file", str(port_file), "--ar",
             backends.ar_address, *(f"--denoiser={d}" for d in backends.denoiser_addresses), "--log-level", "WARNING",
-            *flags]
+            # Requests may arrive before the health watches have seen the backends: let them wait, not fail fast.
+            "--queue-without-workers", *flags]
     proc = subprocess.Popen(argv)
     try:
         yield f"127.0.0.1:{await _wait_for_port(port_file, proc, STARTUP_TIMEOUT_S)}"
