@@ -5,12 +5,15 @@ Kubernetes pod behind a stable address would. Logs go to files next to the port 
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,3 +158,36 @@ def wait_serving(address: str, service: str, timeout: float = 120) -> None:
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
                 return
     raise RuntimeError(f"{address} stopped before {service} was SERVING")
+
+
+@dataclass
+class StackRun:
+    addresses: dict[str, str]  # role -> host:port
+    proc: subprocess.Popen
+
+
+@contextlib.contextmanager
+def running_stack(run_dir: Path, denoisers: int = 2) -> Iterator[StackRun]:
+    """`python -m services.stack` (what `make run` starts) on ephemeral ports, once every server is SERVING."""
+    ready = run_dir / "ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.stack", "--rest-port", "0", "--gateway-port", "0", "--ar-port", "0",
+         "--denoiser-ports", ",".join(["0"] * denoisers), "--ready-file", str(ready), "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        # The launcher prints its banner only once every server reports SERVING: block on that line.
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("GLM-Image stack is up"):
+                break
+        else:
+            raise RuntimeError(f"the stack did not start (exit code {proc.wait()})")
+        yield StackRun(addresses=json.loads(ready.read_text()), proc=proc)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -101,13 +101,12 @@ def test_sigkill_a_denoiser_mid_burst(cluster: Cluster) -> None:
         _until(lambda: _status(cluster).pending_denoise_outputs > 0, 60, "a denoise backlog")
         cluster.restart("d1")  # returns once it reports SERVING
         assert _status(cluster).pending_denoise_outputs > 0, "the backlog drained before the restart finished"
-        waited = _until(lambda: any(w.address == victim.address and w.current_job
+        _until(lambda: any(w.address == victim.address and w.current_job
                                     for w in _status(cluster).workers),
                         5, "the restarted denoiser to get work within 5 s of SERVING")
     finally:
         for f in load:  # the backlog has served its purpose: cancelling it also frees the denoisers
             f.cancel()
-    assert waited < 5
     _assert_settled(cluster)
 
 

@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc
+from tests.cluster import running_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -25,23 +26,9 @@ PROMPT = 'a red "STOP" sign'
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    ready = tmp_path_factory.mktemp("stack") / "ready.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.stack", "--rest-port", "0", "--gateway-port", "0", "--ar-port", "0",
-         "--denoiser-ports", "0,0", "--ready-file", str(ready), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True)
-    # The launcher prints its banner only once every server reports SERVING: block on that line.
-    for line in proc.stdout:
-        if line.startswith("GLM-Image stack is up"):
-            break
-    else:
-        pytest.fail(f"the stack did not start (exit code {proc.wait()})")
-    addresses = json.loads(ready.read_text())
-    children = psutil.Process(proc.pid).children(recursive=True)
-    yield {"proc": proc, "addresses": addresses, "children": children}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    with running_stack(tmp_path_factory.mktemp("stack")) as run:
+        children = psutil.Process(run.proc.pid).children(recursive=True)
+        yield {"proc": run.proc, "addresses": run.addresses, "children": children}
 
 
 def _generate(rest: str, **body) -> httpx.Response:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_node_client import running_stack
+from tests.cluster import running_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -61,8 +61,8 @@ def json_documents(text: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    with running_stack(tmp_path_factory.mktemp("grpcurl-stack")) as addresses:
-        yield addresses
+    with running_stack(tmp_path_factory.mktemp("grpcurl-stack")) as run:
+        yield run.addresses
 
 
 def test_readme_section_covers_every_service() -> None:

@@ -1,50 +1,23 @@
 """The Node.js example client (clients/node) against the real stack: the contracts work from a second language."""
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from glmimage import Client
+from tests.cluster import running_stack
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_DIR = REPO / "clients" / "node"
 PROMPT = 'a red "STOP" sign'
-
-
-@contextlib.contextmanager
-def running_stack(run_dir: Path, denoisers: int = 2) -> Iterator[dict[str, str]]:
-    """`python -m services.stack` on ephemeral ports; yields role -> address once every server is SERVING."""
-    ready = run_dir / "ready.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.stack", "--rest-port", "0", "--gateway-port", "0", "--ar-port", "0",
-         "--denoiser-ports", ",".join(["0"] * denoisers), "--ready-file", str(ready), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        # The launcher prints its banner only once every server reports SERVING: block on that line.
-        for line in proc.stdout:
-            if line.startswith("GLM-Image stack is up"):
-                break
-        else:
-            pytest.fail(f"the stack did not start (exit code {proc.wait()})")
-        yield json.loads(ready.read_text())
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +36,8 @@ def node() -> str:
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     # One denoiser is enough here, and one model load fewer on a 2-core machine.
-    with running_stack(tmp_path_factory.mktemp("node-stack"), denoisers=1) as addresses:
-        yield addresses
+    with running_stack(tmp_path_factory.mktemp("node-stack"), denoisers=1) as run:
+        yield run.addresses
 
 
 def run_node(node: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +10,8 @@ import openai
 import pytest
 from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
 from PIL import Image
+
+from tests.cluster import running_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -24,29 +23,8 @@ PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """`python -m services.stack` on ephemeral ports; yields role -> address once everything is SERVING."""
-    ready = tmp_path_factory.mktemp("sdk-stack") / "ready.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.stack", "--rest-port", "0", "--gateway-port", "0", "--ar-port", "0",
-         "--denoiser-ports", "0,0", "--ready-file", str(ready), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        # The launcher prints its banner only once every server reports SERVING: block on that line.
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("GLM-Image stack is up"):
-                break
-        else:
-            pytest.fail(f"the stack did not start (exit code {proc.wait()})")
-        yield json.loads(ready.read_text())
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with running_stack(tmp_path_factory.mktemp("sdk-stack")) as run:
+        yield run.addresses
 
 
 @pytest.fixture(scope="module")
