@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
+import json
 import signal
+import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -20,6 +23,8 @@ pytestmark = pytest.mark.chaos
 
 SIZE = 64
 PROMPT = 'chaos "OK"'
+CANCELLED = "glmimage_denoiser_cancelled_jobs_total"
+STOPPED_WITHIN_ONE_STEP = 'glmimage_denoiser_steps_after_cancel_bucket{le="1.0"}'
 
 
 def _stub(address: str) -> gateway_service_pb2_grpc.GatewayServiceStub:
@@ -110,23 +115,50 @@ def test_sigkill_a_denoiser_mid_burst(cluster: Cluster) -> None:
     _assert_settled(cluster)
 
 
-def test_clients_disconnecting_free_the_denoisers(cluster: Cluster) -> None:
-    stub = _stub(cluster.procs["gateway"].address)
-    call = stub.GenerateImages.future(pb.GenerateImagesRequest(prompt=PROMPT, n=3, height=256, width=256, seed=1,
-                                                               num_inference_steps=200), timeout=60)
+@pytest.mark.parametrize("transport", ["grpc", "rest"])
+def test_clients_disconnecting_free_the_denoisers(cluster: Cluster, transport: str) -> None:
+    """A client that hangs up while its three images are being denoised frees all three denoisers."""
+    request = {"prompt": PROMPT, "n": 3, "height": 256, "width": 256, "seed": 1, "num_inference_steps": 200}
+    hang_up = _start_grpc_call(cluster, request) if transport == "grpc" else _start_rest_call(cluster, request)
     _until(lambda: sum(1 for w in _status(cluster).workers if w.current_job) == 3, 30, "three busy denoisers")
-    before = sum(cancelled_jobs(cluster, f"d{i}") for i in range(3))
-    call.cancel()
+    def total(family: str) -> float:
+        return sum(_metric(cluster, f"d{i}", family) for i in range(3))
+
+    cancelled, stopped_promptly = total(CANCELLED), total(STOPPED_WITHIN_ONE_STEP)
+    hang_up()
     _until(lambda: not any(w.current_job for w in _status(cluster).workers), 5, "the denoisers to be freed")
-    _until(lambda: sum(cancelled_jobs(cluster, f"d{i}") for i in range(3)) - before == 3, 5,
-           "the cancelled-jobs metric to count three")
+    _until(lambda: total(CANCELLED) - cancelled == 3, 5, "the cancelled-jobs metric to count three")
+    # "Freed within one step time", counted in steps rather than seconds: at most the step in flight when the
+    # cancel reached each denoiser finished.
+    assert total(STOPPED_WITHIN_ONE_STEP) - stopped_promptly == 3
     _assert_settled(cluster)
 
 
-def cancelled_jobs(cluster: Cluster, name: str) -> float:
+def _start_grpc_call(cluster: Cluster, request: dict) -> Callable[[], object]:
+    call = _stub(cluster.procs["gateway"].address).GenerateImages.future(
+        pb.GenerateImagesRequest(**request), timeout=60)
+    return call.cancel
+
+
+def _start_rest_call(cluster: Cluster, request: dict) -> Callable[[], object]:
+    """POST through a real REST front on a raw socket, so the test closes the TCP connection itself."""
+    if "rest" not in cluster.procs:
+        cluster.start("rest", "rest", ["--gateway-address", cluster.procs["gateway"].address])
+    body = json.dumps({"prompt": request["prompt"], "n": request["n"],
+                       "size": f"{request['width']}x{request['height']}", "seed": request["seed"],
+                       "num_inference_steps": request["num_inference_steps"]}).encode()
+    host, port = cluster.procs["rest"].address.split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock.close
+
+
+def _metric(cluster: Cluster, name: str, family: str) -> float:
+    """The sum of every sample of `family` (all label sets) on that process's /metrics."""
     text = httpx.get(f"http://127.0.0.1:{cluster.procs[name].metrics_port}/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("glmimage_denoiser_cancelled_jobs_total"))
+               if line.startswith(family) and line[len(family)] in " {")  # not a longer family's prefix
 
 
 def test_ar_killed_then_restarted(cluster: Cluster) -> None:

@@ -124,6 +124,7 @@ async def _assert_stopped_early(servicer, reason: CancelReason, min_steps: int =
 async def test_cancel_mid_denoise_stops_at_the_next_step_and_frees_the_slot(dn, servicer) -> None:
     cancelled = _sample("glmimage_denoiser_cancelled_jobs_total", reason="client")
     jobs = _sample("glmimage_denoiser_jobs_total", outcome="cancelled")
+    prompt_stops = _sample("glmimage_denoiser_steps_after_cancel_bucket", le="1.0")
     call = dn.Denoise(_req(256, 256, num_inference_steps=LONG_STEPS, seed=1))
     task = asyncio.ensure_future(call)
     await _until(lambda: servicer.current_job is not None and servicer.current_job.steps_done >= 1)
@@ -133,6 +134,7 @@ async def test_cancel_mid_denoise_stops_at_the_next_step_and_frees_the_slot(dn, 
     await _assert_stopped_early(servicer, CancelReason.CLIENT)
     assert _sample("glmimage_denoiser_cancelled_jobs_total", reason="client") == cancelled + 1
     assert _sample("glmimage_denoiser_jobs_total", outcome="cancelled") == jobs + 1
+    assert _sample("glmimage_denoiser_steps_after_cancel_bucket", le="1.0") == prompt_stops + 1
     resp = await dn.Denoise(_req(64, 64, seed=2))  # the next job runs
     assert resp.steps_completed == 2
 

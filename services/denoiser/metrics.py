@@ -22,6 +22,11 @@ class CancelReason(enum.StrEnum):
 JOBS = Counter("glmimage_denoiser_jobs_total", "Denoise jobs by outcome", ["outcome"])
 CANCELLED_JOBS = Counter("glmimage_denoiser_cancelled_jobs_total",
                          "Jobs stopped before their last step because nobody waited any more", ["reason"])
+# How promptly a cancel frees the slot, in steps: 0 or 1 (the step in flight) is the contract; more means the
+# engine is not checking the cancel flag between steps.
+STEPS_AFTER_CANCEL = Histogram("glmimage_denoiser_steps_after_cancel",
+                               "Steps that finished after a cancel reached the worker, per cancelled job",
+                               buckets=(0, 1, 2, 5, 10))
 BUSY = Gauge("glmimage_denoiser_busy", "Jobs holding the slot (0 or 1 per denoiser)")
 # Buckets span the tiny model on a CPU (milliseconds) up to real weights at 2048x2048.
 STEP_SECONDS = Histogram("glmimage_denoiser_step_seconds", "One denoising step (DiT forward(s) + scheduler)",

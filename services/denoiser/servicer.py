@@ -184,6 +184,8 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
                 record.cancel_reason = (CancelReason.DEADLINE if isinstance(error, DeadlineExceeded)
                                         else CancelReason.CLIENT)
             metrics.CANCELLED_JOBS.labels(record.cancel_reason).inc()
+            if record.steps_at_cancel is not None:
+                metrics.STEPS_AFTER_CANCEL.observe(record.steps_done - record.steps_at_cancel)
             log.info("job stopped after %d of %d step(s)", record.steps_done, record.steps)
         elif error is not None:
             record.outcome = Outcome.FAILED
