@@ -13,6 +13,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOUR
 ERROR_CODE_OF = {grpc.StatusCode.INVALID_ARGUMENT: sch.ErrorKind.INVALID_ARGUMENT,
                  grpc.StatusCode.OUT_OF_RANGE: sch.ErrorKind.INVALID_ARGUMENT,
                  grpc.StatusCode.FAILED_PRECONDITION: sch.ErrorKind.INVALID_ARGUMENT}
+
+_BATCH_FIELD = re.compile(r"^requests\[\d+\]\.")
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -366,8 +369,12 @@ class Driver:
             return
         except grpc.aio.AioRpcError as err:
             self._ar_calls.pop(action.batch_id, None)
-            self._feed(sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id,
-                                         message=f"{err.code().name}: {err.details()}"))
+            kind = ERROR_CODE_OF.get(err.code(), sch.ErrorKind.UNAVAILABLE)
+            # The AR names the field within its batch ("requests[1].prompt: ..."); the client sent one request.
+            message = (_BATCH_FIELD.sub("", err.details() or "") if kind is sch.ErrorKind.INVALID_ARGUMENT
+                       else f"{err.code().name}: {err.details()}")
+            self._feed(sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id, message=message,
+                                         code=kind))
             return
         self._ar_calls.pop(action.batch_id, None)
         now = time.monotonic()

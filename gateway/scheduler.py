@@ -141,6 +141,9 @@ class ArBatchFailed:
     now: float
     batch_id: int
     message: str
+    # INVALID_ARGUMENT: the AR refused the batch's input. Not the worker's fault and not worth a retry as is:
+    # a lone request fails with the AR's message; a shared batch is split so only the bad request fails.
+    code: ErrorKind = ErrorKind.UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -291,7 +294,7 @@ class Snapshot:
     workers: tuple[WorkerSnapshot, ...]
 
 
-REQUEUE_REASONS: tuple[str, ...] = ("worker_unhealthy", "denoise_failed", "ar_failed")
+REQUEUE_REASONS: tuple[str, ...] = ("worker_unhealthy", "denoise_failed", "ar_failed", "ar_batch_split")
 
 
 @dataclass
@@ -350,6 +353,7 @@ class _Request:
     stage: _Stage = _Stage.PENDING_AR
     ar_batch: int | None = None
     ar_failures: int = 0
+    solo: bool = False  # it shared a batch the AR refused as bad input: it goes alone from now on
     ar_outputs: tuple[object, ...] = ()
     done: int = 0
 
@@ -563,8 +567,23 @@ class Scheduler:
 
     def _on_ar_failed(self, ev: ArBatchFailed, actions: list[Action]) -> None:
         batch = self._take_batch(ev.batch_id)
-        if batch is not None:
+        if batch is None:
+            return
+        if ev.code is not ErrorKind.INVALID_ARGUMENT:
             self._ar_batch_failed(batch, f"AR stage failed: {ev.message}", "ar_failed", actions)
+            return
+        live = [r for rid in batch.request_ids
+                if (r := self._active.get(rid)) is not None and r.ar_batch == batch.batch_id]
+        if len(live) == 1:  # the AR's message names the field: relay it unchanged
+            self._fail(live[0], ErrorKind.INVALID_ARGUMENT, ev.message, actions)
+            return
+        # One of them is bad and the others must not pay for it: each goes again alone, at the front, with no
+        # retry charged. The bad one then fails by itself.
+        for req in reversed(live):
+            req.ar_batch = None
+            req.solo = True
+            self._enqueue_ar(req, front=True)
+        self.counters.requeues["ar_batch_split"] += len(live)
 
     def _on_denoise_succeeded(self, ev: DenoiseSucceeded, actions: list[Action]) -> None:
         found = self._take_job(ev.job, ev.worker)
@@ -771,14 +790,14 @@ class Scheduler:
         return None if best is None else best[1]
 
     def _pack(self, q: deque[_Request]) -> list[_Request]:
-        """Oldest first; skip what does not fit and keep scanning. An oversized head goes alone."""
+        """Oldest first; skip what does not fit and keep scanning. An oversized or solo head goes alone."""
         cap = self.config.ar_batch_max_outputs
-        if q[0].n > cap:
+        if q[0].n > cap or q[0].solo:
             return [q[0]]
         taken: list[_Request] = []
         room = cap
         for r in q:
-            if r.n <= room:
+            if r.n <= room and not r.solo:
                 taken.append(r)
                 room -= r.n
                 if room == 0:

@@ -16,6 +16,7 @@ from gateway.config import GatewayConfig
 from gateway.driver import Driver, Outcome, RequestFailed, StreamOptions
 from gateway.membership import split_host_port
 from glmimage.v1 import common_pb2, denoiser_service_pb2, gateway_service_pb2, gateway_service_pb2_grpc
+from services.model.checks import check_sampling
 from services.runtime.errors import InvalidArgument, error_for
 from services.runtime.logs import request_id_var
 
@@ -71,6 +72,11 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             raise InvalidArgument("output_compression", f"must be between 0 and 100, got {r.output_compression}")
         if r.output_format not in common_pb2.ImageFormat.values():
             raise InvalidArgument("output_format", f"unknown format {r.output_format}")
+        if r.HasField("sampling"):  # checked here too: a bad value reaching the AR would stall a shared batch
+            sp = r.sampling
+            check_sampling(sp.temperature if sp.HasField("temperature") else None,
+                           sp.top_p if sp.HasField("top_p") else None,
+                           sp.top_k if sp.HasField("top_k") else None)
         if (r.height == 0) != (r.width == 0):
             raise InvalidArgument("height" if r.height == 0 else "width", "give both height and width, or neither")
         height = r.height or self.config.default_height

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 
 import grpc
@@ -12,19 +13,19 @@ from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.scheduler import SchedulerConfig
 from gateway.servicer import GatewayServicer
-from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc, gateway_service_pb2_grpc
+from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc, gateway_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
 from services.runtime.server import start_server
 
 PROMPT = 'a blue "OPEN" sign'
 
 
-@pytest.fixture
-async def gateway(ar_server, denoiser_server, second_denoiser_server):
+@contextlib.asynccontextmanager
+async def running_gateway(ar_server, denoisers, scheduler: SchedulerConfig):
     config = GatewayConfig(
         ar_addresses=(f"127.0.0.1:{ar_server.port}",),
-        denoiser_addresses=(f"127.0.0.1:{denoiser_server.port}", f"127.0.0.1:{second_denoiser_server.port}"),
-        scheduler=SchedulerConfig(max_queued_outputs=8), request_timeout=60)
+        denoiser_addresses=tuple(f"127.0.0.1:{d.port}" for d in denoisers),
+        scheduler=scheduler, request_timeout=60)
     driver = Driver(config)
     servicer = GatewayServicer(driver, config)
     server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
@@ -37,13 +38,23 @@ async def gateway(ar_server, denoiser_server, second_denoiser_server):
     async with asyncio.timeout(30):
         while True:
             status = await stub.GetStatus(pb.GetStatusRequest())
-            if all(w.state == pb.WORKER_STATE_AVAILABLE for w in status.workers) and len(status.workers) == 3:
+            if (all(w.state == pb.WORKER_STATE_AVAILABLE for w in status.workers)
+                    and len(status.workers) == 1 + len(denoisers)):
                 break
             await asyncio.sleep(0.01)
-    yield stub, driver, (denoiser_server, second_denoiser_server)
-    await channel.close()
-    await server.stop(None)
-    await driver.close()
+    try:
+        yield stub, driver
+    finally:
+        await channel.close()
+        await server.stop(None)
+        await driver.close()
+
+
+@pytest.fixture
+async def gateway(ar_server, denoiser_server, second_denoiser_server):
+    denoisers = (denoiser_server, second_denoiser_server)
+    async with running_gateway(ar_server, denoisers, SchedulerConfig(max_queued_outputs=8)) as (stub, driver):
+        yield stub, driver, denoisers
 
 
 async def test_n2_fans_out_and_sums_usage(gateway) -> None:
@@ -70,13 +81,18 @@ async def test_default_size_and_request_id_echo(gateway) -> None:
     (pb.GenerateImagesRequest(prompt="x", n=11), "n"),
     (pb.GenerateImagesRequest(prompt="x", height=64), "width"),
     (pb.GenerateImagesRequest(prompt="x", output_compression=101), "output_compression"),
+    # Sampling is the AR's, but checked here too so a bad value never reaches a shared AR batch.
+    (pb.GenerateImagesRequest(prompt="x", sampling=common_pb2.SamplingParams(temperature=0.0)), "sampling.temperature"),
+    (pb.GenerateImagesRequest(prompt="x", sampling=common_pb2.SamplingParams(top_p=1.5)), "sampling.top_p"),
+    (pb.GenerateImagesRequest(prompt="x", sampling=common_pb2.SamplingParams(top_k=2_000_000)), "sampling.top_k"),
 ])
 async def test_invalid_requests_name_the_field(gateway, request_, field) -> None:
-    stub, _, _ = gateway
+    stub, driver, _ = gateway
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.GenerateImages(request_)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(f"{field}:")
+    assert driver.scheduler.snapshot().active_requests == 0  # refused before admission
 
 
 async def test_service_errors_pass_through_with_their_status(gateway) -> None:
@@ -87,6 +103,22 @@ async def test_service_errors_pass_through_with_their_status(gateway) -> None:
                                                            num_inference_steps=201))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("num_inference_steps:")
+
+
+async def test_a_request_the_ar_refuses_does_not_fail_its_batch_mates(ar_server, denoiser_server) -> None:
+    # The gateway has no prompt-length limit of its own: the AR's (8192 characters) refuses this one inside
+    # a batch it shares with two good requests (a long batching window puts all three in one batch).
+    scheduler = SchedulerConfig(ar_batch_delay=0.5, ar_batch_max_outputs=8)
+    async with running_gateway(ar_server, (denoiser_server,), scheduler) as (stub, driver):
+        def call(prompt: str, seed: int):
+            return stub.GenerateImages(pb.GenerateImagesRequest(prompt=prompt, height=64, width=64, seed=seed))
+
+        good, bad, good2 = await asyncio.gather(call(PROMPT, 1), call("x" * 9000, 2), call(PROMPT, 3),
+                                                return_exceptions=True)
+        assert isinstance(bad, grpc.aio.AioRpcError) and bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert bad.details().startswith("prompt:"), bad.details()
+        assert [img.seed for img in good.images] == [1] and [img.seed for img in good2.images] == [3]
+        assert driver.scheduler.counters.requeues["ar_batch_split"] == 3
 
 
 async def test_clients_reusing_a_request_id_both_get_their_images(gateway) -> None:

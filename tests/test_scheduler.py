@@ -431,6 +431,38 @@ def test_ar_failure_without_retries_fails_every_request_in_the_batch() -> None:
     ]
 
 
+def test_a_lone_request_refused_as_bad_input_fails_with_the_ars_message_and_no_retry() -> None:
+    s = make(ar_retries=3, ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    (b,) = arrive(s, "a", 1)
+    (fail,) = s.handle(ArBatchFailed(1.0, b.batch_id, "prompt: is 9000 characters", ErrorKind.INVALID_ARGUMENT))
+    assert fail == FailRequest("a", ErrorKind.INVALID_ARGUMENT, "prompt: is 9000 characters")
+    assert s.counters.requeues["ar_failed"] == 0
+
+
+def test_a_shared_batch_refused_as_bad_input_is_split_so_only_the_bad_request_fails() -> None:
+    s = make(ar_retries=0, ar_batch_max_outputs=8, ar_batch_delay=0.0, ar_max_inflight_batches=1)
+    arrive(s, "good", 1)
+    arrive(s, "bad", 2)
+    arrive(s, "good2", 1)
+    (b,) = up(s, "ar0", AR)
+    assert b.request_ids == ("good", "bad", "good2")
+    arrive(s, "later", 1, now=0.5)  # queued behind the split requests, and never batched with them
+    # No retry budget, yet nobody fails: each of the three goes again alone, oldest first.
+    (b1,) = s.handle(ArBatchFailed(1.0, b.batch_id, "bad input", ErrorKind.INVALID_ARGUMENT))
+    assert b1.request_ids == ("good",)
+    assert s.counters.requeues["ar_batch_split"] == 3
+    (b2,) = ar_ok(s, b1, {"good": 1}, now=1.1)
+    assert b2.request_ids == ("bad",)
+    fail, b3 = s.handle(ArBatchFailed(1.2, b2.batch_id, "sampling.top_p: must be in (0, 1]",
+                                      ErrorKind.INVALID_ARGUMENT))
+    assert fail == FailRequest("bad", ErrorKind.INVALID_ARGUMENT, "sampling.top_p: must be in (0, 1]")
+    assert b3.request_ids == ("good2",)
+    (b4,) = ar_ok(s, b3, {"good2": 1}, now=1.3)
+    assert b4.request_ids == ("later",)
+    assert s.snapshot().pending_ar_requests == 0 and s.snapshot().pending_denoise_outputs == 2
+
+
 def test_retried_ar_requests_go_to_the_front_keeping_their_age() -> None:
     s = make(ar_retries=1, ar_batch_max_outputs=2, ar_batch_delay=1.0)
     up(s, "ar0", AR)
@@ -1004,6 +1036,7 @@ class _Req:
     denoising: bool = False  # its AR outputs were accepted
     done: set[int] = field(default_factory=set)  # indices whose result was accepted
     ar_failures: int = 0
+    solo: bool = False  # it shared a batch refused as bad input: every later batch of it holds it alone
 
 
 @dataclass
@@ -1087,6 +1120,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         w = self.w
         # Model side of membership events, applied before reading the actions (they refer to the new state).
         expect_ar_cancels: set[int] = set()
+        expect_invalid: str | None = None  # a lone request whose batch was refused as bad input
         if isinstance(ev, WorkerAdded):
             m = w.members.get(ev.worker)
             if m is None:
@@ -1127,7 +1161,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if ev.batch_id in owned:  # a live batch (else fenced)
                     owned.discard(ev.batch_id)
                     self._maybe_gone(name)
-                    if isinstance(ev, ArBatchFailed):
+                    if isinstance(ev, ArBatchFailed) and ev.code is ErrorKind.INVALID_ARGUMENT:
+                        live = [rid for rid in w.batch_rids[ev.batch_id]
+                                if (r := self._live(rid)) is not None and r.batch == ev.batch_id]
+                        if len(live) == 1:
+                            expect_invalid = live[0]
+                        for rid in live if len(live) > 1 else ():
+                            w.reqs[rid].solo = True  # split, with no retry charged
+                    elif isinstance(ev, ArBatchFailed):
                         self._ar_batch_lost(ev.batch_id)
                     else:
                         for rid in w.batch_rids[ev.batch_id]:
@@ -1150,6 +1191,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         ):
             w.reqs[ev.request_id] = _Req(ev.n, (ev.height, ev.width), ev.deadline)
         assert {a.batch_id for a in actions if isinstance(a, CancelArBatch)} == expect_ar_cancels
+        if expect_invalid is not None:  # failed at once, not retried (or its deadline passed first)
+            assert any(isinstance(a, FailRequest) and a.request_id == expect_invalid
+                       and a.code in (ErrorKind.INVALID_ARGUMENT, ErrorKind.DEADLINE_EXCEEDED)
+                       for a in actions), "bad input not relayed"
         for a in actions:
             self._apply(ev, a, before)
         # A request that fails cancels every job of it that still occupies a denoiser ("timeouts cancel work").
@@ -1192,6 +1237,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 r.batch = a.batch_id
                 slots += r.n
             assert len(a.request_ids) >= 1
+            assert len(a.request_ids) == 1 or not any(w.reqs[rid].solo for rid in a.request_ids)
             assert slots <= cfg.ar_batch_max_outputs or len(a.request_ids) == 1
         elif isinstance(a, DispatchDenoise):
             m = w.members.get(a.worker)
@@ -1349,6 +1395,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         deadline = None if ttl is None else now + ttl
         self.send(RequestArrived(now, rid, n, size[0], size[1], deadline))
 
+    @rule(ns=st.lists(st.sampled_from([1, 1, 2]), min_size=2, max_size=5), dt=st.floats(0.0, 0.003))
+    def burst(self, ns: list[int], dt: float) -> None:
+        """Several requests at one instant: the shared AR batches that single arrivals rarely form."""
+        now = self.advance(dt)
+        for n in ns:
+            rid = f"r{self.next_rid}"
+            self.next_rid += 1
+            self.send(RequestArrived(now, rid, n, SIZE[0], SIZE[1], None))
+
     @rule(
         kind=st.sampled_from(["add", "remove", "healthy", "unhealthy", "unhealthy"]),
         name=st.sampled_from(WORKERS),
@@ -1390,6 +1445,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         if how == "flap":
             self.send(WorkerHealthy(now, name))
 
+    @precondition(lambda self: any(len(b.request_ids) > 1 for b in self.w.ar_rpcs.values()))
+    @rule(data=st.data(), dt=st.floats(0.0, 0.003))
+    def shared_batch_refused_as_bad_input(self, data: st.DataObject, dt: float) -> None:
+        """Rare in random runs, so driven directly: the split must never batch those requests together again."""
+        bid = data.draw(st.sampled_from(sorted(b for b, a in self.w.ar_rpcs.items() if len(a.request_ids) > 1)))
+        self._deliver_ar(bid, "invalid", self.advance(dt))
+
     @rule(dt=st.floats(0.0, 0.02), finished=st.lists(st.sampled_from(["ok", "ok", "ok", "fail"]), max_size=4))
     def tick(self, dt: float, finished: list[str]) -> None:
         """Time passes: some outstanding RPCs end (oldest first; "fail" is retryable), then a Tick."""
@@ -1411,7 +1473,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.w.ar_rpcs)
     @rule(
-        data=st.data(), outcome=st.sampled_from(["ok", "ok", "ok", "fail", "short"]), dt=st.floats(0.0, 0.003)
+        data=st.data(),
+        outcome=st.sampled_from(["ok", "ok", "ok", "fail", "short", "invalid"]),
+        dt=st.floats(0.0, 0.003),
     )
     def ar_result(self, data: st.DataObject, outcome: str, dt: float) -> None:
         bid = data.draw(st.sampled_from(sorted(self.w.ar_rpcs)))
@@ -1451,6 +1515,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.w.delivered_batches.append(bid)
         if outcome == "fail":
             return self.send(ArBatchFailed(now, bid, "ar boom"))
+        if outcome == "invalid":
+            return self.send(ArBatchFailed(now, bid, "bad input", ErrorKind.INVALID_ARGUMENT))
         outs = {
             rid: [_ar_out(rid, i, bid) for i in range(self.w.reqs[rid].n - (outcome == "short"))]
             for rid in batch.request_ids

@@ -10,11 +10,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.model.checks import SEED_SPACE, check_prompt, check_seed, model_size
+from services.model.checks import SEED_SPACE, check_prompt, check_sampling, check_seed, model_size
 from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError
-
-MAX_TOP_K = 1_000_000
-MAX_TEMPERATURE = 2.0
 
 
 @dataclass(frozen=True)
@@ -142,13 +139,7 @@ def validate(req: ArRequest, limits: ArLimits) -> ArRequest:
         raise InvalidArgument("n", f"must be between 1 and {limits.max_n}, got {req.n}")
     height, width = model_size(req.height, req.width, limits.max_pixels)
     s = req.sampling
-    # `not (a < x <= b)` also rejects NaN.
-    if s.temperature is not None and not 0.0 < s.temperature <= MAX_TEMPERATURE:
-        raise InvalidArgument("sampling.temperature", f"must be in (0, {MAX_TEMPERATURE:g}], got {s.temperature}")
-    if s.top_p is not None and not 0.0 < s.top_p <= 1.0:
-        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
-    if s.top_k is not None and not 0 <= s.top_k <= MAX_TOP_K:
-        raise InvalidArgument("sampling.top_k", f"must be in [0, {MAX_TOP_K}] (0 disables it), got {s.top_k}")
+    check_sampling(s.temperature, s.top_p, s.top_k)
     check_seed(req.seed)
     return ArRequest(prompt=req.prompt, n=n, height=height, width=width, seed=req.seed, sampling=s)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from services.runtime.errors import InvalidArgument
 
 SEED_SPACE = 2**32
+MAX_TOP_K = 1_000_000
+MAX_TEMPERATURE = 2.0
 # The AR grid is H/32 x W/32 (upsampled 2x to the DiT's H/16 x W/16): both stages round sizes up to this.
 SIZE_MULTIPLE = 32
 
@@ -34,3 +36,14 @@ def model_size(height: int, width: int, max_pixels: int) -> tuple[int, int]:
 def check_seed(seed: int | None) -> None:
     if seed is not None and not 0 <= seed < SEED_SPACE:
         raise InvalidArgument("seed", f"must be in [0, {SEED_SPACE}), got {seed}")
+
+
+def check_sampling(temperature: float | None, top_p: float | None, top_k: int | None) -> None:
+    """AR sampling ranges; the gateway applies them at its edge so a bad request never reaches a shared batch."""
+    # `not (a < x <= b)` also rejects NaN.
+    if temperature is not None and not 0.0 < temperature <= MAX_TEMPERATURE:
+        raise InvalidArgument("sampling.temperature", f"must be in (0, {MAX_TEMPERATURE:g}], got {temperature}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    if top_k is not None and not 0 <= top_k <= MAX_TOP_K:
+        raise InvalidArgument("sampling.top_k", f"must be in [0, {MAX_TOP_K}] (0 disables it), got {top_k}")
