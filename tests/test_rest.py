@@ -813,10 +813,16 @@ async def test_health_uses_the_gateway_api_key(backend: Backend) -> None:
 
 def test_gateway_api_key_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GLMIMAGE_GATEWAY_API_KEY", raising=False)
+    monkeypatch.delenv("GLMIMAGE_API_KEYS", raising=False)
     assert rest_main.settings_from_args(rest_main.parse_args([])).gateway_api_key is None
     assert rest_main.settings_from_args(rest_main.parse_args(["--gateway-api-key", "a"])).gateway_api_key == "a"
     monkeypatch.setenv("GLMIMAGE_GATEWAY_API_KEY", "b")
     assert rest_main.settings_from_args(rest_main.parse_args([])).gateway_api_key == "b"
+    # Neither given, but the front has keys of its own (the chart's GLMIMAGE_API_KEYS): it uses the first.
+    monkeypatch.delenv("GLMIMAGE_GATEWAY_API_KEY")
+    monkeypatch.setenv("GLMIMAGE_API_KEYS", "k1,k2")
+    assert rest_main.settings_from_args(rest_main.parse_args([])).gateway_api_key == "k1"
+    assert rest_main.settings_from_args(rest_main.parse_args(["--gateway-api-key", "a"])).gateway_api_key == "a"
 
 
 async def test_same_key_on_rest_and_gateway_with_the_sdk(backend: Backend) -> None:

@@ -39,7 +39,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="accepted Bearer key (repeatable; also GLMIMAGE_API_KEYS, comma-separated)")
     p.add_argument("--gateway-api-key", default=None,
                    help="key for the REST front's own gateway calls (GetStatus behind /health), when the gateway "
-                   "requires keys; also GLMIMAGE_GATEWAY_API_KEY. Generation calls forward the client's key.")
+                   "requires keys; also GLMIMAGE_GATEWAY_API_KEY; default: the first key this front accepts "
+                   "itself (the Helm chart gives both the same keys). Generation calls forward the client's key.")
     p.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens")
     p.add_argument("--request-timeout", type=float, default=_DEFAULTS.request_timeout, help="seconds")
@@ -74,7 +75,10 @@ def settings_from_args(args: argparse.Namespace) -> RestSettings:
         gateway_tls_client_cert=args.gateway_tls_client_cert,
         gateway_tls_client_key=args.gateway_tls_client_key,
         gateway_tls_server_name=args.gateway_tls_server_name,
-        gateway_api_key=args.gateway_api_key or os.environ.get("GLMIMAGE_GATEWAY_API_KEY") or None,
+        # Without one, /health could not read the gateway's status when both sides require keys, and the
+        # readiness probe would never pass: fall back on a key of this front's own.
+        gateway_api_key=(args.gateway_api_key or os.environ.get("GLMIMAGE_GATEWAY_API_KEY")
+                         or next(iter(api_keys), None)),
     )
 
 
