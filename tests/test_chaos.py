@@ -31,8 +31,8 @@ def _stub(address: str) -> gateway_service_pb2_grpc.GatewayServiceStub:
     return gateway_service_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(address))
 
 
-def _status(cluster: Cluster) -> pb.GetStatusResponse:
-    return _stub(cluster.procs["gateway"].address).GetStatus(pb.GetStatusRequest(), timeout=10)
+def _status(cluster: Cluster, gateway: str = "gateway") -> pb.GetStatusResponse:
+    return _stub(cluster.procs[gateway].address).GetStatus(pb.GetStatusRequest(), timeout=10)
 
 
 def _until(predicate, timeout: float, what: str) -> float:
@@ -45,14 +45,14 @@ def _until(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - t0
 
 
-def _assert_settled(cluster: Cluster, expect_unhealthy: tuple[str, ...] = ()) -> None:
+def _assert_settled(cluster: Cluster, expect_unhealthy: tuple[str, ...] = (), gateway: str = "gateway") -> None:
     def settled() -> bool:
-        st = _status(cluster)
+        st = _status(cluster, gateway)
         return (st.active_requests == 0 and st.pending_ar_outputs == 0 and st.pending_denoise_outputs == 0
                 and all(w.inflight == 0 and not w.current_job for w in st.workers))
 
     _until(settled, 15, "no active request and no job in flight")
-    for w in _status(cluster).workers:
+    for w in _status(cluster, gateway).workers:
         unhealthy = any(cluster.procs[n].address == w.address for n in expect_unhealthy)
         want = pb.WORKER_STATE_UNHEALTHY if unhealthy else pb.WORKER_STATE_AVAILABLE
         assert w.state == want, f"{w.address} is {pb.WorkerState.Name(w.state)}"
@@ -162,17 +162,28 @@ def _metric(cluster: Cluster, name: str, family: str) -> float:
 
 
 def test_ar_killed_then_restarted(cluster: Cluster) -> None:
+    stub = _stub(cluster.procs["gateway"].address)
+    # Requests in the AR stage when it dies (a 512x512 batch takes the tiny AR a few seconds), then a new one.
+    queued = [stub.GenerateImages.future(pb.GenerateImagesRequest(prompt=PROMPT, n=1, height=512, width=512,
+                                                                  seed=i), timeout=30) for i in range(3)]
+    _until(lambda: any(w.role == pb.WORKER_ROLE_AR and w.inflight for w in _status(cluster).workers), 10,
+           "an AR batch in flight")
     cluster.kill("ar", signal.SIGKILL)
     t0 = time.monotonic()
+    for f in queued:
+        with pytest.raises(grpc.RpcError) as err:
+            f.result()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         _generate(cluster, seed=1, n=1, timeout=30)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "AR" in err.value.details()
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 30  # well inside the 60 s request timeout: they fail fast, not by deadline
     cluster.restart("ar")
     _until(lambda: any(w.role == pb.WORKER_ROLE_AR and w.state == pb.WORKER_STATE_AVAILABLE
                        for w in _status(cluster).workers), 10, "the gateway to see the AR again")
     assert len(_generate(cluster, seed=2, n=2)) == 2
+    assert cluster.procs["gateway"].popen.poll() is None  # the same gateway process throughout
     _assert_settled(cluster)
 
 
@@ -215,6 +226,7 @@ def test_overload_small_queue_gets_429_and_memory_stays_flat(cluster: Cluster) -
         assert all(r.headers.get("retry-after") for r in replies if r.status_code == 429)
         rss.append(small.rss())
     assert max(rss) < rss[0] * 1.2 + 10 * 2**20, f"gateway RSS grew: {rss}"
+    _assert_settled(cluster, gateway="gateway-small")
     cluster.kill("rest-small", signal.SIGTERM)
     cluster.kill("gateway-small", signal.SIGTERM)
 
@@ -232,3 +244,8 @@ def test_sigterm_gateway_under_load(cluster: Cluster) -> None:
     for f in inflight:
         assert len(f.result().images) == 1
     assert cluster.procs["gateway"].popen.wait(60) == 0
+    # Its status RPC is gone with it: the drain's own report and the workers' metrics stand in for it.
+    log = cluster.tail("gateway", 400)
+    assert "draining for up to" in log and "still running after" not in log
+    _until(lambda: all(_metric(cluster, f"d{i}", "glmimage_denoiser_busy") == 0 for i in range(3)), 5,
+           "every denoiser idle")
