@@ -116,10 +116,20 @@ def e2e(d: dict) -> str:
 
 
 def soak(d: dict) -> str:
-    return ("## Soak\n\n" + _header(d) +
+    text = ("## Soak\n\n" + _header(d) +
             f"\n{d['duration_s']:.0f} s, {d['clients']} clients, {d['denoiser_kills']} denoiser kills: "
             f"{d['requests']} requests, {d['successes']} succeeded, failures {d['failures_by_reason'] or 'none'}, "
             f"lost {d['lost']}.\n")
+    samples = d.get("rss_mib_over_time") or []
+    if not samples:
+        return text
+    names = [k for k in samples[0] if k != "t"]
+    picks = sorted({round(i * (len(samples) - 1) / 4) for i in range(5)})  # start, quarters, end
+    rows = [f"| {name} | " + " | ".join(f"{samples[i][name]:.0f}" for i in picks)
+            + f" | {max(x[name] for x in samples):.0f} |" for name in names]
+    return (text + "\nRSS in MiB over the run (a killed denoiser is a new process after its restart):\n\n"
+            "| process | " + " | ".join(f"t={samples[i]['t']:.0f} s" for i in picks) + " | max |\n"
+            "|---|" + "---|" * (len(picks) + 1) + "\n" + "\n".join(rows) + "\n")
 
 
 def main() -> None:
