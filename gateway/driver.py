@@ -452,11 +452,19 @@ class Driver:
         call = worker.stub.DenoiseStream(
             denoiser_service_pb2.DenoiseStreamRequest(job=request, partial_images=stream.partial_images),
             timeout=self.config.denoise_timeout, metadata=metadata)
-        async for message in call:
-            if message.WhichOneof("event") == "result":
-                return message.result
-            # Relayed synchronously: once CancelDenoise has cancelled this task, nothing stale gets through.
-            stream.relay(index, message)
+        try:
+            async for message in call:
+                if message.WhichOneof("event") == "result":
+                    return message.result
+                # Relayed synchronously: once CancelDenoise has cancelled this task, nothing stale gets through.
+                stream.relay(index, message)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            # A denoiser without the streaming RPC (an older build, mid rolling upgrade): the caller still gets
+            # the image, only without progress and previews for it.
+            log.warning("denoiser %s has no DenoiseStream; running the job unary", worker.address)
+            return await worker.stub.Denoise(request, timeout=self.config.denoise_timeout, metadata=metadata)
         return None
 
     def _suspect(self, worker: _Worker, why: str) -> None:

@@ -116,9 +116,15 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         done = object()
         events: asyncio.Queue[gateway_service_pb2.GenerateImagesStreamResponse | object] = asyncio.Queue()
         previews_sent: dict[int, int] = {}  # image index -> previews relayed so far
+        step_sent: dict[int, int] = {}  # image index -> highest step relayed
 
         def relay(index: int, message: denoiser_service_pb2.DenoiseStreamResponse) -> None:
             if message.WhichOneof("event") == "progress":
+                # A retried job starts again at step 1: hold its progress back until it passes what was shown,
+                # so a client's progress bar never moves backwards.
+                if message.progress.step <= step_sent.get(index, 0):
+                    return
+                step_sent[index] = message.progress.step
                 events.put_nowait(gateway_service_pb2.GenerateImagesStreamResponse(
                     progress=gateway_service_pb2.ImageProgress(image_index=index, step=message.progress.step,
                                                                total_steps=message.progress.total_steps)))

@@ -26,8 +26,8 @@ from gateway.membership import DnsMembership, join_host_port, resolve, split_hos
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import SchedulerConfig, WorkerRole
 from gateway.servicer import GatewayServicer
+from glmimage.v1 import denoiser_service_pb2_grpc, gateway_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
-from glmimage.v1 import gateway_service_pb2_grpc
 from services.runtime.server import GrpcServer, start_server
 
 GATEWAY = "glmimage.v1.GatewayService"
@@ -156,6 +156,45 @@ async def test_stream_relays_progress_and_previews_per_image_then_completes(gate
     assert done.usage.prompt_tokens == sum(i.usage.prompt_tokens for i in done.images) > 0
     # The AR's cached_tokens are carried as reported (summed); only the REST front hides them.
     assert done.usage.cached_tokens == 10 and all(i.usage.cached_tokens == 5 for i in done.images)
+
+
+async def test_stream_progress_never_goes_back_when_a_job_is_retried_elsewhere(gateway: Gateway,
+                                                                                cluster: Cluster) -> None:
+    cluster.gate.clear()
+    call = gateway.stub.GenerateImagesStream(pb.GenerateImagesStreamRequest(
+        request=request(num_inference_steps=4), partial_images=1))
+    events = [await call.read()]
+    assert events[0].progress.step == 1
+    (victim,) = [d for d in cluster.denoisers if d.servicer.busy]
+    await victim.stop(None)  # the job dies after step 1 and is retried on another denoiser, from its step 1
+    await wait_for(lambda: any(d.servicer.busy for d in cluster.denoisers if d is not victim))
+    cluster.gate.set()
+    while (event := await call.read()) is not grpc.aio.EOF:
+        events.append(event)
+    steps = [e.progress.step for e in events if e.WhichOneof("event") == "progress"]
+    assert steps == [1, 2, 3, 4]  # the retry's own step 1 is not shown again
+    assert [e.partial_image.partial_image_index for e in events if e.WhichOneof("event") == "partial_image"] == [0]
+    assert events[-1].WhichOneof("event") == "completed"
+
+
+class UnaryOnlyDenoiser(SimDenoiser):
+    """An older denoiser build, before DenoiseStream: the generated base class answers UNIMPLEMENTED."""
+
+    DenoiseStream = denoiser_service_pb2_grpc.DenoiserServiceServicer.DenoiseStream
+
+
+async def test_stream_falls_back_to_unary_on_a_denoiser_without_the_streaming_rpc(cluster: Cluster) -> None:
+    old = await serve_sim_denoiser(UnaryOnlyDenoiser(FAST))
+    try:
+        async with running_gateway([cluster.address(cluster.ar)], [cluster.address(old)]) as gw:
+            call = gw.stub.GenerateImagesStream(pb.GenerateImagesStreamRequest(request=request(n=2),
+                                                                               partial_images=1))
+            events = [e async for e in call]
+            assert [e.WhichOneof("event") for e in events] == ["completed"]  # no progress, but the images
+            assert [i.seed for i in events[0].completed.images] == [7, 8]
+            assert old.servicer.completed == 2
+    finally:
+        await old.stop(None)
 
 
 async def test_stream_validates_partial_images(gateway: Gateway) -> None:
