@@ -228,8 +228,9 @@ class Driver:
         pending = _Pending(request=request, height=height, width=width, n=n, future=loop.create_future(),
                            stream=stream, arrived=now)
         # The id comes from the client's x-request-id and may repeat; the scheduler needs it unique.
-        if request_id in self._pending:
-            request_id = f"{request_id}.{next(self._duplicates)}"
+        original = request_id
+        while request_id in self._pending:  # a loop: "abc.1" may itself be a client's id already in flight
+            request_id = f"{original}.{next(self._duplicates)}"
         self._pending[request_id] = pending
         # Both stages round sizes up to multiples of 32, so requests that differ below that share AR batches.
         self._feed(sch.RequestArrived(now=now, request_id=request_id, n=n, height=round_up(height),

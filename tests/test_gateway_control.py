@@ -197,6 +197,20 @@ async def test_stream_falls_back_to_unary_on_a_denoiser_without_the_streaming_rp
         await old.stop(None)
 
 
+async def test_request_ids_that_collide_with_renamed_duplicates_all_complete(gateway: Gateway,
+                                                                              cluster: Cluster) -> None:
+    cluster.gate.clear()  # all three stay in flight together
+    calls = []
+    for k, (seed, rid) in enumerate(((1, "abc.1"), (2, "abc"), (3, "abc")), 1):  # the third must not be "abc.1"
+        calls.append(asyncio.ensure_future(gateway.stub.GenerateImages(
+            pb.GenerateImagesRequest(prompt="x", height=64, width=64, seed=seed),
+            metadata=(("x-request-id", rid),), timeout=10)))
+        await gateway.until(lambda s, k=k: s.active_requests == k)
+    cluster.gate.set()
+    replies = await asyncio.gather(*calls)
+    assert [r.images[0].seed for r in replies] == [1, 2, 3]
+
+
 async def test_stream_validates_partial_images(gateway: Gateway) -> None:
     err = await rpc_error(gateway.stub.GenerateImagesStream(
         pb.GenerateImagesStreamRequest(request=request(), partial_images=4)).read())
