@@ -105,8 +105,11 @@ async def serve(args: argparse.Namespace) -> None:
     driver = Driver(config, metrics=GatewayMetrics())
     servicer = GatewayServicer(driver, config)
     interceptors = [ApiKeyInterceptor(config.api_keys, [SERVICE_NAME])] if config.api_keys else []
+    # A reply carries every image of a request (10 PNGs at 2048x2048 can pass 100 MB): the same 256 MiB the REST
+    # front and the Python client accept, so a big reply is not refused as RESOURCE_EXHAUSTED (a retryable 429).
     server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
-                                [SERVICE_NAME], f"{args.host}:{args.port}", interceptors=interceptors, tls=tls)
+                                [SERVICE_NAME], f"{args.host}:{args.port}", interceptors=interceptors, tls=tls,
+                                max_message_mb=256)
     await driver.start()
     announce(server, args, "GatewayService")
     serve_metrics(args.host, args.metrics_port)
