@@ -139,6 +139,19 @@ async def test_cancel_mid_denoise_stops_at_the_next_step_and_frees_the_slot(dn, 
     assert resp.steps_completed == 2
 
 
+async def test_a_job_sent_right_after_a_cancel_waits_for_the_slot_instead_of_busy(dn, servicer) -> None:
+    refused = _sample("glmimage_denoiser_jobs_total", outcome="rejected_busy")
+    call = dn.Denoise(_req(256, 256, num_inference_steps=LONG_STEPS, seed=1))
+    task = asyncio.ensure_future(call)
+    await _until(lambda: servicer.current_job is not None and servicer.current_job.steps_done >= 1)
+    call.cancel()  # what a gateway does when its client goes away, then it dispatches the next job at once
+    resp = await dn.Denoise(_req(64, 64, seed=2))
+    assert resp.steps_completed == 2
+    assert _sample("glmimage_denoiser_jobs_total", outcome="rejected_busy") == refused
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def test_passed_deadline_stops_the_job_and_frees_the_slot(dn, servicer) -> None:
     cancelled = _sample("glmimage_denoiser_cancelled_jobs_total", reason="deadline")
     with pytest.raises(grpc.aio.AioRpcError) as err:

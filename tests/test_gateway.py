@@ -121,6 +121,26 @@ async def test_a_request_the_ar_refuses_does_not_fail_its_batch_mates(ar_server,
         assert driver.scheduler.counters.requeues["ar_batch_split"] == 3
 
 
+async def test_a_cancelled_request_does_not_fail_the_one_queued_behind_it(ar_server, denoiser_server) -> None:
+    async with running_gateway(ar_server, (denoiser_server,), SchedulerConfig()) as (stub, driver):
+        slow = stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=256, width=256, seed=1,
+                                                            num_inference_steps=200))
+        first = asyncio.ensure_future(slow)
+        async with asyncio.timeout(30):
+            while not any(w.current_job for w in driver.snapshot().workers):
+                await asyncio.sleep(0.01)
+        queued = asyncio.ensure_future(stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=64,
+                                                                                    width=64, seed=2)))
+        async with asyncio.timeout(30):
+            while driver.snapshot().pending_denoise_outputs == 0:
+                await asyncio.sleep(0.01)
+        slow.cancel()  # the denoiser is still finishing a step when the gateway hands it the queued job
+        assert [img.seed for img in (await queued).images] == [2]
+        assert driver.scheduler.counters.requeues["denoise_failed"] == 0
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+
 async def test_clients_reusing_a_request_id_both_get_their_images(gateway) -> None:
     stub, _, _ = gateway
     meta = (("x-request-id", "same-id"),)

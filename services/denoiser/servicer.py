@@ -93,6 +93,11 @@ class JobRecord:
     def steps_done(self) -> int:
         return self.control.steps_done
 
+    def stopping(self) -> bool:
+        """Its caller is gone or its deadline passed: the worker stops it at the next step."""
+        c = self.control
+        return c.cancel.is_set() or (c.deadline is not None and time.monotonic() >= c.deadline)
+
 
 class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
     def __init__(self, engine: DenoiseEngine, executor: SerialExecutor) -> None:
@@ -138,6 +143,21 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
             task.cancel()  # a no-op once done; when the stream is cancelled, stops the job at its next step
         yield denoiser_service_pb2.DenoiseStreamResponse(result=result_to_proto(result))
 
+    async def _slot_after_stopping_job(self) -> bool:
+        """Wait for the slot, but only while the job holding it is stopping; True once it is free.
+
+        A gateway dispatches the next job the moment it has cancelled the previous one, while that job's thread
+        still finishes its step: refusing "busy" then would fail a healthy request for nothing.
+        """
+        for _ in range(3):  # a cancel sent on the same connection just before this call is processed first
+            await asyncio.sleep(0)
+        while self._busy:
+            job = self.current_job
+            if job is None or not job.stopping():
+                return False
+            await self._idle.wait()  # the RPC's own deadline bounds this wait
+        return True
+
     async def _execute(self, job: DenoiseJob, context: grpc.aio.ServicerContext,
                        emit: Callable[[JobEvent], None] | None = None) -> DenoiseResult:
         """Validate, take the slot (or refuse), run on the worker thread, stop it if the caller goes away."""
@@ -146,7 +166,7 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         except InvalidArgument:
             metrics.JOBS.labels(Outcome.INVALID).inc()
             raise
-        if self._busy:
+        if self._busy and not await self._slot_after_stopping_job():
             metrics.JOBS.labels(Outcome.REJECTED_BUSY).inc()
             raise ResourceExhausted("busy: this denoiser runs one job at a time")
         self._busy = True
