@@ -479,10 +479,15 @@ class Driver:
         worker.watch_task = asyncio.create_task(self._watch_health(worker), name=f"health:{worker.address}")
 
     async def _watch_health(self, worker: _Worker) -> None:
-        """Follow grpc.health.v1 Watch; any break in the stream counts as unhealthy until it says SERVING again."""
+        """Follow grpc.health.v1 Watch; any break in the stream counts as unhealthy until it says SERVING again.
+
+        NOT_SERVING from a worker that was serving means it is draining (SIGTERM): it takes no new work, but what
+        it holds is left to finish, as its shutdown grace promises. Only if it then goes away is that work lost.
+        """
         stub = health_pb2_grpc.HealthStub(worker.channel)
         backoff = self.config.health_retry_min
-        healthy = False
+        healthy = False  # what the scheduler was last told: WorkerHealthy (True) or WorkerUnhealthy (False)
+        serving = False
         while not self._closed:
             try:
                 # A Check with a deadline first: a hung process keeps its connection open, so only an answer
@@ -493,18 +498,22 @@ class Driver:
                     raise _NotServing
                 call = stub.Watch(health_pb2.HealthCheckRequest(service=worker.service))
                 async for reply in call:
-                    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-                    if serving != healthy:
-                        healthy = serving
-                        log.info("%s %s is %s", worker.role.name.lower(), worker.address,
-                                 "SERVING" if serving else "not serving")
-                        self._feed((sch.WorkerHealthy if serving else sch.WorkerUnhealthy)(
-                            now=time.monotonic(), worker=worker.address))
+                    now_serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                    if now_serving and not (healthy and serving):
+                        log.info("%s %s is SERVING", worker.role.name.lower(), worker.address)
+                        self._feed(sch.WorkerHealthy(now=time.monotonic(), worker=worker.address))
+                        healthy = True
+                    elif not now_serving and healthy and serving:
+                        log.info("%s %s is not serving (draining): no new work, its current work may finish",
+                                 worker.role.name.lower(), worker.address)
+                        self._feed(sch.WorkerNotServing(now=time.monotonic(), worker=worker.address))
+                    serving = now_serving
                     backoff = self.config.health_retry_min
             except asyncio.CancelledError:
                 return
             except (grpc.aio.AioRpcError, _NotServing):
                 pass
+            serving = False
             if healthy:
                 healthy = False
                 log.warning("%s %s is unreachable", worker.role.name.lower(), worker.address)

@@ -54,6 +54,7 @@ __all__ = [
     "Tick",
     "WorkerAdded",
     "WorkerHealthy",
+    "WorkerNotServing",
     "WorkerRemoved",
     "WorkerRole",
     "WorkerSnapshot",
@@ -73,7 +74,7 @@ class WorkerState(enum.Enum):
     AVAILABLE = "AVAILABLE"  # healthy, not draining, has room for work
     BUSY = "BUSY"  # healthy, not draining, no room
     UNHEALTHY = "UNHEALTHY"
-    DRAINING = "DRAINING"  # removed while busy: finishes what it holds, takes nothing new
+    DRAINING = "DRAINING"  # removed while busy, or said NOT_SERVING: finishes what it holds, takes nothing new
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,15 @@ class WorkerUnhealthy:
 
 
 @dataclass(frozen=True)
+class WorkerNotServing:
+    """The worker answers health checks with NOT_SERVING: it is draining (SIGTERM, rolling update). It gets no
+    new work, and the work it holds is left to finish; if it then goes away, WorkerUnhealthy follows."""
+
+    now: float
+    worker: str
+
+
+@dataclass(frozen=True)
 class RequestCancelled:
     now: float
     request_id: str
@@ -212,6 +222,7 @@ Event = (
     | WorkerRemoved
     | WorkerHealthy
     | WorkerUnhealthy
+    | WorkerNotServing
     | RequestCancelled
     | Tick
 )
@@ -365,12 +376,16 @@ class _Worker:
     added_seq: int  # tie-break for LRU so choices are deterministic
     healthy: bool = False  # a new worker is unhealthy until its first health check passes
     draining: bool = False
+    not_serving: bool = False  # healthy but said NOT_SERVING: finishing what it holds, takes nothing new
     last_used: int = 0
     job: JobId | None = None  # denoisers: the one job whose slot this worker holds
     batches: set[int] = field(default_factory=set)  # AR: batch ids in flight
 
     def busy(self) -> bool:
         return self.job is not None or bool(self.batches)
+
+    def accepts_work(self) -> bool:
+        return self.healthy and not self.draining and not self.not_serving
 
 
 @dataclass(frozen=True)
@@ -446,6 +461,9 @@ class Scheduler:
                 self._on_worker_healthy(event)
             case WorkerUnhealthy():
                 self._on_worker_unhealthy(event, actions)
+                self._fail_stranded_ar_requests(actions)
+            case WorkerNotServing():
+                self._on_worker_not_serving(event)
                 self._fail_stranded_ar_requests(actions)
             case RequestCancelled():
                 self._on_cancelled(event, actions)
@@ -638,12 +656,19 @@ class Scheduler:
         w = self._workers.get(ev.worker)
         if w is not None:
             w.healthy = True  # the dispatch loop at the end of handle() hands it work right away
+            w.not_serving = False
+
+    def _on_worker_not_serving(self, ev: WorkerNotServing) -> None:
+        w = self._workers.get(ev.worker)
+        if w is not None and w.healthy:
+            w.not_serving = True  # unlike WorkerUnhealthy, nothing it holds is cancelled or requeued
 
     def _on_worker_unhealthy(self, ev: WorkerUnhealthy, actions: list[Action]) -> None:
         w = self._workers.get(ev.worker)
         if w is None or not w.healthy:
             return  # an unhealthy worker holds nothing (released when it went down)
         w.healthy = False
+        w.not_serving = False
         reason = f"{w.role.value} worker {w.address} became unhealthy"
         if w.role is WorkerRole.AR:
             for bid in sorted(w.batches):
@@ -666,7 +691,7 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------- request lifecycle
 
     def _any_ready(self, role: WorkerRole) -> bool:
-        return any(w.role is role and w.healthy and not w.draining for w in self._workers.values())
+        return any(w.role is role and w.accepts_work() for w in self._workers.values())
 
     def _fail_stranded_ar_requests(self, actions: list[Action]) -> None:
         """With fail-fast on, requests still waiting for an AR batch fail once no AR worker is left to take it."""
@@ -767,8 +792,7 @@ class Scheduler:
             w
             for w in self._workers.values()
             if w.role is WorkerRole.AR
-            and w.healthy
-            and not w.draining
+            and w.accepts_work()
             and len(w.batches) < self.config.ar_max_inflight_batches
         ]
         return min(free, key=lambda w: (len(w.batches), w.last_used, w.added_seq), default=None)
@@ -885,7 +909,7 @@ class Scheduler:
         free = [
             w
             for w in self._workers.values()
-            if w.role is WorkerRole.DENOISER and w.healthy and not w.draining and w.job is None
+            if w.role is WorkerRole.DENOISER and w.accepts_work() and w.job is None
         ]
         return min(free, key=lambda w: (w.last_used, w.added_seq), default=None)
 
@@ -919,6 +943,8 @@ class Scheduler:
             state = WorkerState.DRAINING
         elif not w.healthy:
             state = WorkerState.UNHEALTHY
+        elif w.not_serving:
+            state = WorkerState.DRAINING  # by its own choice: it said NOT_SERVING
         elif full:
             state = WorkerState.BUSY
         else:

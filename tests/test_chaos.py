@@ -187,6 +187,26 @@ def test_ar_killed_then_restarted(cluster: Cluster) -> None:
     _assert_settled(cluster)
 
 
+def test_sigterm_to_a_busy_denoiser_lets_its_job_finish_there(cluster: Cluster) -> None:
+    """A rolling update: the denoiser says NOT_SERVING and drains. Its job is not cancelled and redone elsewhere;
+    it gets no new work; once it has exited and is back, it is used again."""
+    requeued = _metric(cluster, "gateway", 'glmimage_gateway_requeues_total{reason="worker_unhealthy"}')
+    call = _stub(cluster.procs["gateway"].address).GenerateImages.future(pb.GenerateImagesRequest(
+        prompt=PROMPT, n=1, height=256, width=256, seed=5, num_inference_steps=40), timeout=60)
+    _until(lambda: any(w.current_job for w in _status(cluster).workers), 30, "a denoiser to hold the job")
+    (busy,) = [w.address for w in _status(cluster).workers if w.current_job]
+    (name,) = [n for n in ("d0", "d1", "d2") if cluster.procs[n].address == busy]
+    victim = cluster.procs[name]
+    victim.popen.send_signal(signal.SIGTERM)
+    assert len(call.result().images) == 1
+    assert victim.popen.wait(60) == 0  # it drained: its one job finished before it exited
+    assert _metric(cluster, "gateway", 'glmimage_gateway_requeues_total{reason="worker_unhealthy"}') == requeued
+    cluster.restart(name)
+    _until(lambda: all(w.state == pb.WORKER_STATE_AVAILABLE for w in _status(cluster).workers), 10,
+           "the restarted denoiser to be available again")
+    _assert_settled(cluster)
+
+
 def test_hung_denoiser_is_bypassed_until_it_answers_health(cluster: Cluster) -> None:
     victim = cluster.procs["d2"]
     stub = _stub(cluster.procs["gateway"].address)

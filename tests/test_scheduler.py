@@ -42,6 +42,7 @@ from gateway.scheduler import (
     Tick,
     WorkerAdded,
     WorkerHealthy,
+    WorkerNotServing,
     WorkerRemoved,
     WorkerRole,
     WorkerSnapshot,
@@ -492,6 +493,26 @@ def test_ar_worker_unhealthy_mid_batch_requeues_and_fences() -> None:
     up(s, "d0", DN)
     (d,) = ar_ok(s, b2, {"a": 1}, now=3.0)
     assert d.ar_output == "a/ar0"
+
+
+def test_a_worker_saying_not_serving_finishes_its_work_but_gets_no_more() -> None:
+    s = make(ar_batch_delay=0.0)  # no AR retry budget: a cancelled batch would fail its requests
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    (b1,) = arrive(s, "a", 1)
+    assert s.handle(WorkerNotServing(1.0, "ar0")) == []  # SIGTERM: nothing is cancelled or requeued
+    assert worker(s, "ar0").state is WorkerState.DRAINING and worker(s, "ar0").inflight == 1
+    assert arrive(s, "b", 1, now=1.1) == []  # waits for another AR
+    (d,) = ar_ok(s, b1, {"a": 1}, now=2.0)  # its batch still counts
+    assert d.job == job("a") and d.worker == "d0"
+    assert s.handle(WorkerNotServing(2.1, "d0")) == []
+    assert worker(s, "d0").state is WorkerState.DRAINING
+    (done,) = s.handle(DenoiseSucceeded(3.0, d.job, "d0", "img"))
+    assert done == CompleteRequest("a", ("img",), ("a/ar0",))
+    assert s.counters.requeues["worker_unhealthy"] == 0
+    # It comes back (or a replacement at the same address does): work flows to it again.
+    (b2,) = s.handle(WorkerHealthy(4.0, "ar0"))
+    assert b2.request_ids == ("b",)
 
 
 def test_ar_worker_unhealthy_without_retry_budget_fails_requests() -> None:
@@ -1025,6 +1046,7 @@ class _Member:
     role: WorkerRole
     healthy: bool = False
     draining: bool = False
+    serving: bool = True  # False after WorkerNotServing, until WorkerHealthy or WorkerUnhealthy
 
 
 @dataclass
@@ -1135,8 +1157,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self._forget(ev.worker)
         elif isinstance(ev, WorkerHealthy) and ev.worker in w.members:
             w.members[ev.worker].healthy = True
+            w.members[ev.worker].serving = True
+        elif isinstance(ev, WorkerNotServing) and ev.worker in w.members and w.members[ev.worker].healthy:
+            w.members[ev.worker].serving = False  # and nothing it holds is cancelled (checked below)
         elif isinstance(ev, WorkerUnhealthy) and ev.worker in w.members and w.members[ev.worker].healthy:
             w.members[ev.worker].healthy = False
+            w.members[ev.worker].serving = True
             w.holding.pop(ev.worker, None)  # the slot is free; the old attempt is fenced
             expect_ar_cancels = set(w.ar_owned.get(ev.worker, set()))
             for bid in expect_ar_cancels:
@@ -1223,7 +1249,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         w, cfg = self.w, self.cfg
         if isinstance(a, DispatchArBatch):
             m = w.members.get(a.worker)
-            assert m is not None and m.role is AR and m.healthy and not m.draining
+            assert m is not None and m.role is AR and m.healthy and not m.draining and m.serving
             assert len(w.ar_owned[a.worker]) < cfg.ar_max_inflight_batches
             w.ar_owned[a.worker].add(a.batch_id)
             assert a.batch_id not in w.ar_rpcs and a.batch_id not in w.delivered_batches
@@ -1241,7 +1267,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert slots <= cfg.ar_batch_max_outputs or len(a.request_ids) == 1
         elif isinstance(a, DispatchDenoise):
             m = w.members.get(a.worker)
-            assert m is not None and m.role is DN and m.healthy and not m.draining
+            assert m is not None and m.role is DN and m.healthy and not m.draining and m.serving
             assert a.worker not in w.holding, f"{a.worker} would hold two jobs"
             rid, i = a.job.request_id, a.job.index
             assert rid not in w.ended and 0 <= i < w.reqs[rid].n
@@ -1311,6 +1337,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert x.state is WorkerState.DRAINING
             elif not m.healthy:
                 assert x.state is WorkerState.UNHEALTHY
+            elif not m.serving:
+                assert x.state is WorkerState.DRAINING
             else:
                 assert x.state in (WorkerState.AVAILABLE, WorkerState.BUSY)
         # Work conservation.
@@ -1405,7 +1433,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.send(RequestArrived(now, rid, n, SIZE[0], SIZE[1], None))
 
     @rule(
-        kind=st.sampled_from(["add", "remove", "healthy", "unhealthy", "unhealthy"]),
+        kind=st.sampled_from(["add", "remove", "healthy", "unhealthy", "unhealthy", "not_serving"]),
         name=st.sampled_from(WORKERS),
         dt=st.floats(0.0, 0.003),
     )
@@ -1418,6 +1446,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.send(WorkerRemoved(now, name))
         elif kind == "unhealthy":
             self.send(WorkerUnhealthy(now, name))
+        elif kind == "not_serving":
+            self.send(WorkerNotServing(now, name))
         else:
             was = self.w.members.get(name)
             draining = was is not None and was.draining
@@ -1430,19 +1460,22 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.w.holding or any(self.w.ar_owned.values()))
     @rule(
         data=st.data(),
-        how=st.sampled_from(["crash", "flap", "drain", "drain+crash"]),
+        how=st.sampled_from(["crash", "flap", "drain", "drain+crash", "sigterm", "sigterm+exit", "sigterm+back"]),
         dt=st.floats(0.0, 0.003),
     )
     def disturb_busy_worker(self, data: st.DataObject, how: str, dt: float) -> None:
-        """A worker with work in flight goes down (maybe straight back up) or is drained: requeue + fencing."""
+        """A worker with work in flight goes down (maybe straight back up), is drained, or says NOT_SERVING
+        (SIGTERM: its work must be left to finish, unless it then exits): requeue + fencing."""
         busy = sorted(set(self.w.holding) | {n for n, owned in self.w.ar_owned.items() if owned})
         name = data.draw(st.sampled_from(busy))
         now = self.advance(dt)
         if how.startswith("drain"):
             self.send(WorkerRemoved(now, name))
-        if how != "drain":
+        if how.startswith("sigterm"):
+            self.send(WorkerNotServing(now, name))
+        if how not in ("drain", "sigterm", "sigterm+back"):
             self.send(WorkerUnhealthy(now, name))
-        if how == "flap":
+        if how in ("flap", "sigterm+back"):
             self.send(WorkerHealthy(now, name))
 
     @precondition(lambda self: any(len(b.request_ids) > 1 for b in self.w.ar_rpcs.values()))
@@ -1540,7 +1573,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not any(m.role is role and not m.draining for m in self.w.members.values()):
                 self.send(WorkerAdded(self.now, name, role))
         for name, m in list(self.w.members.items()):
-            if not m.healthy:
+            if not m.healthy or not m.serving:
                 self.send(WorkerHealthy(self.now, name))
         for _ in range(10_000):
             if self.w.dn_rpcs:
