@@ -469,6 +469,7 @@ class Scheduler:
                 self._on_cancelled(event, actions)
             case Tick():
                 pass  # time moved: deadlines above, batch delays in the dispatch loop below
+        self._fail_stranded_denoise_requests(actions)
         # Work conservation: every event may have freed a worker or queued work.
         self._dispatch_ar(actions)
         self._dispatch_denoise(actions)
@@ -700,6 +701,15 @@ class Scheduler:
         stranded = [req for q in self._pending_ar.values() for req in q]
         for req in sorted(stranded, key=lambda r: r.seq):
             self._fail(req, ErrorKind.UNAVAILABLE, "no AR server is available (it went away); retry later", actions)
+
+    def _fail_stranded_denoise_requests(self, actions: list[Action]) -> None:
+        """With fail-fast on, requests with an output waiting for a denoiser fail once none is left to take it
+        (the last one went away or is draining), rather than at their deadline minutes later."""
+        if not self._denoise_q or not self.config.fail_fast_without_workers or self._any_ready(WorkerRole.DENOISER):
+            return
+        stranded = {self._active[rid] for _, _, _, rid in self._denoise_q if rid in self._active}
+        for req in sorted(stranded, key=lambda r: r.seq):
+            self._fail(req, ErrorKind.UNAVAILABLE, "no denoiser is available (it went away); retry later", actions)
 
     def _fail(self, req: _Request, code: ErrorKind, message: str, actions: list[Action]) -> None:
         self._end(req, actions)

@@ -1632,6 +1632,22 @@ def test_fail_fast_fails_requests_stranded_in_the_ar_queue_when_the_last_ar_goes
     assert s.snapshot().active_requests == 0
 
 
+def test_fail_fast_fails_requests_waiting_for_a_denoiser_when_the_last_one_goes() -> None:
+    s = make(fail_fast_without_workers=True, ar_batch_delay=0.0)
+    up(s, "ar", WorkerRole.AR)
+    up(s, "d", WorkerRole.DENOISER)
+    (d,) = only(to_denoise(s, "a", 2), DispatchDenoise)  # a/0 runs, a/1 waits
+    (b,) = only(arrive(s, "b", 1, now=0.5), DispatchArBatch)  # b is in the AR stage meanwhile
+    acts = s.handle(WorkerNotServing(1.0, "d"))  # draining: it finishes a/0 but takes nothing new
+    (fail,) = only(acts, FailRequest)
+    assert fail.request_id == "a" and fail.code is ErrorKind.UNAVAILABLE and "denoiser" in fail.message
+    assert only(acts, CancelDenoise) == [CancelDenoise(d.job, "d")]  # nobody is left to want a/0
+    # b reaches the denoise stage with no denoiser to take it: it fails then, not at its deadline.
+    (fail_b,) = only(ar_ok(s, b, {"b": 1}, now=2.0), FailRequest)
+    assert fail_b.request_id == "b" and fail_b.code is ErrorKind.UNAVAILABLE
+    assert s.snapshot().active_requests == 0
+
+
 def test_without_fail_fast_requests_wait_for_workers() -> None:
     s = make()
     assert arrive(s, "a") == []
