@@ -136,6 +136,7 @@ class Driver:
         self._workers: dict[str, _Worker] = {}
         self._removed: set[str] = set()  # removed from the scheduler, maybe still draining
         self._ar_calls: dict[int, asyncio.Task] = {}
+        self._abandoned_batches: set[int] = set()  # cancelled because nobody waits: report their end
         self._denoise_calls: dict[sch.JobId, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
         self._timer: asyncio.TimerHandle | None = None
@@ -276,10 +277,14 @@ class Driver:
         match action:
             case sch.DispatchArBatch():
                 self._observe_ar_dispatch(action)
-                self._ar_calls[action.batch_id] = asyncio.create_task(self._run_ar_batch(action))
-            case sch.CancelArBatch(batch_id=batch_id):
+                task = asyncio.create_task(self._run_ar_batch(action))
+                self._ar_calls[action.batch_id] = task
+                task.add_done_callback(functools.partial(self._ar_task_done, action.batch_id))
+            case sch.CancelArBatch(batch_id=batch_id, abandoned=abandoned):
                 task = self._ar_calls.pop(batch_id, None)
                 if task:
+                    if abandoned:  # the scheduler holds the AR slot until it hears the call has ended
+                        self._abandoned_batches.add(batch_id)
                     task.cancel()
             case sch.DispatchDenoise():
                 self._observe_denoise_dispatch(action.job)
@@ -437,6 +442,13 @@ class Driver:
                     self.metrics.denoise_seconds.observe(event.now - started)
         self._denoise_calls.pop(job, None)
         self._feed(event)
+
+    def _ar_task_done(self, batch_id: int, task: asyncio.Task) -> None:
+        # Cancelled because nobody waits for it, maybe before it ever ran: report its end to free the AR slot.
+        if batch_id in self._abandoned_batches:
+            self._abandoned_batches.discard(batch_id)
+            self._feed(sch.ArBatchFailed(now=time.monotonic(), batch_id=batch_id,
+                                         message="cancelled: nobody waits for it", code=sch.ErrorKind.CANCELLED))
 
     def _denoise_task_done(self, action: sch.DispatchDenoise, task: asyncio.Task) -> None:
         # The coroutine removes itself and reports the outcome; one cancelled before it ever ran did neither, and

@@ -242,10 +242,13 @@ class DispatchArBatch:
 
 @dataclass(frozen=True)
 class CancelArBatch:
-    """The worker carrying the batch went unhealthy; its result, if it ever arrives, is fenced."""
+    """Stop an AR batch. Either its worker went unhealthy (the slot is already free and a late result is fenced),
+    or ``abandoned``: every request in it has ended, so nobody waits for it; the slot stays held until the driver
+    reports the RPC's end (ArBatchFailed), so the AR is never handed more than it can run."""
 
     batch_id: int
     worker: str
+    abandoned: bool = False
 
 
 @dataclass(frozen=True)
@@ -416,6 +419,7 @@ class Scheduler:
         self._now: float = float("-inf")
         self._seq = itertools.count(1)
         self._batch_ids = itertools.count(1)
+        self._maybe_abandoned: set[int] = set()  # batches that lost a request during the current event
         self._use_clock = itertools.count(1)  # logical clock for least-recently-used choices
         self._active: dict[str, _Request] = {}
         self._pending_ar: dict[tuple[int, int], deque[_Request]] = {}
@@ -470,6 +474,7 @@ class Scheduler:
             case Tick():
                 pass  # time moved: deadlines above, batch delays in the dispatch loop below
         self._fail_stranded_denoise_requests(actions)
+        self._stop_abandoned_batches(actions)
         # Work conservation: every event may have freed a worker or queued work.
         self._dispatch_ar(actions)
         self._dispatch_denoise(actions)
@@ -702,6 +707,16 @@ class Scheduler:
         for req in sorted(stranded, key=lambda r: r.seq):
             self._fail(req, ErrorKind.UNAVAILABLE, "no AR server is available (it went away); retry later", actions)
 
+    def _stop_abandoned_batches(self, actions: list[Action]) -> None:
+        """Stop AR batches still in flight whose every request has ended: with clients timing out, the AR would
+        otherwise keep computing for nobody. The slot stays held until the driver reports the call's end."""
+        for bid in sorted(self._maybe_abandoned):
+            batch = self._batches.get(bid)
+            if batch is not None and not any((r := self._active.get(rid)) is not None and r.ar_batch == bid
+                                             for rid in batch.request_ids):
+                actions.append(CancelArBatch(bid, batch.worker, abandoned=True))
+        self._maybe_abandoned.clear()
+
     def _fail_stranded_denoise_requests(self, actions: list[Action]) -> None:
         """With fail-fast on, requests with an output waiting for a denoiser fail once none is left to take it
         (the last one went away or is draining), rather than at their deadline minutes later."""
@@ -732,7 +747,10 @@ class Scheduler:
                 if out.state is _OutState.INFLIGHT and out.worker is not None:
                     # The worker keeps the slot until the RPC ends, so it is never oversubscribed.
                     actions.append(CancelDenoise(JobId(req.request_id, out.index, out.attempt), out.worker))
-        # AR_INFLIGHT: nothing to do; the batch result drops this request (ar_batch no longer matches).
+        elif req.stage is _Stage.AR_INFLIGHT and req.ar_batch is not None:
+            # The batch result will drop this request (it is no longer active). If nobody else waits for the
+            # batch, it is stopped at the end of this event (unless this event is its result).
+            self._maybe_abandoned.add(req.ar_batch)
         top = max(o.attempt for o in req.outputs)
         if top > 0:
             self._attempt_floor[req.request_id] = top

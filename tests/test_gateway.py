@@ -141,6 +141,25 @@ async def test_a_cancelled_request_does_not_fail_the_one_queued_behind_it(ar_ser
             await first
 
 
+async def test_an_ar_batch_nobody_waits_for_is_stopped(ar_server, denoiser_server) -> None:
+    from prometheus_client import REGISTRY
+
+    def cancelled() -> float:
+        return REGISTRY.get_sample_value("glmimage_ar_failures_total", {"reason": "cancelled"}) or 0.0
+
+    before = cancelled()
+    async with running_gateway(ar_server, (denoiser_server,), SchedulerConfig()) as (stub, driver):
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # a 512x512 AR batch takes the tiny model seconds
+            await stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=512, width=512, seed=1),
+                                      timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        async with asyncio.timeout(30):  # the AR stops the batch, and the gateway frees its slot when it has
+            while cancelled() == before or any(w.inflight for w in driver.snapshot().workers):
+                await asyncio.sleep(0.01)
+        resp = await stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=64, width=64, seed=2))
+        assert [img.seed for img in resp.images] == [2]
+
+
 async def test_clients_reusing_a_request_id_both_get_their_images(gateway) -> None:
     stub, _, _ = gateway
     meta = (("x-request-id", "same-id"),)

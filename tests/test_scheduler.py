@@ -793,10 +793,26 @@ def test_deadline_while_ar_in_flight() -> None:
     up(s, "ar0", AR)
     up(s, "d0", DN)
     (b,) = arrive(s, "a", 1, deadline=1.0)
-    (fail,) = s.handle(Tick(1.5))
+    fail, cancel = s.handle(Tick(1.5))
     assert fail.code is ErrorKind.DEADLINE_EXCEEDED
-    assert ar_ok(s, b, {"a": 1}, now=2.0) == []
+    # Nobody waits for the batch any more: it is stopped, but holds its AR slot until the call has ended.
+    assert cancel == CancelArBatch(b.batch_id, "ar0", abandoned=True)
+    assert worker(s, "ar0").inflight == 1
+    assert ar_ok(s, b, {"a": 1}, now=2.0) == []  # (or its failure): the late result completes nothing
     assert worker(s, "ar0").inflight == 0 and worker(s, "d0").current_job is None
+
+
+def test_a_batch_is_stopped_only_once_its_last_request_has_ended() -> None:
+    s = make(ar_batch_max_outputs=4, ar_batch_delay=0.0)
+    arrive(s, "a", 1)
+    arrive(s, "b", 1)
+    (b,) = up(s, "ar0", AR)
+    assert b.request_ids == ("a", "b")
+    assert not only(s.handle(RequestCancelled(1.0, "a")), CancelArBatch)  # b still waits for it
+    assert only(s.handle(RequestCancelled(1.1, "b")), CancelArBatch) == [CancelArBatch(b.batch_id, "ar0", True)]
+    assert worker(s, "ar0").inflight == 1
+    assert s.handle(ArBatchFailed(1.2, b.batch_id, "cancelled", ErrorKind.CANCELLED)) == []  # the call ended
+    assert worker(s, "ar0").inflight == 0 and s.counters.requeues["ar_failed"] == 0
 
 
 def test_deadline_while_denoising_cancels_jobs() -> None:
@@ -1076,6 +1092,7 @@ class _World:
     reqs: dict[str, _Req] = field(default_factory=dict)  # admitted
     ended: dict[str, Action] = field(default_factory=dict)
     batch_rids: dict[int, tuple[str, ...]] = field(default_factory=dict)  # every batch ever dispatched
+    abandoned: set[int] = field(default_factory=set)  # batches stopped because nobody waited for them
 
 
 WORKERS = ("ar0", "ar1", "d0", "d1", "d2", "d3")
@@ -1216,13 +1233,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             for a in actions
         ):
             w.reqs[ev.request_id] = _Req(ev.n, (ev.height, ev.width), ev.deadline)
-        assert {a.batch_id for a in actions if isinstance(a, CancelArBatch)} == expect_ar_cancels
+        assert {a.batch_id for a in actions if isinstance(a, CancelArBatch) and not a.abandoned} == expect_ar_cancels
         if expect_invalid is not None:  # failed at once, not retried (or its deadline passed first)
             assert any(isinstance(a, FailRequest) and a.request_id == expect_invalid
                        and a.code in (ErrorKind.INVALID_ARGUMENT, ErrorKind.DEADLINE_EXCEEDED)
                        for a in actions), "bad input not relayed"
         for a in actions:
             self._apply(ev, a, before)
+        self._check_abandoned_batches({a.batch_id for a in actions if isinstance(a, CancelArBatch) and a.abandoned})
         # A request that fails cancels every job of it that still occupies a denoiser ("timeouts cancel work").
         cancels = {(a.job, a.worker) for a in actions if isinstance(a, CancelDenoise)}
         for a in actions:
@@ -1235,6 +1253,21 @@ class SchedulerMachine(RuleBasedStateMachine):
                             assert (j, wk) in cancels, f"{j} left running on {wk}"
         self._check()
         return actions
+
+    def _check_abandoned_batches(self, cancelled: set[int]) -> None:
+        """A batch is stopped exactly when its last waiting request ends, and keeps its AR slot until it returns."""
+        w = self.w
+
+        def waited_for(bid: int) -> bool:
+            return any((r := self._live(rid)) is not None and r.batch == bid for rid in w.batch_rids[bid])
+
+        for bid in cancelled:
+            assert any(bid in owned for owned in w.ar_owned.values()), "a stopped batch must keep its slot"
+            assert bid not in w.abandoned and not waited_for(bid), "stopped twice, or while still waited for"
+            w.abandoned.add(bid)
+        for owned in w.ar_owned.values():
+            for bid in owned:
+                assert waited_for(bid) or bid in w.abandoned, f"batch {bid} keeps running for nobody"
 
     def _forget(self, name: str) -> None:
         self.w.members.pop(name, None)
@@ -1596,7 +1629,7 @@ def test_state_machine_invariants() -> None:
     run_state_machine_as_test(
         SchedulerMachine,
         settings=settings(
-            max_examples=200,
+            max_examples=400,
             stateful_step_count=50,
             deadline=None,
             derandomize=True,  # deterministic: the same sequences on every run
