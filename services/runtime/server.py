@@ -55,11 +55,14 @@ class InflightWork:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def enter(self) -> None:
+    def track(self, context: grpc.aio.ServicerContext) -> None:
+        """Count this RPC until it has terminated, i.e. its response and status are handed to the transport:
+        counting only until the handler returns let a drain stop the server with a reply still unsent."""
         self.count += 1
         self._idle.clear()
+        context.add_done_callback(self._exit)
 
-    def exit(self) -> None:
+    def _exit(self, _context: object) -> None:
         self.count -= 1
         if self.count == 0:
             self._idle.set()
@@ -108,16 +111,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 if work is not None and work.draining:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
                 if work is not None:
-                    work.enter()
+                    work.track(context)
                 try:
                     return await inner_uu(request, context)
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - the edge is where everything is mapped
                     await _fail(context, exc)
-                finally:
-                    if work is not None:
-                        work.exit()
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, handler.request_deserializer, handler.response_serializer)
@@ -129,7 +129,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 if work is not None and work.draining:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
                 if work is not None:
-                    work.enter()
+                    work.track(context)
                 try:
                     stream = inner_us(request, context)
                     if inspect.isasyncgen(stream):
@@ -141,9 +141,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 except Exception as exc:  # noqa: BLE001
                     await _fail(context, exc)
-                finally:
-                    if work is not None:
-                        work.exit()
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer)
