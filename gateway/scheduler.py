@@ -460,19 +460,18 @@ class Scheduler:
                 self._on_worker_added(event)
             case WorkerRemoved():
                 self._on_worker_removed(event)
-                self._fail_stranded_ar_requests(actions)
             case WorkerHealthy():
                 self._on_worker_healthy(event)
             case WorkerUnhealthy():
                 self._on_worker_unhealthy(event, actions)
-                self._fail_stranded_ar_requests(actions)
             case WorkerNotServing():
                 self._on_worker_not_serving(event)
-                self._fail_stranded_ar_requests(actions)
             case RequestCancelled():
                 self._on_cancelled(event, actions)
             case Tick():
                 pass  # time moved: deadlines above, batch delays in the dispatch loop below
+        # After any event: the last worker of a stage may be gone, a batch may have lost its last request.
+        self._fail_stranded_ar_requests(actions)
         self._fail_stranded_denoise_requests(actions)
         self._stop_abandoned_batches(actions)
         # Work conservation: every event may have freed a worker or queued work.
@@ -572,12 +571,9 @@ class Scheduler:
         batch = self._take_batch(ev.batch_id)
         if batch is None:
             return
-        for rid in batch.request_ids:
-            req = self._active.get(rid)
-            if req is None or req.ar_batch != batch.batch_id:
-                continue  # ended (cancel/deadline) while the batch was in flight: just drop it
+        for req in self._waiting_for(batch):  # one that ended while the batch was in flight is just dropped
             req.ar_batch = None
-            outs = ev.outputs.get(rid)
+            outs = ev.outputs.get(req.request_id)
             if outs is None or len(outs) != req.n:
                 got = "no" if outs is None else str(len(outs))
                 self._fail(
@@ -596,8 +592,7 @@ class Scheduler:
         if ev.code is not ErrorKind.INVALID_ARGUMENT:
             self._ar_batch_failed(batch, f"AR stage failed: {ev.message}", "ar_failed", actions)
             return
-        live = [r for rid in batch.request_ids
-                if (r := self._active.get(rid)) is not None and r.ar_batch == batch.batch_id]
+        live = self._waiting_for(batch)
         if len(live) == 1:  # the AR's message names the field: relay it unchanged
             self._fail(live[0], ErrorKind.INVALID_ARGUMENT, ev.message, actions)
             return
@@ -701,19 +696,23 @@ class Scheduler:
 
     def _fail_stranded_ar_requests(self, actions: list[Action]) -> None:
         """With fail-fast on, requests still waiting for an AR batch fail once no AR worker is left to take it."""
-        if not self.config.fail_fast_without_workers or self._any_ready(WorkerRole.AR):
+        if not self._pending_ar or not self.config.fail_fast_without_workers or self._any_ready(WorkerRole.AR):
             return
         stranded = [req for q in self._pending_ar.values() for req in q]
         for req in sorted(stranded, key=lambda r: r.seq):
             self._fail(req, ErrorKind.UNAVAILABLE, "no AR server is available (it went away); retry later", actions)
+
+    def _waiting_for(self, batch: _Batch) -> list[_Request]:
+        """The live requests whose current AR batch this is (an ended or re-batched one no longer counts)."""
+        return [r for rid in batch.request_ids
+                if (r := self._active.get(rid)) is not None and r.ar_batch == batch.batch_id]
 
     def _stop_abandoned_batches(self, actions: list[Action]) -> None:
         """Stop AR batches still in flight whose every request has ended: with clients timing out, the AR would
         otherwise keep computing for nobody. The slot stays held until the driver reports the call's end."""
         for bid in sorted(self._maybe_abandoned):
             batch = self._batches.get(bid)
-            if batch is not None and not any((r := self._active.get(rid)) is not None and r.ar_batch == bid
-                                             for rid in batch.request_ids):
+            if batch is not None and not self._waiting_for(batch):
                 actions.append(CancelArBatch(bid, batch.worker, abandoned=True))
         self._maybe_abandoned.clear()
 
@@ -800,10 +799,7 @@ class Scheduler:
 
     def _ar_batch_failed(self, batch: _Batch, message: str, reason: str, actions: list[Action]) -> None:
         retry: list[_Request] = []
-        for rid in batch.request_ids:
-            req = self._active.get(rid)
-            if req is None or req.ar_batch != batch.batch_id:
-                continue
+        for req in self._waiting_for(batch):
             req.ar_batch = None
             req.ar_failures += 1
             if req.ar_failures > self.config.ar_retries:
