@@ -155,10 +155,13 @@ def _start_rest_call(cluster: Cluster, request: dict) -> Callable[[], object]:
 
 
 def _metric(cluster: Cluster, name: str, family: str) -> float:
-    """The sum of every sample of `family` (all label sets) on that process's /metrics."""
+    """The sum of every sample of `family` (all label sets) on that process's /metrics. A family that is not
+    there fails the test: reading it as 0 would make every before/after comparison pass vacuously."""
     text = httpx.get(f"http://127.0.0.1:{cluster.procs[name].metrics_port}/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(family) and line[len(family)] in " {")  # not a longer family's prefix
+    samples = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(family) and line[len(family)] in " {"]  # not a longer family's prefix
+    assert samples, f"{name} exposes no {family}"
+    return sum(samples)
 
 
 def test_ar_killed_then_restarted(cluster: Cluster) -> None:
