@@ -12,6 +12,7 @@ from gateway.membership import split_host_port
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import SchedulerConfig
 from gateway.servicer import GatewayServicer
+from gateway.timeouts import TimeoutPolicy
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.logs import configure_logging
 from services.runtime.metrics import serve_metrics
@@ -35,8 +36,20 @@ def _target(text: str) -> str:
     return text
 
 
+def _timeout(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'auto', got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("a timeout must be positive")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    d = SchedulerConfig()
+    d, g, t = SchedulerConfig(), GatewayConfig((), ()), TimeoutPolicy()
     p = argparse.ArgumentParser(description="GLM-Image gateway: schedules requests over AR and denoiser pools",
                                 parents=[common_server_args(50050), client_tls_args()])
     p.add_argument("--ar", action="append", default=[], type=_target, metavar="HOST:PORT",
@@ -68,11 +81,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", action="append", default=[],
                    help=f"require 'authorization: Bearer <key>' on GatewayService (repeatable; also ${ENV_KEYS}, "
                         "comma-separated); health and reflection stay open")
-    p.add_argument("--denoise-timeout", type=float, default=600.0,
-                   help="seconds one denoise call may take before it is retried on another denoiser and its worker "
-                        "is sidelined until it answers a health check")
-    p.add_argument("--health-probe-timeout", type=float, default=1.0,
+    p.add_argument("--ar-timeout", type=_timeout, default=None, metavar="SECONDS|auto",
+                   help="seconds one AR batch call may take before its requests are retried elsewhere and its "
+                        "worker is sidelined until it answers a health check; default auto: --timeout-margin times "
+                        "what recent calls at that size took, plus --timeout-floor, at most --timeout-cap")
+    p.add_argument("--denoise-timeout", type=_timeout, default=None, metavar="SECONDS|auto",
+                   help="the same for one denoise call; auto follows the job (steps x recent step time at its size, "
+                        "plus decode and encode)")
+    p.add_argument("--timeout-margin", type=float, default=t.margin, help="auto timeouts: factor over recent calls")
+    p.add_argument("--timeout-floor", type=float, default=t.floor, help="auto timeouts: seconds added to every one")
+    p.add_argument("--timeout-cap", type=float, default=t.cap,
+                   help="auto timeouts: the most a call may take (also before any call of that kind was seen)")
+    p.add_argument("--health-probe-interval", type=float, default=g.health_probe_interval,
+                   help="seconds between health probes of every worker (a hung process keeps its connection open: "
+                        "only probes notice it)")
+    p.add_argument("--health-probe-timeout", type=float, default=g.health_probe_timeout,
                    help="seconds a worker has to answer a health probe")
+    p.add_argument("--health-probe-failures", type=int, default=g.health_probe_failures,
+                   help="probes in a row a worker may miss before it is sidelined as hung")
+    p.add_argument("--max-prompt-chars", type=int, default=g.max_prompt_chars,
+                   help="refused at the edge above this (keep it at or below the workers' --max-prompt-chars)")
+    p.add_argument("--max-pixels", type=int, default=g.max_pixels,
+                   help="refused at the edge above this after rounding up to multiples of 32 (the workers' limit)")
+    p.add_argument("--max-steps", type=int, default=g.max_steps,
+                   help="num_inference_steps refused at the edge above this (the denoisers' --max-steps)")
     p.add_argument("--queue-without-workers", action="store_true",
                    help="hold requests until their deadline when a stage has no ready worker, instead of failing "
                         "them at once with UNAVAILABLE (503)")
@@ -91,10 +123,18 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
                                     fail_fast_without_workers=not args.queue_without_workers)
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from None
+    try:
+        ar_timeout, denoise_timeout = (
+            TimeoutPolicy(fixed=fixed, margin=args.timeout_margin, floor=args.timeout_floor, cap=args.timeout_cap)
+            for fixed in (args.ar_timeout, args.denoise_timeout))
+    except ValueError as exc:
+        raise SystemExit(f"gateway: {exc}") from None
     return GatewayConfig(
         ar_addresses=tuple(args.ar), denoiser_addresses=tuple(args.denoiser), scheduler=scheduler,
         default_height=height, default_width=width, request_timeout=args.request_timeout,
-        denoise_timeout=args.denoise_timeout, health_probe_timeout=args.health_probe_timeout,
+        ar_timeout=ar_timeout, denoise_timeout=denoise_timeout, health_probe_timeout=args.health_probe_timeout,
+        health_probe_interval=args.health_probe_interval, health_probe_failures=args.health_probe_failures,
+        max_prompt_chars=args.max_prompt_chars, max_pixels=args.max_pixels, max_steps=args.max_steps,
         ar_dns=tuple(args.ar_dns), denoiser_dns=tuple(args.denoiser_dns), dns_interval=args.dns_interval,
         client_tls=client_tls_from_args(args), api_keys=api_keys_from(args.api_key))
 

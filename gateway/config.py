@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.scheduler import SchedulerConfig
+from gateway.timeouts import TimeoutPolicy
+from services.model import checks
 from services.runtime.tls import ClientTls
 
 
@@ -15,14 +17,25 @@ class GatewayConfig:
     default_height: int = 256
     default_width: int = 256
     max_n: int = 10
+    # Range checks at the edge, before any arithmetic: nothing a worker would refuse is queued or batched.
+    max_prompt_chars: int = checks.MAX_PROMPT_CHARS
+    max_pixels: int = checks.MAX_PIXELS
+    max_steps: int = checks.MAX_STEPS
+    max_guidance: float = checks.MAX_GUIDANCE
     request_timeout: float = 300.0
     # Health watch re-connect backoff: short enough that a restarted worker is back within a second or two.
     health_retry_min: float = 0.1
     health_retry_max: float = 1.0
     # A health probe that does not answer in this time counts as a failure (a hung process keeps its socket open).
-    health_probe_timeout: float = 1.0
-    # Longest one denoise call may take before the job is retried elsewhere and the worker is probed.
-    denoise_timeout: float = 600.0
+    health_probe_timeout: float = 1.5
+    # Every member is probed this often besides its health Watch: a hung (SIGSTOPped) process keeps its connection
+    # and its Watch open but answers nothing, and only a probe notices. This many failures in a row sideline it.
+    health_probe_interval: float = 1.0
+    health_probe_failures: int = 2
+    # How long one AR batch / denoise call may take before it is retried elsewhere and its worker is sidelined
+    # until it answers a health probe: adaptive (a margin over recent calls, capped) unless fixed.
+    ar_timeout: TimeoutPolicy = field(default_factory=TimeoutPolicy)
+    denoise_timeout: TimeoutPolicy = field(default_factory=TimeoutPolicy)
     # NAME:PORT targets whose A/AAAA records list workers (Kubernetes headless Services), re-resolved periodically.
     ar_dns: tuple[str, ...] = ()
     denoiser_dns: tuple[str, ...] = ()

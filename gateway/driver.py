@@ -10,6 +10,7 @@ DenoiseSucceeded as for a unary one.
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import itertools
 import logging
@@ -25,6 +26,7 @@ from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.membership import DnsMembership
 from gateway.metrics import GatewayMetrics
+from gateway.timeouts import ArTimeouts, DenoiseTimeouts
 from glmimage.v1 import (
     ar_service_pb2,
     ar_service_pb2_grpc,
@@ -65,8 +67,41 @@ CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 1_000),
 )
 
-# Denoise failures that say more about the worker than about the job.
+# Call failures that say more about the worker than about the job.
 SUSPECT_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
+
+# What a client is told when a worker call fails for a reason of the worker's own. The worker's details (gRPC's
+# own text names addresses and library errors) go to the gateway's log with the request ids, never to the client.
+_CLIENT_TEXT = {
+    grpc.StatusCode.DEADLINE_EXCEEDED: "did not answer in time",
+    grpc.StatusCode.UNAVAILABLE: "was unreachable",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "was overloaded",
+    grpc.StatusCode.CANCELLED: "cancelled the call",
+}
+
+
+def client_message(role: str, err: grpc.aio.AioRpcError) -> str:
+    """A worker failure in the client's terms. INVALID_ARGUMENT keeps the worker's text: our own validation
+    wrote it and it names the field to fix."""
+    if err.code() in ERROR_CODE_OF:
+        return err.details() or "invalid request"
+    return f"the {role} {_CLIENT_TEXT.get(err.code(), 'failed')}"
+
+
+class WorkerHealth(enum.Enum):
+    """Why a member is (not) usable, as the gateway last saw it: shown in GetStatus and /health."""
+
+    UNKNOWN = "not yet checked"
+    SERVING = "serving"
+    NOT_SERVING = "not serving (draining)"
+    UNREACHABLE = "unreachable"
+    HUNG = "not answering health checks (hung)"
+    TIMED_OUT = "a call to it timed out"
+
+    @property
+    def stuck(self) -> bool:
+        """Connected but not answering: the process is there and holds its work, yet makes no progress."""
+        return self in (WorkerHealth.HUNG, WorkerHealth.TIMED_OUT)
 
 
 class _NotServing(Exception):
@@ -118,6 +153,7 @@ class _Worker:
         self.role = role
         self.channel = make_channel(address, config.client_tls, CHANNEL_OPTIONS)
         self.watch_task: asyncio.Task | None = None
+        self.health = WorkerHealth.UNKNOWN
         if role is sch.WorkerRole.AR:
             self.stub = ar_service_pb2_grpc.ArServiceStub(self.channel)
             self.service = AR_SERVICE
@@ -143,6 +179,8 @@ class Driver:
         self._closed = False
         self._duplicates = itertools.count(1)
         self.dns: list[DnsMembership] = []
+        self.ar_timeouts = ArTimeouts(config.ar_timeout)
+        self.denoise_timeouts = DenoiseTimeouts(config.denoise_timeout)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -279,7 +317,7 @@ class Driver:
                 self._observe_ar_dispatch(action)
                 task = asyncio.create_task(self._run_ar_batch(action))
                 self._ar_calls[action.batch_id] = task
-                task.add_done_callback(functools.partial(self._ar_task_done, action.batch_id))
+                task.add_done_callback(functools.partial(self._ar_task_done, action))
             case sch.CancelArBatch(batch_id=batch_id, abandoned=abandoned):
                 task = self._ar_calls.pop(batch_id, None)
                 if task:
@@ -346,44 +384,45 @@ class Driver:
             m.request_seconds.observe(time.monotonic() - pending.arrived)
 
     # ---- RPCs -----------------------------------------------------------------------------------------------
+    #
+    # Each call runs as a task that *returns* the event reporting its end; the task's done callback feeds it. So
+    # every exit of a call that holds a slot (a result, a gRPC error, a cancel, an exception nobody expected)
+    # reaches the scheduler, and the slot is freed: a call that died silently once wedged the AR for good.
 
-    async def _run_ar_batch(self, action: sch.DispatchArBatch) -> None:
+    async def _run_ar_batch(self, action: sch.DispatchArBatch) -> sch.Event:
         worker = self._workers.get(action.worker)
         # A request cancelled since dispatch is left out; the scheduler drops it when the batch returns anyway.
         rids = [rid for rid in action.request_ids if rid in self._pending]
-        if worker is None or not rids:
-            self._ar_calls.pop(action.batch_id, None)
-            if worker is None:
-                event: sch.Event = sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id,
-                                                     message=f"worker {action.worker} is gone")
-            else:  # nobody is waiting for this batch any more: do not make the AR run it
-                event = sch.ArBatchSucceeded(now=time.monotonic(), batch_id=action.batch_id, outputs={})
-            self._feed(event)
-            return
+        if worker is None:
+            return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id,
+                                     message="the AR server went away")
+        if not rids:  # nobody is waiting for this batch any more: do not make the AR run it
+            return sch.ArBatchSucceeded(now=time.monotonic(), batch_id=action.batch_id, outputs={})
         requests = []
         for rid in rids:
             p = self._pending[rid].request
             requests.append(ar_service_pb2.GenerateRequest(
                 prompt=p.prompt, n=p.n or 1, height=action.height, width=action.width,
                 seed=p.seed if p.HasField("seed") else None, sampling=p.sampling, request_id=rid))
+        timeout = self.ar_timeouts.timeout(action.height, action.width)
         started = time.monotonic()
         try:
             response = await worker.stub.GenerateBatch(
                 ar_service_pb2.GenerateBatchRequest(requests=requests),
-                timeout=self.config.request_timeout, metadata=(("x-request-id", ",".join(rids)),))
-        except asyncio.CancelledError:
-            return
+                timeout=timeout, metadata=(("x-request-id", ",".join(rids)),))
         except grpc.aio.AioRpcError as err:
-            self._ar_calls.pop(action.batch_id, None)
+            log.warning("AR batch %d (%s) on %s failed after %.1fs: %s: %s", action.batch_id, ",".join(rids),
+                        worker.address, time.monotonic() - started, err.code().name, err.details())
+            if err.code() in SUSPECT_CODES:
+                self._suspect(worker, err.code())
             kind = ERROR_CODE_OF.get(err.code(), sch.ErrorKind.UNAVAILABLE)
             # The AR names the field within its batch ("requests[1].prompt: ..."); the client sent one request.
-            message = (_BATCH_FIELD.sub("", err.details() or "") if kind is sch.ErrorKind.INVALID_ARGUMENT
-                       else f"{err.code().name}: {err.details()}")
-            self._feed(sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id, message=message,
-                                         code=kind))
-            return
-        self._ar_calls.pop(action.batch_id, None)
+            message = client_message("AR server", err)
+            if kind is sch.ErrorKind.INVALID_ARGUMENT:
+                message = _BATCH_FIELD.sub("", message)
+            return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id, message=message, code=kind)
         now = time.monotonic()
+        self.ar_timeouts.observe(action.height, action.width, now - started)
         if self.metrics is not None:
             self.metrics.ar_seconds.observe(now - started)
         for rid in rids:
@@ -391,80 +430,102 @@ class Driver:
                 p.ar_done = now
         # A short reply leaves some requests without outputs; the scheduler fails exactly those (INTERNAL).
         outputs = {rid: list(r.outputs) for rid, r in zip(rids, response.responses, strict=False)}
-        self._feed(sch.ArBatchSucceeded(now=now, batch_id=action.batch_id, outputs=outputs))
+        return sch.ArBatchSucceeded(now=now, batch_id=action.batch_id, outputs=outputs)
 
-    async def _run_denoise(self, action: sch.DispatchDenoise) -> None:
-        job = action.job
-        worker = self._workers.get(action.worker)
-        pending = self._pending.get(job.request_id)
-        if pending is None or worker is None:  # ended between dispatch and now: hand the slot straight back
-            self._denoise_calls.pop(job, None)
-            self._feed(sch.DenoiseFailed(now=time.monotonic(), job=job, worker=action.worker,
-                                         message="request already finished", retryable=False))
+    def _ar_task_done(self, action: sch.DispatchArBatch, task: asyncio.Task) -> None:
+        if self._ar_calls.get(action.batch_id) is task:
+            del self._ar_calls[action.batch_id]
+        abandoned = action.batch_id in self._abandoned_batches
+        self._abandoned_batches.discard(action.batch_id)
+        if task.cancelled():
+            # Abandoned (nobody waits for it), maybe before it ever ran: report its end to free the AR slot. A batch
+            # cancelled because its worker went unhealthy was already released and fenced by the scheduler.
+            if abandoned:
+                self._feed(sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id,
+                                             message="cancelled: nobody waits for it", code=sch.ErrorKind.CANCELLED))
             return
+        if (exc := task.exception()) is not None:
+            log.error("AR batch %d (%s) failed in the gateway", action.batch_id, ",".join(action.request_ids),
+                      exc_info=exc)
+            self._feed(sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id,
+                                         message="internal error in the gateway", code=sch.ErrorKind.INTERNAL))
+            return
+        self._feed(task.result())
+
+    def _denoise_request(self, action: sch.DispatchDenoise, pending: _Pending) -> denoiser_service_pb2.DenoiseRequest:
         prior: ar_service_pb2.PriorOutput = action.ar_output
         p = pending.request
-        request = denoiser_service_pb2.DenoiseRequest(
+        return denoiser_service_pb2.DenoiseRequest(
             prompt=p.prompt, prior_tokens=prior.tokens, height=pending.height, width=pending.width,
             num_inference_steps=p.num_inference_steps,
             guidance_scale=p.guidance_scale if p.HasField("guidance_scale") else None,
             seed=prior.seed, output_format=p.output_format,
             output_compression=p.output_compression if p.HasField("output_compression") else None,
-            request_id=job.request_id)
+            request_id=action.job.request_id)
+
+    async def _run_denoise(self, action: sch.DispatchDenoise) -> sch.Event:
+        job = action.job
+        worker = self._workers.get(action.worker)
+        pending = self._pending.get(job.request_id)
+        if pending is None or worker is None:  # ended between dispatch and now: hand the slot straight back
+            return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=action.worker,
+                                     message="request already finished", retryable=False)
+        request = self._denoise_request(action, pending)
         metadata = (("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"),)
+        timeout = self.denoise_timeouts.timeout(request.num_inference_steps, request.height, request.width)
         started = time.monotonic()
         try:
             if pending.stream is None:
-                response = await worker.stub.Denoise(request, timeout=self.config.denoise_timeout,
-                                                     metadata=metadata)
+                response = await worker.stub.Denoise(request, timeout=timeout, metadata=metadata)
             else:
-                response = await self._denoise_stream(worker, request, metadata, job.index, pending.stream)
-        except asyncio.CancelledError:
-            event: sch.Event = sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
-                                                 message="cancelled", retryable=True)
+                response = await self._denoise_stream(worker, request, metadata, job.index, pending.stream, timeout)
         except grpc.aio.AioRpcError as err:
             code = err.code()
+            log.warning("denoise %s on %s failed after %.1fs (timeout %.1fs): %s: %s", metadata[0][1],
+                        worker.address, time.monotonic() - started, timeout, code.name, err.details())
             if code in SUSPECT_CODES:
                 # No answer in time, or the connection broke: take the worker out *before* the job is requeued,
                 # so the retry goes elsewhere, and let it back only once a health check answers again.
-                self._suspect(worker, f"{code.name} on a denoise call")
-            event = sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
-                                      message=err.details() or code.name, retryable=code in RETRYABLE_CODES,
-                                      code=ERROR_CODE_OF.get(code, sch.ErrorKind.INTERNAL))
-        else:
-            if response is None:
-                event = sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
-                                          message="the denoise stream ended without a result", retryable=True)
-            else:
-                event = sch.DenoiseSucceeded(now=time.monotonic(), job=job, worker=worker.address,
-                                             result=response)
-                if self.metrics is not None:
-                    self.metrics.denoise_seconds.observe(event.now - started)
-        self._denoise_calls.pop(job, None)
-        self._feed(event)
-
-    def _ar_task_done(self, batch_id: int, task: asyncio.Task) -> None:
-        # Cancelled because nobody waits for it, maybe before it ever ran: report its end to free the AR slot.
-        if batch_id in self._abandoned_batches:
-            self._abandoned_batches.discard(batch_id)
-            self._feed(sch.ArBatchFailed(now=time.monotonic(), batch_id=batch_id,
-                                         message="cancelled: nobody waits for it", code=sch.ErrorKind.CANCELLED))
+                self._suspect(worker, code)
+            return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
+                                     message=client_message("denoiser", err), retryable=code in RETRYABLE_CODES,
+                                     code=ERROR_CODE_OF.get(code, sch.ErrorKind.INTERNAL))
+        if response is None:
+            return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
+                                     message="the denoise stream ended without a result", retryable=True)
+        now = time.monotonic()
+        timings = response.timings
+        self.denoise_timeouts.observe(request.num_inference_steps, response.steps_completed, request.height,
+                                      request.width, timings.denoise_seconds,
+                                      timings.decode_seconds + timings.encode_seconds)
+        if self.metrics is not None:
+            self.metrics.denoise_seconds.observe(now - started)
+        return sch.DenoiseSucceeded(now=now, job=job, worker=worker.address, result=response)
 
     def _denoise_task_done(self, action: sch.DispatchDenoise, task: asyncio.Task) -> None:
-        # The coroutine removes itself and reports the outcome; one cancelled before it ever ran did neither, and
-        # the worker's slot would stay held forever.
+        # The scheduler keeps the worker's slot until it hears how the call ended, so every end reports.
         if self._denoise_calls.get(action.job) is task:
             del self._denoise_calls[action.job]
-            self._feed(sch.DenoiseFailed(now=time.monotonic(), job=action.job, worker=action.worker,
-                                         message="cancelled before it started", retryable=True))
+        if task.cancelled():  # CancelDenoise, or cancelled before it ever ran
+            event: sch.Event = sch.DenoiseFailed(now=time.monotonic(), job=action.job, worker=action.worker,
+                                                 message="cancelled", retryable=True)
+        elif (exc := task.exception()) is not None:
+            log.error("denoise %s/%d#%d failed in the gateway", action.job.request_id, action.job.index,
+                      action.job.attempt, exc_info=exc)
+            event = sch.DenoiseFailed(now=time.monotonic(), job=action.job, worker=action.worker,
+                                      message="internal error in the gateway", retryable=False,
+                                      code=sch.ErrorKind.INTERNAL)
+        else:
+            event = task.result()
+        self._feed(event)
 
     async def _denoise_stream(self, worker: _Worker, request: denoiser_service_pb2.DenoiseRequest,
                               metadata: tuple[tuple[str, str], ...], index: int,
-                              stream: StreamOptions) -> denoiser_service_pb2.DenoiseResponse | None:
+                              stream: StreamOptions, timeout: float) -> denoiser_service_pb2.DenoiseResponse | None:
         """Run a streamed job, relaying its events; the final result, or None if the stream ended without it."""
         call = worker.stub.DenoiseStream(
             denoiser_service_pb2.DenoiseStreamRequest(job=request, partial_images=stream.partial_images),
-            timeout=self.config.denoise_timeout, metadata=metadata)
+            timeout=timeout, metadata=metadata)
         try:
             async for message in call:
                 if message.WhichOneof("event") == "result":
@@ -477,21 +538,48 @@ class Driver:
             # A denoiser without the streaming RPC (an older build, mid rolling upgrade): the caller still gets
             # the image, only without progress and previews for it.
             log.warning("denoiser %s has no DenoiseStream; running the job unary", worker.address)
-            return await worker.stub.Denoise(request, timeout=self.config.denoise_timeout, metadata=metadata)
+            return await worker.stub.Denoise(request, timeout=timeout, metadata=metadata)
         return None
 
-    def _suspect(self, worker: _Worker, why: str) -> None:
+    # ---- health ---------------------------------------------------------------------------------------------
+
+    def worker_health(self, address: str) -> WorkerHealth:
+        worker = self._workers.get(address)
+        return WorkerHealth.UNKNOWN if worker is None else worker.health
+
+    def _suspect(self, worker: _Worker, code: grpc.StatusCode) -> None:
         """Mark a worker unhealthy now and restart its health watch, which must see a fresh answer to clear it."""
-        if worker.watch_task is None or self._closed:
+        if worker.watch_task is None or self._closed or self._workers.get(worker.address) is not worker:
             return
-        log.warning("%s %s is suspect (%s): unavailable until it answers a health check", worker.role.name.lower(),
-                    worker.address, why)
+        log.warning("%s %s is suspect (%s on a call): unavailable until it answers a health check",
+                    worker.role.name.lower(), worker.address, code.name)
+        worker.health = (WorkerHealth.TIMED_OUT if code is grpc.StatusCode.DEADLINE_EXCEEDED
+                         else WorkerHealth.UNREACHABLE)
         worker.watch_task.cancel()
         self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=worker.address))
         worker.watch_task = asyncio.create_task(self._watch_health(worker), name=f"health:{worker.address}")
 
+    async def _probe(self, stub: health_pb2_grpc.HealthStub, worker: _Worker) -> None:
+        """Return once the worker failed ``health_probe_failures`` probes in a row (it is hung or gone)."""
+        cfg = self.config
+        request = health_pb2.HealthCheckRequest(service=worker.service)
+        failures = 0
+        while failures < cfg.health_probe_failures:
+            await asyncio.sleep(cfg.health_probe_interval)
+            try:
+                await stub.Check(request, timeout=cfg.health_probe_timeout)
+                failures = 0
+            except grpc.aio.AioRpcError as err:
+                failures += 1
+                log.info("%s %s: health probe %d failed: %s", worker.role.name.lower(), worker.address, failures,
+                         err.code().name)
+                if err.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return  # refused or broken: gone, not hung; the Watch breaks too
+        worker.health = WorkerHealth.HUNG
+
     async def _watch_health(self, worker: _Worker) -> None:
-        """Follow grpc.health.v1 Watch; any break in the stream counts as unhealthy until it says SERVING again.
+        """Follow grpc.health.v1 Watch, with periodic probes beside it; any break in the stream, or probes that
+        go unanswered, count as unhealthy until it says SERVING again.
 
         NOT_SERVING from a worker that was serving means it is draining (SIGTERM): it takes no new work, but what
         it holds is left to finish, as its shutdown grace promises. Only if it then goes away is that work lost.
@@ -501,6 +589,7 @@ class Driver:
         healthy = False  # what the scheduler was last told: WorkerHealthy (True) or WorkerUnhealthy (False)
         serving = False
         while not self._closed:
+            prober: asyncio.Task | None = None
             try:
                 # A Check with a deadline first: a hung process keeps its connection open, so only an answer
                 # within the probe timeout proves it is alive; the Watch below then follows changes.
@@ -509,8 +598,12 @@ class Driver:
                 if probe.status != health_pb2.HealthCheckResponse.SERVING:
                     raise _NotServing
                 call = stub.Watch(health_pb2.HealthCheckRequest(service=worker.service))
+                # A hung process keeps the Watch open but silent: the probes end it.
+                prober = asyncio.create_task(self._probe(stub, worker), name=f"probe:{worker.address}")
+                prober.add_done_callback(lambda _t, c=call: c.cancel())
                 async for reply in call:
                     now_serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                    worker.health = WorkerHealth.SERVING if now_serving else WorkerHealth.NOT_SERVING
                     if now_serving and not (healthy and serving):
                         log.info("%s %s is SERVING", worker.role.name.lower(), worker.address)
                         self._feed(sch.WorkerHealthy(now=time.monotonic(), worker=worker.address))
@@ -523,12 +616,26 @@ class Driver:
                     backoff = self.config.health_retry_min
             except asyncio.CancelledError:
                 return
-            except (grpc.aio.AioRpcError, _NotServing):
-                pass
+            except grpc.aio.AioRpcError as err:
+                if prober is not None and prober.done() and worker.health is WorkerHealth.HUNG:
+                    pass  # the probes went unanswered and ended the Watch
+                elif err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    if worker.health is not WorkerHealth.TIMED_OUT:  # still the reason it was sidelined for
+                        worker.health = WorkerHealth.HUNG
+                else:
+                    worker.health = WorkerHealth.UNREACHABLE
+            except _NotServing:
+                worker.health = WorkerHealth.NOT_SERVING
+            except Exception:  # noqa: BLE001 - the watch must outlive any surprise, or the worker's state freezes
+                log.exception("health watch of %s failed unexpectedly", worker.address)
+                worker.health = WorkerHealth.UNREACHABLE
+            finally:
+                if prober is not None:
+                    prober.cancel()
             serving = False
             if healthy:
                 healthy = False
-                log.warning("%s %s is unreachable", worker.role.name.lower(), worker.address)
+                log.warning("%s %s is %s", worker.role.name.lower(), worker.address, worker.health.value)
                 self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=worker.address))
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.config.health_retry_max)

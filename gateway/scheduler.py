@@ -79,11 +79,15 @@ class WorkerState(enum.Enum):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_queued_outputs: int = 256  # admission bound on the pending-AR queue, counted in output slots
+    # Admission bound in output slots, over both queues: outputs waiting for an AR batch plus outputs waiting for
+    # a denoiser (work in flight is not queued). Bounding the AR queue alone let the denoise backlog grow unchecked.
+    max_queued_outputs: int = 256
     ar_batch_max_outputs: int = 8  # AR batch capacity in output slots
     ar_batch_delay: float = 0.005  # a batch leaves when full or when its oldest member waited this long
     ar_max_inflight_batches: int = 1  # per AR worker
-    ar_retries: int = 0  # extra tries for a failed AR batch before failing its requests
+    # Extra tries of a failed AR batch before its requests fail: one, so a batch whose AR died or hung goes to another
+    # AR server (with no other, fail-fast answers 503 at once all the same).
+    ar_retries: int = 1
     max_attempts: int = 3  # per denoise output (the first try counts)
     # Fail fast with UNAVAILABLE when a stage has no ready worker, instead of holding requests until their deadline:
     # new requests are refused at admission, and requests waiting for the AR fail when the last AR worker goes.
@@ -142,8 +146,9 @@ class ArBatchFailed:
     now: float
     batch_id: int
     message: str
-    # INVALID_ARGUMENT: the AR refused the batch's input. Not the worker's fault and not worth a retry as is:
-    # a lone request fails with the AR's message; a shared batch is split so only the bad request fails.
+    # INVALID_ARGUMENT: the AR refused the batch's input; INTERNAL: the gateway itself failed handling it. Neither
+    # is the worker's fault nor worth a retry as is: a lone request fails with the message; a shared batch is split
+    # so only the request at fault fails.
     code: ErrorKind = ErrorKind.UNAVAILABLE
 
 
@@ -502,6 +507,10 @@ class Scheduler:
             workers=tuple(self._worker_snapshot(w) for w in self._workers.values()),
         )
 
+    def queued_outputs(self) -> int:
+        """Outputs waiting in either queue (for an AR batch or for a denoiser): what admission bounds."""
+        return self._pending_ar_outputs + len(self._denoise_q)
+
     def has_worker(self, address: str) -> bool:
         """Whether ``address`` is still a member (a removed worker stays one until it has drained)."""
         return address in self._workers
@@ -528,11 +537,11 @@ class Scheduler:
             reject = (ErrorKind.UNAVAILABLE, "no AR server is available; retry later")
         elif cfg.fail_fast_without_workers and not self._any_ready(WorkerRole.DENOISER):
             reject = (ErrorKind.UNAVAILABLE, "no denoiser is available; retry later")
-        elif self._pending_ar_outputs + ev.n > cfg.max_queued_outputs:
+        elif self.queued_outputs() + ev.n > cfg.max_queued_outputs:
             reject = (
                 ErrorKind.RESOURCE_EXHAUSTED,
                 (
-                    f"pending-AR queue is full ({self._pending_ar_outputs} queued output slots + n={ev.n} "
+                    f"the queues are full ({self.queued_outputs()} queued outputs + n={ev.n} "
                     f"> --max-queued-outputs={cfg.max_queued_outputs}); retry later"
                 ),
             )
@@ -589,12 +598,14 @@ class Scheduler:
         batch = self._take_batch(ev.batch_id)
         if batch is None:
             return
-        if ev.code is not ErrorKind.INVALID_ARGUMENT:
+        if ev.code not in (ErrorKind.INVALID_ARGUMENT, ErrorKind.INTERNAL):
             self._ar_batch_failed(batch, f"AR stage failed: {ev.message}", "ar_failed", actions)
             return
+        # The fault lies with one of the batch's requests (the AR refused its input, or handling it failed in the
+        # gateway itself): not worth a retry as is, and nobody else's fault.
         live = self._waiting_for(batch)
-        if len(live) == 1:  # the AR's message names the field: relay it unchanged
-            self._fail(live[0], ErrorKind.INVALID_ARGUMENT, ev.message, actions)
+        if len(live) == 1:  # the message is meant for this client (the AR's names the field): relay it unchanged
+            self._fail(live[0], ev.code, ev.message, actions)
             return
         # One of them is bad and the others must not pay for it: each goes again alone, at the front, with no
         # retry charged. The bad one then fails by itself.
@@ -670,7 +681,9 @@ class Scheduler:
             return  # an unhealthy worker holds nothing (released when it went down)
         w.healthy = False
         w.not_serving = False
-        reason = f"{w.role.value} worker {w.address} became unhealthy"
+        # Client-facing: which stage, never which address (the driver logs that with the request ids).
+        reason = "the AR server running it became unavailable" if w.role is WorkerRole.AR else \
+            "the denoiser running it became unavailable"
         if w.role is WorkerRole.AR:
             for bid in sorted(w.batches):
                 actions.append(CancelArBatch(bid, w.address))

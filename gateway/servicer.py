@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import astuple
 
 import grpc
 
@@ -15,8 +16,8 @@ from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.driver import Driver, Outcome, RequestFailed, StreamOptions
 from gateway.membership import split_host_port
+from gateway.validation import check_generate, check_partial_images
 from glmimage.v1 import common_pb2, denoiser_service_pb2, gateway_service_pb2, gateway_service_pb2_grpc
-from services.model.checks import check_sampling
 from services.runtime.errors import InvalidArgument, error_for
 from services.runtime.logs import request_id_var
 
@@ -31,7 +32,6 @@ STATE_TO_PROTO = {
 ROLE_TO_PROTO = {sch.WorkerRole.AR: gateway_service_pb2.WORKER_ROLE_AR,
                  sch.WorkerRole.DENOISER: gateway_service_pb2.WORKER_ROLE_DENOISER}
 ROLE_FROM_PROTO = {v: k for k, v in ROLE_TO_PROTO.items()}
-MAX_PARTIAL_IMAGES = 3
 
 
 def sum_usage(usages) -> common_pb2.Usage:
@@ -62,27 +62,6 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         self.driver = driver
         self.config = config
 
-    def _validate(self, r: gateway_service_pb2.GenerateImagesRequest) -> tuple[int, int, int]:
-        if not r.prompt.strip():
-            raise InvalidArgument("prompt", "must not be empty")
-        n = r.n or 1
-        if not 1 <= n <= self.config.max_n:
-            raise InvalidArgument("n", f"must be between 1 and {self.config.max_n}, got {r.n}")
-        if r.HasField("output_compression") and r.output_compression > 100:
-            raise InvalidArgument("output_compression", f"must be between 0 and 100, got {r.output_compression}")
-        if r.output_format not in common_pb2.ImageFormat.values():
-            raise InvalidArgument("output_format", f"unknown format {r.output_format}")
-        if r.HasField("sampling"):  # checked here too: a bad value reaching the AR would stall a shared batch
-            sp = r.sampling
-            check_sampling(sp.temperature if sp.HasField("temperature") else None,
-                           sp.top_p if sp.HasField("top_p") else None,
-                           sp.top_k if sp.HasField("top_k") else None)
-        if (r.height == 0) != (r.width == 0):
-            raise InvalidArgument("height" if r.height == 0 else "width", "give both height and width, or neither")
-        height = r.height or self.config.default_height
-        width = r.width or self.config.default_width
-        return n, height, width
-
     def _timeout(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
         return self.config.request_timeout if remaining is None else min(self.config.request_timeout, remaining)
@@ -96,7 +75,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             output_format=outcome.images[0].output_format, request_id=request_id_var.get())
 
     async def GenerateImages(self, request, context: grpc.aio.ServicerContext):
-        n, height, width = self._validate(request)
+        n, height, width = astuple(check_generate(request, self.config))
         try:
             outcome = await self.driver.generate(request_id_var.get(), request, height, width, n,
                                                  self._timeout(context))
@@ -109,10 +88,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
     async def GenerateImagesStream(self, request, context: grpc.aio.ServicerContext
                                    ) -> AsyncIterator[gateway_service_pb2.GenerateImagesStreamResponse]:
-        n, height, width = self._validate(request.request)
-        if request.partial_images > MAX_PARTIAL_IMAGES:
-            raise InvalidArgument("partial_images",
-                                  f"must be between 0 and {MAX_PARTIAL_IMAGES}, got {request.partial_images}")
+        n, height, width = astuple(check_generate(request.request, self.config))
+        check_partial_images(request.partial_images)
         done = object()
         events: asyncio.Queue[gateway_service_pb2.GenerateImagesStreamResponse | object] = asyncio.Queue()
         previews_sent: dict[int, int] = {}  # image index -> previews relayed so far
@@ -165,7 +142,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             pending_denoise_outputs=snap.pending_denoise_outputs, active_requests=snap.active_requests,
             workers=[gateway_service_pb2.WorkerStatus(
                 address=w.address, role=ROLE_TO_PROTO[w.role], state=STATE_TO_PROTO[w.state], inflight=w.inflight,
-                current_job=job_label(w.current_job))
+                current_job=job_label(w.current_job), health=self.driver.worker_health(w.address).value,
+                stuck=self.driver.worker_health(w.address).stuck)
                 for w in snap.workers])
 
     async def AddWorker(self, request, context: grpc.aio.ServicerContext):

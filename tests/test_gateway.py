@@ -21,11 +21,11 @@ PROMPT = 'a blue "OPEN" sign'
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(ar_server, denoisers, scheduler: SchedulerConfig):
+async def running_gateway(ar_server, denoisers, scheduler: SchedulerConfig, **config_fields):
     config = GatewayConfig(
         ar_addresses=(f"127.0.0.1:{ar_server.port}",),
         denoiser_addresses=tuple(f"127.0.0.1:{d.port}" for d in denoisers),
-        scheduler=scheduler, request_timeout=60)
+        scheduler=scheduler, request_timeout=60, **config_fields)
     driver = Driver(config)
     servicer = GatewayServicer(driver, config)
     server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
@@ -106,10 +106,10 @@ async def test_service_errors_pass_through_with_their_status(gateway) -> None:
 
 
 async def test_a_request_the_ar_refuses_does_not_fail_its_batch_mates(ar_server, denoiser_server) -> None:
-    # The gateway has no prompt-length limit of its own: the AR's (8192 characters) refuses this one inside
-    # a batch it shares with two good requests (a long batching window puts all three in one batch).
+    # A gateway whose prompt limit is above its AR's (misconfigured): the AR (8192 characters) refuses this one
+    # inside a batch it shares with two good requests (a long batching window puts all three in one batch).
     scheduler = SchedulerConfig(ar_batch_delay=0.5, ar_batch_max_outputs=8)
-    async with running_gateway(ar_server, (denoiser_server,), scheduler) as (stub, driver):
+    async with running_gateway(ar_server, (denoiser_server,), scheduler, max_prompt_chars=10_000) as (stub, driver):
         def call(prompt: str, seed: int):
             return stub.GenerateImages(pb.GenerateImagesRequest(prompt=prompt, height=64, width=64, seed=seed))
 

@@ -421,7 +421,7 @@ def test_ar_retry_then_fail() -> None:
 
 
 def test_ar_failure_without_retries_fails_every_request_in_the_batch() -> None:
-    s = make(ar_batch_max_outputs=4, ar_batch_delay=0.0)
+    s = make(ar_retries=0, ar_batch_max_outputs=4, ar_batch_delay=0.0)
     arrive(s, "a", 1)
     arrive(s, "b", 2)
     (b,) = up(s, "ar0", AR)
@@ -462,6 +462,33 @@ def test_a_shared_batch_refused_as_bad_input_is_split_so_only_the_bad_request_fa
     (b4,) = ar_ok(s, b3, {"good2": 1}, now=1.3)
     assert b4.request_ids == ("later",)
     assert s.snapshot().pending_ar_requests == 0 and s.snapshot().pending_denoise_outputs == 2
+
+
+def test_a_batch_the_gateway_failed_to_handle_fails_only_the_request_at_fault() -> None:
+    # An unexpected exception in the driver (e.g. a field that cannot be encoded) must neither wedge the AR slot
+    # nor fail the batch mates: the batch is split like one refused as bad input; the lone culprit fails INTERNAL.
+    s = make(ar_retries=2, ar_batch_max_outputs=8, ar_batch_delay=0.0)
+    arrive(s, "good", 1)
+    arrive(s, "bad", 1)
+    (b,) = up(s, "ar0", AR)
+    (b1,) = s.handle(ArBatchFailed(1.0, b.batch_id, "internal error", ErrorKind.INTERNAL))
+    assert b1.request_ids == ("good",) and s.counters.requeues["ar_failed"] == 0
+    (b2,) = ar_ok(s, b1, {"good": 1}, now=1.1)
+    assert b2.request_ids == ("bad",)
+    (fail,) = s.handle(ArBatchFailed(1.2, b2.batch_id, "internal error", ErrorKind.INTERNAL))
+    assert fail == FailRequest("bad", ErrorKind.INTERNAL, "internal error")
+    assert s.snapshot().workers[0].inflight == 0
+
+
+def test_admission_bounds_outputs_waiting_in_both_queues() -> None:
+    s = make(max_queued_outputs=4, ar_batch_delay=0.0)
+    up(s, "ar0", AR)  # no denoiser: AR results wait in the denoise queue
+    (b,) = arrive(s, "a", 3)
+    ar_ok(s, b, {"a": 3})
+    assert s.snapshot().pending_denoise_outputs == 3
+    (rej,) = only(arrive(s, "b", 2), FailRequest)
+    assert rej.code is ErrorKind.RESOURCE_EXHAUSTED
+    assert not only(arrive(s, "c", 1), FailRequest)
 
 
 def test_retried_ar_requests_go_to_the_front_keeping_their_age() -> None:
@@ -516,13 +543,14 @@ def test_a_worker_saying_not_serving_finishes_its_work_but_gets_no_more() -> Non
 
 
 def test_ar_worker_unhealthy_without_retry_budget_fails_requests() -> None:
-    s = make(ar_batch_delay=0.0)
+    s = make(ar_retries=0, ar_batch_delay=0.0)
     up(s, "ar0", AR)
     (b1,) = arrive(s, "a", 1)
     acts = s.handle(WorkerUnhealthy(1.0, "ar0"))
     assert acts[0] == CancelArBatch(b1.batch_id, "ar0")
     (fail,) = only(acts, FailRequest)
-    assert fail.code is ErrorKind.UNAVAILABLE and "AR stage failed" in fail.message and "ar0" in fail.message
+    # The client learns which stage failed, never the worker's address (that goes to the gateway's log).
+    assert fail.code is ErrorKind.UNAVAILABLE and "AR stage failed" in fail.message and "ar0" not in fail.message
 
 
 # ------------------------------------------------------------------------------------------- denoise fan-out
@@ -909,7 +937,7 @@ def test_removing_a_busy_ar_worker_drains_it() -> None:
 
 
 def test_draining_ar_worker_going_unhealthy_fails_its_batch_and_disappears() -> None:
-    s = make(ar_batch_delay=0.0)
+    s = make(ar_retries=0, ar_batch_delay=0.0)
     up(s, "ar0", AR)
     (b,) = arrive(s, "a", 1)
     s.handle(WorkerRemoved(1.0, "ar0"))
@@ -975,7 +1003,7 @@ def test_unhealthy_exhausting_attempts_fails_the_request() -> None:
     assert acts[0] == CancelDenoise(job("a", 0), "d0")
     assert CancelDenoise(job("a", 1), "d1") in acts
     (fail,) = only(acts, FailRequest)
-    assert fail.code is ErrorKind.UNAVAILABLE and "d0" in fail.message
+    assert fail.code is ErrorKind.UNAVAILABLE and "d0" not in fail.message and "denoiser" in fail.message
 
 
 def test_snapshot_reports_states_and_queues() -> None:
@@ -1159,7 +1187,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         w = self.w
         # Model side of membership events, applied before reading the actions (they refer to the new state).
         expect_ar_cancels: set[int] = set()
-        expect_invalid: str | None = None  # a lone request whose batch was refused as bad input
+        expect_invalid: tuple[str, ErrorKind] | None = None  # a lone request whose batch was refused as its fault
         if isinstance(ev, WorkerAdded):
             m = w.members.get(ev.worker)
             if m is None:
@@ -1204,11 +1232,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if ev.batch_id in owned:  # a live batch (else fenced)
                     owned.discard(ev.batch_id)
                     self._maybe_gone(name)
-                    if isinstance(ev, ArBatchFailed) and ev.code is ErrorKind.INVALID_ARGUMENT:
+                    if isinstance(ev, ArBatchFailed) and ev.code in (ErrorKind.INVALID_ARGUMENT, ErrorKind.INTERNAL):
                         live = [rid for rid in w.batch_rids[ev.batch_id]
                                 if (r := self._live(rid)) is not None and r.batch == ev.batch_id]
                         if len(live) == 1:
-                            expect_invalid = live[0]
+                            expect_invalid = (live[0], ev.code)
                         for rid in live if len(live) > 1 else ():
                             w.reqs[rid].solo = True  # split, with no retry charged
                     elif isinstance(ev, ArBatchFailed):
@@ -1235,8 +1263,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             w.reqs[ev.request_id] = _Req(ev.n, (ev.height, ev.width), ev.deadline)
         assert {a.batch_id for a in actions if isinstance(a, CancelArBatch) and not a.abandoned} == expect_ar_cancels
         if expect_invalid is not None:  # failed at once, not retried (or its deadline passed first)
-            assert any(isinstance(a, FailRequest) and a.request_id == expect_invalid
-                       and a.code in (ErrorKind.INVALID_ARGUMENT, ErrorKind.DEADLINE_EXCEEDED)
+            assert any(isinstance(a, FailRequest) and a.request_id == expect_invalid[0]
+                       and a.code in (expect_invalid[1], ErrorKind.DEADLINE_EXCEEDED)
                        for a in actions), "bad input not relayed"
         for a in actions:
             self._apply(ev, a, before)
@@ -1339,7 +1367,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             ):
                 assert a.request_id not in w.reqs
                 if a.code is ErrorKind.RESOURCE_EXHAUSTED:
-                    assert before.pending_ar_outputs + ev.n > cfg.max_queued_outputs  # type: ignore[attr-defined]
+                    queued = before.pending_ar_outputs + before.pending_denoise_outputs  # type: ignore[attr-defined]
+                    assert queued + ev.n > cfg.max_queued_outputs
                 else:
                     assert ev.n < 1 or ev.n > cfg.max_queued_outputs
                 return
@@ -1540,7 +1569,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.w.ar_rpcs)
     @rule(
         data=st.data(),
-        outcome=st.sampled_from(["ok", "ok", "ok", "fail", "short", "invalid"]),
+        outcome=st.sampled_from(["ok", "ok", "ok", "fail", "short", "invalid", "internal"]),
         dt=st.floats(0.0, 0.003),
     )
     def ar_result(self, data: st.DataObject, outcome: str, dt: float) -> None:
@@ -1583,6 +1612,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             return self.send(ArBatchFailed(now, bid, "ar boom"))
         if outcome == "invalid":
             return self.send(ArBatchFailed(now, bid, "bad input", ErrorKind.INVALID_ARGUMENT))
+        if outcome == "internal":  # the gateway itself failed handling the batch (an unexpected exception)
+            return self.send(ArBatchFailed(now, bid, "internal error", ErrorKind.INTERNAL))
         outs = {
             rid: [_ar_out(rid, i, bid) for i in range(self.w.reqs[rid].n - (outcome == "short"))]
             for rid in batch.request_ids

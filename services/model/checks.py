@@ -4,6 +4,12 @@ from __future__ import annotations
 from services.runtime.errors import InvalidArgument
 
 SEED_SPACE = 2**32
+# Default limits, shared by the AR, the denoiser and the gateway's edge checks (each server can lower or raise its
+# own with flags; the gateway's must not admit what its workers refuse).
+MAX_PROMPT_CHARS = 8192
+MAX_PIXELS = 2048 * 2048
+MAX_STEPS = 200
+MAX_GUIDANCE = 30.0
 MAX_TOP_K = 1_000_000
 MAX_TEMPERATURE = 2.0
 # The AR grid is H/32 x W/32 (upsampled 2x to the DiT's H/16 x W/16): both stages round sizes up to this.
@@ -33,9 +39,13 @@ def model_size(height: int, width: int, max_pixels: int) -> tuple[int, int]:
     return h, w
 
 
-def check_seed(seed: int | None) -> None:
+def check_seed(seed: int | None, n: int = 1) -> None:
+    """Output i uses seed + i: the last one must fit the seed space too (never wrapped silently)."""
     if seed is not None and not 0 <= seed < SEED_SPACE:
         raise InvalidArgument("seed", f"must be in [0, {SEED_SPACE}), got {seed}")
+    if seed is not None and seed + n - 1 >= SEED_SPACE:
+        raise InvalidArgument("seed", f"seed + n - 1 = {seed + n - 1} exceeds {SEED_SPACE - 1} "
+                                      "(output i uses seed + i)")
 
 
 def check_sampling(temperature: float | None, top_p: float | None, top_k: int | None) -> None:

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import inspect
 import logging
+import re
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,11 +36,37 @@ STATUS_OF = {
 REQUEST_ID_KEY = "x-request-id"
 
 
+# A client's id ends up in logs and in metadata to the next hop: printable ASCII, bounded; otherwise a fresh one.
+_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
+
+
 def request_id_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     for key, value in metadata or ():
         if key == REQUEST_ID_KEY and value:
-            return value if isinstance(value, str) else value.decode()
+            text = value if isinstance(value, str) else value.decode("latin-1")
+            return text if _REQUEST_ID_RE.fullmatch(text) else None
     return None
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    """What the wrapped deserializer hands the handler for bytes that are not a valid message of the method."""
+
+    rpc: str
+
+
+def _tolerant(deserializer: Callable[[bytes], object] | None, method: str) -> Callable[[bytes], object] | None:
+    """A deserializer that never raises: gRPC answers a raising one with UNKNOWN and the exception's class name."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> object:
+        try:
+            return deserializer(data)
+        except Exception:  # noqa: BLE001 - DecodeError, or whatever a message's parser raises
+            return _Malformed(method.rsplit("/", 1)[-1])
+
+    return deserialize
 
 
 # Long-lived infrastructure streams (health Watch) must neither count as work nor hold a drain open.
@@ -94,6 +121,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         work = None if method.startswith(_INFRA_PREFIXES) else self.work
 
+        async def _malformed(context: grpc.aio.ServicerContext, request: _Malformed) -> None:
+            log.info("%s refused: the request bytes are not a valid message", method)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request bytes are not a valid {request.rpc} request message")
+
         async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
             if isinstance(exc, NotImplementedError):  # the generated base servicer's answer for a missing method
                 await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented by this server")
@@ -108,6 +140,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_unary(request, context):
                 request_id_var.set(rid)
+                if isinstance(request, _Malformed):
+                    await _malformed(context, request)
                 if work is not None and work.draining:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
                 if work is not None:
@@ -120,12 +154,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await _fail(context, exc)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer)
+                unary_unary, _tolerant(handler.request_deserializer, method), handler.response_serializer)
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
             async def unary_stream(request, context):
                 request_id_var.set(rid)
+                if isinstance(request, _Malformed):
+                    await _malformed(context, request)
                 if work is not None and work.draining:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
                 if work is not None:
@@ -143,7 +179,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await _fail(context, exc)
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer)
+                unary_stream, _tolerant(handler.request_deserializer, method), handler.response_serializer)
         return handler
 
 

@@ -89,18 +89,22 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "state", "inflight", "current_job")
+    __slots__ = ("address", "role", "state", "inflight", "current_job", "health", "stuck")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     CURRENT_JOB_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    STUCK_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: WorkerRole
     state: WorkerState
     inflight: int
     current_job: str
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., inflight: _Optional[int] = ..., current_job: _Optional[str] = ...) -> None: ...
+    health: str
+    stuck: bool
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., inflight: _Optional[int] = ..., current_job: _Optional[str] = ..., health: _Optional[str] = ..., stuck: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("pending_ar_requests", "pending_ar_outputs", "pending_denoise_outputs", "active_requests", "workers")
