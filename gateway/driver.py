@@ -298,7 +298,8 @@ class Driver:
         if self._removed:
             self._reap()
         if self.metrics is not None:
-            self.metrics.publish(self.scheduler.snapshot(), self.scheduler.counters)
+            stuck = frozenset(a for a, w in self._workers.items() if w.health.stuck)
+            self.metrics.publish(self.scheduler.snapshot(), self.scheduler.counters, stuck)
         self._arm_timer()
 
     def _arm_timer(self) -> None:

@@ -31,6 +31,7 @@ STATES = {s: s.value.lower() for s in sch.WorkerState}
 class _Published:
     snapshot: sch.Snapshot
     counters: sch.Counters  # a copy: the scheduler's own object keeps changing
+    stuck: frozenset[str] = frozenset()  # members connected but not answering (hung) or whose call timed out
 
 
 _EMPTY = _Published(sch.Scheduler().snapshot(), sch.Counters())
@@ -68,9 +69,9 @@ class GatewayMetrics(Collector):
             self.queue_seconds.labels(stage)
         reg.register(self)
 
-    def publish(self, snapshot: sch.Snapshot, counters: sch.Counters) -> None:
+    def publish(self, snapshot: sch.Snapshot, counters: sch.Counters, stuck: frozenset[str] = frozenset()) -> None:
         copy = dataclasses.replace(counters, failed=dict(counters.failed), requeues=dict(counters.requeues))
-        self._state = _Published(snapshot, copy)  # one reference swap: a scrape sees one consistent state
+        self._state = _Published(snapshot, copy, stuck)  # one reference swap: a scrape sees one consistent state
 
     def collect(self) -> Iterator[Metric]:
         state = self._state
@@ -94,6 +95,20 @@ class GatewayMetrics(Collector):
         for (role, st), n in counts.items():
             workers.add_metric([role, st], n)
         yield workers
+        stuck = GaugeMetricFamily("glmimage_gateway_workers_stuck",
+                                  "Workers connected but not answering health checks (hung) or whose last call "
+                                  "timed out, by role", labels=["role"])
+        stuck_stage = GaugeMetricFamily("glmimage_gateway_stage_stuck",
+                                        "1 when a stage has no ready worker and at least one of its workers is stuck "
+                                        "(there but making no progress), as opposed to gone", labels=["stage"])
+        for role, stage in ROLES.items():
+            members = [w for w in snap.workers if w.role is role]
+            n_stuck = sum(1 for w in members if w.address in state.stuck)
+            ready = any(w.state in (sch.WorkerState.AVAILABLE, sch.WorkerState.BUSY) for w in members)
+            stuck.add_metric([stage], n_stuck)
+            stuck_stage.add_metric(["ar" if role is sch.WorkerRole.AR else "denoise"], int(n_stuck > 0 and not ready))
+        yield stuck
+        yield stuck_stage
         requeues = CounterMetricFamily("glmimage_gateway_requeues", "Work put back in a queue, by reason",
                                        labels=["reason"])
         for reason, n in c.requeues.items():

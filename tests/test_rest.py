@@ -43,6 +43,7 @@ from gateway.rest.schemas import (
 from glmimage.v1 import common_pb2
 from glmimage.v1 import gateway_service_pb2 as gw
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
+from services.runtime.server import OWN_ERROR_KEY
 
 try:
     import schemathesis
@@ -96,7 +97,7 @@ class FakeGateway(gw_grpc.GatewayServiceServicer):
         if self.required_authorization is not None and metadata.get("authorization") != self.required_authorization:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
         if self.abort is not None:
-            await context.abort(*self.abort)
+            await _abort(context, self.abort)
         return metadata
 
     async def _block(self) -> None:
@@ -135,7 +136,7 @@ class FakeGateway(gw_grpc.GatewayServiceServicer):
                     yield gw.GenerateImagesStreamResponse(partial_image=gw.ImagePartial(
                         image_index=index, partial_image_index=step - 1, image=_png(100 + step)))
         if self.abort_mid_stream is not None:
-            await context.abort(*self.abort_mid_stream)
+            await _abort(context, self.abort_mid_stream)
         if not self.stream_without_result:
             yield gw.GenerateImagesStreamResponse(completed=self._response(inner, metadata))
 
@@ -168,6 +169,13 @@ class FakeGateway(gw_grpc.GatewayServiceServicer):
         if self.required_authorization is not None and metadata.get("authorization") != self.required_authorization:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
         return gw.GetStatusResponse(workers=self.workers, active_requests=0)
+
+
+async def _abort(context: grpc.aio.ServicerContext, abort: tuple) -> None:
+    """Abort as the real gateway does: it marks the statuses it composed. ``(code, text, False)`` leaves the mark
+    off, as on a status gRPC made up itself (connection refused...)."""
+    code, text, *own = abort
+    await context.abort(code, text, trailing_metadata=((OWN_ERROR_KEY, "1"),) if not own or own[0] else ())
 
 
 class Backend:
@@ -418,14 +426,21 @@ STATUS_TABLE = [
 ]
 
 
+@pytest.mark.parametrize("own", [True, False], ids=["marked", "unmarked"])
 @pytest.mark.parametrize(("code", "http_status"), STATUS_TABLE, ids=[c.name for c, _ in STATUS_TABLE])
 async def test_grpc_status_mapping(
-    client: httpx.AsyncClient, backend: Backend, code: grpc.StatusCode, http_status: int
+    client: httpx.AsyncClient, backend: Backend, code: grpc.StatusCode, http_status: int, own: bool
 ) -> None:
-    backend.servicer.abort = (code, f"upstream says {code.name}")
+    backend.servicer.abort = (code, f"upstream says {code.name}", own)
     resp = await _generate(client, {"prompt": "x"})
     err = _assert_error(resp, http_status, None, code.name.lower())
-    assert err["message"] == f"upstream says {code.name}"
+    # A status our servers composed keeps its text; one gRPC may have made up itself (its text can name
+    # addresses and library errors) is told in the REST front's own words, unless its code is one gRPC never uses.
+    always_ours = http_status in (400, 401, 403, 404, 409) and code is not grpc.StatusCode.ABORTED
+    if own or always_ours:
+        assert err["message"] == f"upstream says {code.name}"
+    else:
+        assert "upstream says" not in err["message"] and err["message"]
     assert ("retry-after" in resp.headers) == (http_status == 429)
     if http_status == 429:
         assert err["type"] == "rate_limit_error"
@@ -437,10 +452,13 @@ async def test_gateway_down_is_503(backend: Backend) -> None:
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     async with rest_client(RestSettings(gateway_address=dead, request_timeout=5, health_timeout=5)) as c:
-        _assert_error(await _generate(c, {"prompt": "x"}), 503, None, "unavailable")
+        err = _assert_error(await _generate(c, {"prompt": "x"}), 503, None, "unavailable")
         resp = await c.get("/health")
         assert resp.status_code == 503
         assert "unreachable" in resp.json()["reason"]
+        # gRPC's own text ("ipv4:127.0.0.1:PORT: Failed to connect to remote host") stays in the log.
+        for text in (err["message"], resp.text):
+            assert dead not in text and "ipv4" not in text and "127.0.0.1" not in text, text
 
 
 # --- usage: cached tokens ------------------------------------------------------------------------
@@ -527,9 +545,27 @@ async def test_health_no_workers(
     backend.servicer.workers[1].state = dn_state
     resp = await client.get("/health")
     assert resp.status_code == 503
-    assert f"no {missing} worker" in resp.json()["reason"]
+    assert f"no {missing} server is ready" in resp.json()["reason"]
     backend.servicer.workers.clear()
-    assert "no AR and no denoiser" in (await client.get("/health")).json()["reason"]
+    reason = (await client.get("/health")).json()["reason"]
+    assert "no AR server is configured" in reason and "no denoiser server is configured" in reason
+
+
+async def test_health_says_which_stage_is_stuck(client: httpx.AsyncClient, backend: Backend) -> None:
+    # A hung AR (SIGSTOP) keeps its connection: the stage is stuck, not gone, and /health says so.
+    ar = backend.servicer.workers[0]
+    ar.state, ar.stuck, ar.health = gw.WORKER_STATE_UNHEALTHY, True, "not answering health checks (hung)"
+    resp = await client.get("/health")
+    assert resp.status_code == 503
+    body = resp.json()
+    assert "AR stage is stuck" in body["reason"] and "hung" in body["reason"]
+    assert body["stages"]["ar"] == {"ready": 0, "stuck": 1, "total": 1}
+    assert ar.address not in resp.text
+    # One stuck worker of several leaves the stage serving; the body still counts it.
+    backend.servicer.workers.append(gw.WorkerStatus(address="ar:2", role=gw.WORKER_ROLE_AR,
+                                                    state=gw.WORKER_STATE_AVAILABLE))
+    resp = await client.get("/health")
+    assert resp.status_code == 200 and resp.json()["stages"]["ar"] == {"ready": 1, "stuck": 1, "total": 2}
 
 
 async def test_metrics(backend: Backend) -> None:

@@ -70,6 +70,32 @@ _FORMAT_NAMES = {v: k for k, v in _FORMATS.items()}
 # DALL-E 3 quality names, for clients that still send them to the dall-e-3 alias.
 _QUALITY_ALIASES = {"standard": "medium", "hd": "high"}
 _READY_STATES = (gateway_service_pb2.WORKER_STATE_AVAILABLE, gateway_service_pb2.WORKER_STATE_BUSY)
+_STAGES = {"ar": gateway_service_pb2.WORKER_ROLE_AR, "denoiser": gateway_service_pb2.WORKER_ROLE_DENOISER}
+
+
+@dataclass(frozen=True)
+class _StageHealth:
+    ready: int
+    stuck: int  # connected but not answering, or a call to it timed out: there, yet making no progress
+    total: int
+    why: tuple[str, ...]  # the distinct health texts of the members that are not ready
+
+    def problem(self, name: str) -> str:
+        """Why the stage cannot take work, in the operator's terms (never an address)."""
+        label = "AR" if name == "ar" else name
+        if self.total == 0:
+            return f"no {label} server is configured or discovered"
+        if self.stuck:
+            return (f"the {label} stage is stuck: {self.stuck} of {self.total} server(s) connected but not "
+                    f"making progress ({', '.join(self.why)})")
+        return f"no {label} server is ready ({', '.join(self.why) or 'not yet checked'})"
+
+
+def _stage_health(status: gateway_service_pb2.GetStatusResponse, role: int) -> _StageHealth:
+    members = [w for w in status.workers if w.role == role]
+    idle = [w for w in members if w.state not in _READY_STATES]
+    return _StageHealth(ready=len(members) - len(idle), stuck=sum(1 for w in members if w.stuck),
+                        total=len(members), why=tuple(sorted({w.health or "unknown" for w in idle})))
 
 
 def _default_quality_steps() -> dict[str, int]:
@@ -330,8 +356,9 @@ class _CallGuard:
     polling, so an idle request costs nothing. The cancellation reaches the AR and denoiser work downstream.
     """
 
-    def __init__(self, call: grpc.aio.Call, receive: Receive) -> None:
+    def __init__(self, call: grpc.aio.Call, receive: Receive, rid: str = "") -> None:
         self.call = call
+        self.rid = rid
         self.gone = False
         self._watcher = asyncio.create_task(self._watch(receive))
 
@@ -353,7 +380,7 @@ class _CallGuard:
         except grpc.aio.AioRpcError as err:
             if self.gone:
                 return None
-            raise from_rpc_error(err) from err
+            raise from_rpc_error(err, self.rid) from err
 
     def close(self) -> None:
         self._watcher.cancel()
@@ -382,7 +409,8 @@ async def _generate(
     gateway: _Gateway, gen: _Generation, timeout: float, receive: Receive
 ) -> gateway_service_pb2.GenerateImagesResponse | None:
     """Run GenerateImages; None if the HTTP client went away (the RPC is then cancelled)."""
-    guard = _CallGuard(gateway.stub.GenerateImages(gen.request, metadata=gen.metadata, timeout=timeout), receive)
+    guard = _CallGuard(gateway.stub.GenerateImages(gen.request, metadata=gen.metadata, timeout=timeout), receive,
+                       gen.rid)
     try:
         return await guard.wait(guard.call)
     finally:
@@ -475,7 +503,7 @@ async def _stream(
 ) -> Response:
     req = gateway_service_pb2.GenerateImagesStreamRequest(request=gen.request, partial_images=partial_images)
     call = gateway.stub.GenerateImagesStream(req, metadata=gen.metadata, timeout=settings.request_timeout)
-    guard = _CallGuard(call, receive)
+    guard = _CallGuard(call, receive, gen.rid)
     try:
         # Wait for the first message before committing to a 200, so that errors the gateway reports at once
         # (bad input, queue full, bad key, no streaming support) keep their HTTP status.
@@ -611,9 +639,9 @@ def create_app(settings: RestSettings) -> FastAPI:
         gateway: _Gateway = request.app.state.gateway
         timeout = settings.health_timeout
 
-        def unavailable(reason: str) -> Response:
+        def unavailable(reason: str, **extra: Any) -> Response:
             log.info("health: unavailable: %s", reason)
-            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+            return JSONResponse({"status": "unavailable", "reason": reason, **extra}, status_code=503)
 
         try:
             check = await gateway.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
@@ -623,24 +651,23 @@ def create_app(settings: RestSettings) -> FastAPI:
             status = await gateway.stub.GetStatus(gateway_service_pb2.GetStatusRequest(), timeout=timeout,
                                                   metadata=own_metadata)
         except grpc.aio.AioRpcError as err:
+            log.info("health: gateway call failed: %s: %s", err.code().name, err.details())
             if err.code() == grpc.StatusCode.UNAUTHENTICATED:
-                return unavailable(f"the gateway refused GetStatus ({err.details()}); "
+                return unavailable("the gateway refused the status call (UNAUTHENTICATED); "
                                    "give the REST front a key with --gateway-api-key")
-            return unavailable(f"gateway unreachable: {err.code().name}: {err.details()}")
-        def ready(role: gateway_service_pb2.WorkerRole.ValueType) -> int:
-            return sum(1 for w in status.workers if w.role == role and w.state in _READY_STATES)
-
-        ar = ready(gateway_service_pb2.WORKER_ROLE_AR)
-        denoisers = ready(gateway_service_pb2.WORKER_ROLE_DENOISER)
-        missing = [name for name, count in (("AR", ar), ("denoiser", denoisers)) if count == 0]
-        if missing:
-            return unavailable(f"no {' and no '.join(missing)} worker available or busy")
+            return unavailable(f"the gateway is unreachable ({err.code().name})")
+        stages = {name: _stage_health(status, role) for name, role in _STAGES.items()}
+        reasons = [h.problem(name) for name, h in stages.items() if h.ready == 0]
+        body = {name: {"ready": h.ready, "stuck": h.stuck, "total": h.total} for name, h in stages.items()}
+        if reasons:
+            return unavailable("; ".join(reasons), stages=body)
         return JSONResponse({
             "status": "ok",
             "gateway": "SERVING",
-            "ar_workers": ar,
-            "denoiser_workers": denoisers,
+            "ar_workers": stages["ar"].ready,
+            "denoiser_workers": stages["denoiser"].ready,
             "active_requests": status.active_requests,
+            "stages": body,
         })
 
     @app.get("/metrics", include_in_schema=False)

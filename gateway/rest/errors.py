@@ -1,12 +1,17 @@
-"""OpenAI-shaped errors and the gRPC -> HTTP status mapping (DESIGN.md section 4)."""
+"""OpenAI-shaped errors and the gRPC -> HTTP status mapping."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
 from fastapi.responses import JSONResponse
+
+from services.runtime.server import OWN_ERROR_KEY
+
+log = logging.getLogger("glmimage.rest")
 
 # grpc-gateway's table, plus the OpenAI error `type` a client would expect for each.
 GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -74,13 +79,38 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=dict(headers or {}))
 
 
-def from_rpc_error(err: grpc.aio.AioRpcError) -> APIError:
+# Codes gRPC never produces on its own for a call: their text was written by a server of this suite.
+_ALWAYS_OWN = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                         grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
+                         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
+# In the client's terms, for a status whose text may be gRPC's own (it names addresses and library errors).
+_OWN_WORDS = {
+    grpc.StatusCode.UNAVAILABLE: "the image service is unavailable; retry later",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the request did not finish in time",
+    grpc.StatusCode.CANCELLED: "the request was cancelled",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the image service is overloaded; retry later",
+    grpc.StatusCode.UNIMPLEMENTED: "the gateway does not support this call",
+}
+
+
+def client_text(err: grpc.aio.AioRpcError) -> str:
+    """What the client may read of a gateway status: the text our servers composed, else our own words."""
+    code = err.code()
+    ours = code in _ALWAYS_OWN or any(k == OWN_ERROR_KEY for k, _ in err.trailing_metadata() or ())
+    if ours and err.details():
+        return err.details()
+    return _OWN_WORDS.get(code, "internal error in the image service")
+
+
+def from_rpc_error(err: grpc.aio.AioRpcError, request_id: str = "") -> APIError:
     code = err.code()
     status, err_type = GRPC_TO_HTTP.get(code, (500, "server_error"))
     headers: dict[str, str] = {}
     if status == 429:
         headers["Retry-After"] = _retry_after(err)
-    message = err.details() or f"upstream returned {code.name}"
+    message = client_text(err)
+    if message != err.details():  # the original goes to the log, with the request id, never to the client
+        log.warning("%s gateway call failed: %s: %s", request_id or "-", code.name, err.details())
     return APIError(status, message, type=err_type, code=code.name.lower(), headers=headers)
 
 

@@ -34,6 +34,10 @@ STATUS_OF = {
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 REQUEST_ID_KEY = "x-request-id"
+# Trailing metadata on a status this suite's own code composed (a domain error): its text is meant for the client.
+# A status without it may come from gRPC itself (connection refused, a deadline seen by the client), whose text
+# names addresses and library internals; the REST front shows those in its own words instead.
+OWN_ERROR_KEY = "glmimage-error"
 
 
 # A client's id ends up in logs and in metadata to the next hop: printable ASCII, bounded; otherwise a fresh one.
@@ -68,6 +72,8 @@ def _tolerant(deserializer: Callable[[bytes], object] | None, method: str) -> Ca
 
     return deserialize
 
+
+_OWN = ((OWN_ERROR_KEY, "1"),)
 
 # Long-lived infrastructure streams (health Watch) must neither count as work nor hold a drain open.
 _INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
@@ -124,16 +130,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def _malformed(context: grpc.aio.ServicerContext, request: _Malformed) -> None:
             log.info("%s refused: the request bytes are not a valid message", method)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request bytes are not a valid {request.rpc} request message")
+                                f"the request bytes are not a valid {request.rpc} request message",
+                                trailing_metadata=_OWN)
 
         async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
             if isinstance(exc, NotImplementedError):  # the generated base servicer's answer for a missing method
                 await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented by this server")
             if isinstance(exc, ServiceError):
                 log.info("%s failed: %s: %s", method, exc.kind.value, exc.message)
-                await context.abort(STATUS_OF[exc.kind], exc.message)
+                await context.abort(STATUS_OF[exc.kind], exc.message, trailing_metadata=_OWN)
             log.exception("%s: unexpected error", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {rid})")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {rid})",
+                                trailing_metadata=_OWN)
 
         if handler.unary_unary:
             inner_uu = handler.unary_unary
@@ -143,7 +151,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 if isinstance(request, _Malformed):
                     await _malformed(context, request)
                 if work is not None and work.draining:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica",
+                                        trailing_metadata=_OWN)
                 if work is not None:
                     work.track(context)
                 try:
@@ -163,7 +172,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 if isinstance(request, _Malformed):
                     await _malformed(context, request)
                 if work is not None and work.draining:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica",
+                                        trailing_metadata=_OWN)
                 if work is not None:
                     work.track(context)
                 try:
