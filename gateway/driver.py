@@ -616,7 +616,12 @@ class Driver:
                     serving = now_serving
                     backoff = self.config.health_retry_min
             except asyncio.CancelledError:
-                return
+                task = asyncio.current_task()
+                if task is None or task.cancelling() or prober is None or not prober.done():
+                    return  # this watch itself is cancelled (closing, or a fresh one replaces it)
+                # Else the probes ended the Watch (gRPC raises CancelledError for a cancelled call): hung, or gone.
+                if worker.health is not WorkerHealth.HUNG:
+                    worker.health = WorkerHealth.UNREACHABLE
             except grpc.aio.AioRpcError as err:
                 if prober is not None and prober.done() and worker.health is WorkerHealth.HUNG:
                     pass  # the probes went unanswered and ended the Watch

@@ -74,8 +74,7 @@ def cluster(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         c.wait_ready(name)
     c.start("gateway", "gateway", ["--ar", c.procs["ar"].address,
                                     *[f"--denoiser={c.procs[f'd{i}'].address}" for i in range(3)],
-                                    "--request-timeout", "60", "--ar-batch-max-outputs", "16",
-                                    "--denoise-timeout", "5"], metrics=True)
+                                    "--request-timeout", "60", "--ar-batch-max-outputs", "16"], metrics=True)
     _until(lambda: all(w.state == pb.WORKER_STATE_AVAILABLE for w in _status(c).workers), 30, "workers available")
     yield c
     c.close()
@@ -142,8 +141,7 @@ def _start_grpc_call(cluster: Cluster, request: dict) -> Callable[[], object]:
 
 def _start_rest_call(cluster: Cluster, request: dict) -> Callable[[], object]:
     """POST through a real REST front on a raw socket, so the test closes the TCP connection itself."""
-    if "rest" not in cluster.procs:
-        cluster.start("rest", "rest", ["--gateway-address", cluster.procs["gateway"].address])
+    _rest(cluster)
     body = json.dumps({"prompt": request["prompt"], "n": request["n"],
                        "size": f"{request['width']}x{request['height']}", "seed": request["seed"],
                        "num_inference_steps": request["num_inference_steps"]}).encode()
@@ -232,6 +230,72 @@ def test_hung_denoiser_is_bypassed_until_it_answers_health(cluster: Cluster) -> 
         cluster.kill("d2", signal.SIGCONT)
     _until(lambda: all(w.state == pb.WORKER_STATE_AVAILABLE for w in _status(cluster).workers), 15,
            "the worker to be back once it answers health checks")
+    _assert_settled(cluster)
+
+
+def _worker(cluster: Cluster, name: str) -> pb.WorkerStatus:
+    (w,) = [w for w in _status(cluster).workers if w.address == cluster.procs[name].address]
+    return w
+
+
+def _rest(cluster: Cluster) -> str:
+    if "rest" not in cluster.procs:
+        cluster.start("rest", "rest", ["--gateway-address", cluster.procs["gateway"].address])
+    return cluster.procs["rest"].address
+
+
+def test_hung_idle_denoiser_is_sidelined_within_seconds(cluster: Cluster) -> None:
+    """SIGSTOP keeps the connection and the health Watch open but silent: only the gateway's probes notice."""
+    cluster.kill("d0", signal.SIGSTOP)
+    try:
+        waited = _until(lambda: _worker(cluster, "d0").state == pb.WORKER_STATE_UNHEALTHY, 15,
+                        "the hung idle denoiser to be sidelined")
+        assert waited < 10, f"noticed only after {waited:.1f}s"
+        hung = _worker(cluster, "d0")
+        assert hung.stuck and "hung" in hung.health, hung
+        assert len(_generate(cluster, seed=70, n=3)) == 3  # the other two serve every output
+        assert _metric(cluster, "gateway", 'glmimage_gateway_workers_stuck{role="denoiser"}') == 1
+        assert _metric(cluster, "gateway", 'glmimage_gateway_stage_stuck{stage="denoise"}') == 0  # two remain
+    finally:
+        cluster.kill("d0", signal.SIGCONT)
+    _until(lambda: _worker(cluster, "d0").state == pb.WORKER_STATE_AVAILABLE, 15,
+           "the denoiser to be back once it answers health checks")
+    assert not _worker(cluster, "d0").stuck
+    _assert_settled(cluster)
+
+
+def test_hung_ar_fails_fast_and_health_says_the_stage_is_stuck(cluster: Cluster) -> None:
+    """A SIGSTOPped AR used to hold every request for ~80 s while /health said 200."""
+    rest = _rest(cluster)
+    stub = _stub(cluster.procs["gateway"].address)
+    queued = [stub.GenerateImages.future(pb.GenerateImagesRequest(prompt=PROMPT, n=1, height=512, width=512,
+                                                                  seed=i), timeout=60) for i in range(3)]
+    _until(lambda: _worker(cluster, "ar").inflight > 0, 10, "an AR batch in flight")
+    cluster.kill("ar", signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        for f in queued:
+            with pytest.raises(grpc.RpcError) as err:
+                f.result()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+            assert cluster.procs["ar"].address not in err.value.details()
+        assert time.monotonic() - t0 < 15, "not failed fast"
+        ar = _worker(cluster, "ar")
+        assert ar.state == pb.WORKER_STATE_UNHEALTHY and ar.stuck and "hung" in ar.health, ar
+        health = httpx.get(f"http://{rest}/health", timeout=10)
+        assert health.status_code == 503 and "AR stage is stuck" in health.json()["reason"], health.text
+        assert cluster.procs["ar"].address not in health.text
+        assert _metric(cluster, "gateway", 'glmimage_gateway_stage_stuck{stage="ar"}') == 1
+        t1 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:  # a new request is refused at once, not queued for nobody
+            _generate(cluster, seed=1, n=1, timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t1 < 2
+    finally:
+        cluster.kill("ar", signal.SIGCONT)
+    _until(lambda: _worker(cluster, "ar").state == pb.WORKER_STATE_AVAILABLE, 15, "the AR to be back")
+    assert len(_generate(cluster, seed=2, n=2)) == 2
+    assert httpx.get(f"http://{rest}/health", timeout=10).status_code == 200
+    assert _metric(cluster, "gateway", 'glmimage_gateway_stage_stuck{stage="ar"}') == 0
     _assert_settled(cluster)
 
 
