@@ -85,6 +85,16 @@ async def test_default_size_and_request_id_echo(gateway) -> None:
     (pb.GenerateImagesRequest(prompt="x", sampling=common_pb2.SamplingParams(temperature=0.0)), "sampling.temperature"),
     (pb.GenerateImagesRequest(prompt="x", sampling=common_pb2.SamplingParams(top_p=1.5)), "sampling.top_p"),
     (pb.GenerateImagesRequest(prompt="x", sampling=common_pb2.SamplingParams(top_k=2_000_000)), "sampling.top_k"),
+    # Range-checked before any arithmetic: rounded up to a multiple of 32 this no longer fits uint32, and the AR
+    # batch task once died on it and held the AR slot for good.
+    (pb.GenerateImagesRequest(prompt="x", height=2**32 - 1, width=2**32 - 1), "height"),
+    (pb.GenerateImagesRequest(prompt="x", height=64, width=2**32 - 1), "height"),
+    (pb.GenerateImagesRequest(prompt="x" * 8193), "prompt"),
+    (pb.GenerateImagesRequest(prompt="x", num_inference_steps=201), "num_inference_steps"),
+    (pb.GenerateImagesRequest(prompt="x", guidance_scale=float("nan")), "guidance_scale"),
+    (pb.GenerateImagesRequest(prompt="x", guidance_scale=-1.0), "guidance_scale"),
+    (pb.GenerateImagesRequest(prompt="x", output_format=99), "output_format"),
+    (pb.GenerateImagesRequest(prompt="x", n=2, seed=2**32 - 1), "seed"),  # output 1 would need seed 2**32
 ])
 async def test_invalid_requests_name_the_field(gateway, request_, field) -> None:
     stub, driver, _ = gateway
@@ -95,14 +105,63 @@ async def test_invalid_requests_name_the_field(gateway, request_, field) -> None
     assert driver.scheduler.snapshot().active_requests == 0  # refused before admission
 
 
-async def test_service_errors_pass_through_with_their_status(gateway) -> None:
-    stub, _, _ = gateway
-    # The denoiser rejects 201 steps; the gateway must not retry that elsewhere nor hide the reason.
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=64, width=64,
-                                                           num_inference_steps=201))
+async def test_service_errors_pass_through_with_their_status(ar_server, denoiser_server) -> None:
+    # A gateway whose step limit is above its denoisers' (misconfigured): the denoiser rejects 201 steps; the
+    # gateway must not retry that elsewhere nor hide the reason.
+    async with running_gateway(ar_server, (denoiser_server,), SchedulerConfig(), max_steps=1000) as (stub, _):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=64, width=64,
+                                                               num_inference_steps=201))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("num_inference_steps:")
+
+
+def _no_slot_held(status: pb.GetStatusResponse) -> bool:
+    return (status.active_requests == 0 and status.pending_ar_outputs == 0 and status.pending_denoise_outputs == 0
+            and all(w.inflight == 0 and not w.current_job for w in status.workers))
+
+
+async def test_an_exception_in_an_ar_batch_fails_only_its_culprit_and_frees_the_slot(ar_server,
+                                                                                     denoiser_server) -> None:
+    # The class of bug behind a wedged AR: a batch task that dies of an exception nobody expected. With the edge
+    # check lifted (pixel budget far above uint32), the rounded-up size makes building the AR request raise.
+    scheduler = SchedulerConfig(ar_batch_delay=0.5, ar_batch_max_outputs=8)
+    async with running_gateway(ar_server, (denoiser_server,), scheduler, max_pixels=2**80) as (stub, driver):
+        def call(height: int, width: int, seed: int):
+            return stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=height, width=width,
+                                                                seed=seed), timeout=30)
+
+        # Same rounded size, so the long batching window puts them into one batch.
+        bad, good = await asyncio.gather(call(2**32 - 1, 2**32 - 1, 1), call(2**32 - 1, 2**32 - 1, 2),
+                                         return_exceptions=True)
+        for err in (bad, good):  # each is the culprit of its own solo retry: both fail, neither hangs
+            assert isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.INTERNAL, err
+            assert "Error" not in err.details() and "<class" not in err.details()
+        assert driver.scheduler.counters.requeues["ar_batch_split"] == 2
+        assert _no_slot_held(await stub.GetStatus(pb.GetStatusRequest()))
+        # ... and the next request is served at once.
+        resp = await stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=64, width=64, seed=3),
+                                         timeout=30)
+        assert len(resp.images) == 1
+
+
+async def test_an_exception_in_a_denoise_task_fails_its_request_and_frees_the_denoiser(
+        ar_server, denoiser_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with running_gateway(ar_server, (denoiser_server,), SchedulerConfig(ar_batch_delay=0.0)) as (stub, driver):
+        build = driver._denoise_request
+
+        def explode(action, pending):
+            if pending.request.prompt == "boom":
+                raise RuntimeError("boom")
+            return build(action, pending)
+
+        monkeypatch.setattr(driver, "_denoise_request", explode)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.GenerateImages(pb.GenerateImagesRequest(prompt="boom", height=64, width=64), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INTERNAL and "boom" not in err.value.details()
+        assert _no_slot_held(await stub.GetStatus(pb.GetStatusRequest()))
+        resp = await stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=64, width=64), timeout=30)
+        assert len(resp.images) == 1
 
 
 async def test_a_request_the_ar_refuses_does_not_fail_its_batch_mates(ar_server, denoiser_server) -> None:
