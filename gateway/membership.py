@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from gateway.scheduler import WorkerRole
+from services.runtime.tls import PLAINTEXT_SCHEME, TLS_SCHEME, split_scheme
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +22,9 @@ Resolver = Callable[[str, int], Awaitable[frozenset[str]]]
 
 
 def split_host_port(target: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError naming what is wrong."""
-    host, sep, port_text = target.strip().rpartition(":")
+    """``host:port`` or ``[v6]:port``, optionally behind ``tls://`` or ``plaintext://`` -> (host, port); ValueError
+    naming what is wrong."""
+    host, sep, port_text = split_scheme(target.strip())[0].rpartition(":")
     if not sep or not host:
         raise ValueError(f"expected HOST:PORT, got {target!r}")
     if host.startswith("[") and host.endswith("]"):
@@ -60,18 +62,20 @@ class DnsMembership:
     interval: float = 5.0
     resolver: Resolver = resolve
     known: set[str] = field(default_factory=set)  # the addresses this watcher added and still sees
+    tls: bool | None = None  # the target's scheme, carried over to every address it resolves to
 
     @classmethod
     def from_target(cls, target: str, role: WorkerRole, add: Callable[[str, WorkerRole], bool],
                     remove: Callable[[str], object], interval: float = 5.0,
                     resolver: Resolver = resolve) -> DnsMembership:
         host, port = split_host_port(target)
-        return cls(host, port, role, add, remove, interval, resolver)
+        return cls(host, port, role, add, remove, interval, resolver, tls=split_scheme(target.strip())[1])
 
     async def refresh(self) -> None:
         """Resolve once and apply the difference."""
         try:
-            current = await self.resolver(self.host, self.port)
+            prefix = {True: TLS_SCHEME, False: PLAINTEXT_SCHEME, None: ""}[self.tls]
+            current = frozenset(prefix + a for a in await self.resolver(self.host, self.port))
         except OSError as exc:  # socket.gaierror included
             # A failed lookup says nothing about the workers (DNS hiccup): keep them; health decides.
             log.warning("resolving %s:%d failed (%s); keeping %d known %s worker(s)", self.host, self.port, exc,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import ipaddress
 from collections.abc import AsyncIterator
@@ -139,6 +140,47 @@ async def test_mutual_tls_end_to_end_and_refusals(pki: Pki, mtls_gateway: int) -
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, tls
 
 
+async def test_one_denoiser_on_tls_beside_plaintext_ones(pki: Pki, ar_server, denoiser_server, denoise_engine,
+                                                         second_denoiser_server) -> None:
+    """A pool moving to TLS one worker at a time: the gateway dials each upstream as its address says."""
+    from services.denoiser.servicer import DenoiserServicer
+
+    servicer = DenoiserServicer(denoise_engine, denoiser_server.servicer.executor)
+    tls_dn = await start_server(
+        lambda s: denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server(servicer, s),
+        ["glmimage.v1.DenoiserService"], "127.0.0.1:0", tls=ServerTls(pki.server_cert, pki.server_key, pki.ca))
+    await tls_dn.set_serving(True)
+    tls_address = f"tls://127.0.0.1:{tls_dn.port}"
+    config = GatewayConfig(ar_addresses=(f"127.0.0.1:{ar_server.port}",),
+                           denoiser_addresses=(tls_address, f"127.0.0.1:{second_denoiser_server.port}"),
+                           scheduler=SchedulerConfig(ar_batch_delay=0.0), request_timeout=60,
+                           client_tls=ClientTls(ca=pki.ca, cert=pki.client_cert, key=pki.client_key,
+                                                only_marked=True))
+    driver = Driver(config)
+    gw = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(
+        GatewayServicer(driver, config), s), ["glmimage.v1.GatewayService"], "127.0.0.1:0")
+    await driver.start()
+    await gw.set_serving(True)
+    try:
+        async with make_channel(f"127.0.0.1:{gw.port}") as channel:
+            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+            for _ in range(600):  # the health watches see both denoisers SERVING, the TLS one over TLS
+                status = await stub.GetStatus(gateway_service_pb2.GetStatusRequest())
+                if sum(w.state == gateway_service_pb2.WORKER_STATE_AVAILABLE for w in status.workers) == 3:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"workers not all available: {status}")
+            resp = await stub.GenerateImages(gateway_service_pb2.GenerateImagesRequest(
+                prompt='a "TLS" sign', n=2, height=64, width=64, seed=3), timeout=60)
+            assert len(resp.images) == 2
+            assert servicer.last_job is not None  # the TLS denoiser ran one of the two
+    finally:
+        for server in (gw, tls_dn):
+            await server.stop(None)
+        await driver.close()
+
+
 def test_tls_flags(pki: Pki) -> None:
     server = argparse.ArgumentParser(parents=[common_server_args(1)])
     args = server.parse_args(["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
@@ -151,5 +193,6 @@ def test_tls_flags(pki: Pki) -> None:
     client = argparse.ArgumentParser(parents=[client_tls_args()])
     assert client_tls_from_args(client.parse_args([])) is None
     assert client_tls_from_args(client.parse_args(["--tls-ca", "ca.pem"])) == ClientTls(ca=Path("ca.pem"))
+    assert client_tls_from_args(client.parse_args(["--tls-ca", "ca.pem", "--tls-only-marked"])).only_marked
     with pytest.raises(SystemExit):
         client_tls_from_args(client.parse_args(["--tls-client-cert", "c.pem"]))

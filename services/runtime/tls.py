@@ -38,6 +38,8 @@ class ClientTls:
     # Name to check the server certificate against when it differs from the dialled host (e.g. pod IPs
     # resolved from a headless Service, with a certificate issued for the Service name).
     server_name: str | None = None
+    # Only addresses written tls://host:port dial TLS; bare ones stay plaintext (moving a pool to TLS one at a time).
+    only_marked: bool = False
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
@@ -51,12 +53,31 @@ class ClientTls:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
+# An upstream address may say how to dial it, so one worker can move to TLS (or stay plaintext) on its own:
+# "tls://host:port" always dials TLS (with the --tls-* settings, or the system roots when none are given),
+# "plaintext://host:port" never does, and a bare "host:port" follows the process-wide default: TLS when a --tls-*
+# flag is given, unless --tls-only-marked says only tls:// addresses use it.
+TLS_SCHEME, PLAINTEXT_SCHEME = "tls://", "plaintext://"
+
+
+def split_scheme(address: str) -> tuple[str, bool | None]:
+    """``(host:port, tls)``: tls is True or False when the address names a scheme, None for the default."""
+    for scheme, tls in ((TLS_SCHEME, True), (PLAINTEXT_SCHEME, False)):
+        if address.startswith(scheme):
+            return address[len(scheme):], tls
+    return address, None
+
+
 def make_channel(address: str, tls: ClientTls | None = None,
                  options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
-    """An aio channel to ``address``: TLS when ``tls`` is given, plaintext otherwise."""
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
+    """An aio channel to ``address``: TLS when ``tls`` is given or the address says ``tls://``, plaintext when it
+    says ``plaintext://`` or no TLS is configured."""
+    target, wanted = split_scheme(address)
+    if wanted is True and tls is None:
+        tls = ClientTls()  # the system roots
+    if wanted is False or tls is None or (wanted is None and tls.only_marked):
+        return grpc.aio.insecure_channel(target, options=list(options))
+    return grpc.aio.secure_channel(target, tls.credentials(), options=[*options, *tls.options()])
 
 
 def add_server_tls_args(p: argparse.ArgumentParser) -> None:
@@ -88,6 +109,9 @@ def client_tls_args() -> argparse.ArgumentParser:
     p.add_argument("--tls-client-key", type=Path, default=None, metavar="PEM")
     p.add_argument("--tls-server-name", default=None,
                    help="name to verify upstream certificates against instead of the dialled host")
+    p.add_argument("--tls-only-marked", action="store_true",
+                   help="use the --tls-* settings only for upstream addresses written tls://HOST:PORT; bare "
+                        "addresses stay plaintext (plaintext://HOST:PORT is always plaintext)")
     return p
 
 
@@ -96,6 +120,6 @@ def client_tls_from_args(args: argparse.Namespace) -> ClientTls | None:
         return None
     try:
         return ClientTls(ca=args.tls_ca, cert=args.tls_client_cert, key=args.tls_client_key,
-                         server_name=args.tls_server_name)
+                         server_name=args.tls_server_name, only_marked=args.tls_only_marked)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
