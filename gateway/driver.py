@@ -191,12 +191,20 @@ class Driver:
                 self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
                 return True
             return False
+        if len(self._workers) >= self.config.max_workers:
+            log.warning("%s worker %s not added: the pool already has %d workers (--max-workers)",
+                        role.value.lower(), address, len(self._workers))
+            return False
         worker = _Worker(address, role, self.config)
         self._workers[address] = worker
         log.info("%s worker %s added", role.value.lower(), address)
         self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
         worker.watch_task = asyncio.create_task(self._watch_health(worker), name=f"health:{address}")
         return True
+
+    def pool_size(self) -> int:
+        """Workers held, both roles, draining ones included (what --max-workers bounds)."""
+        return len(self._workers)
 
     def remove_worker(self, address: str) -> bool:
         """Drain and remove a worker: its current job finishes, no new job is sent. False if unknown."""

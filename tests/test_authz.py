@@ -1,0 +1,324 @@
+"""Who may do what: user and admin roles on GatewayService, the AddWorker allow-list and pool cap.
+
+Tested as an attacker would try it: no credential, a wrong one, a user key where an admin one is needed, addresses
+meant to make the gateway dial somewhere it should not. The gateway is the real one (in-process, with the
+interceptor `python -m gateway` installs, or as a process); the workers are the simulated servers of
+bench/sim_backends.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import gateway.driver as driver_module
+from gateway.__main__ import config_from
+from gateway.__main__ import parse_args as gateway_args
+from gateway.membership import DnsMembership, parse_allow_rule
+from gateway.scheduler import WorkerRole
+from glmimage.v1 import gateway_service_pb2 as pb
+from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
+from tests.cluster import Cluster
+from tests.test_gateway_control import (
+    ADMIN,
+    ADMIN_KEY,
+    AVAILABLE,
+    Gateway,
+    request,
+    rpc_error,
+    running_gateway,
+    sim_cluster,
+)
+from tests.test_gateway_control import Cluster as SimCluster
+
+USER_KEY = "user-key-for-tests"
+USER = (("authorization", f"Bearer {USER_KEY}"),)
+DENIED, UNAUTH = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def add(gw: Gateway, address: str, md=ADMIN, role=pb.WORKER_ROLE_DENOISER):
+    return gw.stub.AddWorker(pb.AddWorkerRequest(address=address, role=role), metadata=md)
+
+
+def remove(gw: Gateway, address: str, md=ADMIN):
+    return gw.stub.RemoveWorker(pb.RemoveWorkerRequest(address=address), metadata=md)
+
+
+async def members(gw: Gateway) -> dict[str, int]:
+    return {w.address: w.state for w in (await gw.stub.GetStatus(pb.GetStatusRequest(), metadata=ADMIN)).workers}
+
+
+async def until(gw: Gateway, predicate, timeout: float = 10.0) -> None:
+    """Wait until ``predicate(members)`` holds (GetStatus with the admin key, which works whatever keys are set)."""
+    async with asyncio.timeout(timeout):
+        while not predicate(await members(gw)):
+            await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+async def sims() -> AsyncIterator[SimCluster]:
+    """Simulated workers (real gRPC servers with health): one AR, three denoisers."""
+    async with sim_cluster() as c:
+        yield c
+
+
+@pytest.fixture
+def dialled(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every address the gateway creates a worker channel for, from now on (the real make_channel still runs)."""
+    seen: list[str] = []
+    real = driver_module.make_channel
+
+    def recording(address, *args, **kwargs):
+        seen.append(address)
+        return real(address, *args, **kwargs)
+
+    monkeypatch.setattr(driver_module, "make_channel", recording)
+    return seen
+
+
+@contextlib.asynccontextmanager
+async def listener() -> AsyncIterator[tuple[int, list[object], asyncio.Event]]:
+    """A TCP socket on an ephemeral loopback port that records every connection made to it."""
+    accepted: list[object] = []
+    event = asyncio.Event()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer.get_extra_info("peername"))
+        event.set()
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], accepted, event
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+# ---- roles ------------------------------------------------------------------------------------------------------
+
+
+async def test_a_user_key_can_generate_but_not_add_or_remove_workers(sims: SimCluster) -> None:
+    ar, d0, d1 = sims.address(sims.ar), sims.address(sims.denoisers[0]), sims.address(
+        sims.denoisers[1])
+    async with running_gateway([ar], [d0], api_keys=(USER_KEY,)) as gw:
+        before = await members(gw)
+        for md, code in [(USER, DENIED), ((), UNAUTH), (bearer("guess"), UNAUTH), (bearer(ADMIN_KEY + "x"), UNAUTH),
+                         ((("authorization", ADMIN_KEY),), UNAUTH)]:  # no "Bearer": not a credential
+            assert (await rpc_error(add(gw, d1, md))).code() == code, md
+            assert (await rpc_error(remove(gw, d0, md))).code() == code, md
+        err = await rpc_error(add(gw, d1, USER))
+        assert "admin" in err.details() and USER_KEY not in err.details()
+        assert await members(gw) == before  # nothing added, nothing draining
+        # The user key still does what it is for; the admin key may too.
+        assert len((await gw.stub.GenerateImages(request(), metadata=USER)).images) == 1
+        assert len((await gw.stub.GenerateImages(request(), metadata=ADMIN)).images) == 1
+        assert (await gw.stub.GetStatus(pb.GetStatusRequest(), metadata=USER)).workers
+        assert (await rpc_error(gw.stub.GenerateImages(request()))).code() == UNAUTH
+        # And the admin key administers.
+        await add(gw, d1)
+        await until(gw, lambda m: list(m.values()).count(AVAILABLE) == 3)
+
+
+async def test_without_keys_users_are_open_but_admin_needs_its_own_key(sims: SimCluster) -> None:
+    ar, d0 = sims.address(sims.ar), sims.address(sims.denoisers[0])
+    async with running_gateway([ar], [d0]) as gw:  # no --api-key, one --admin-key
+        assert len((await gw.stub.GenerateImages(request())).images) == 1
+        assert (await rpc_error(remove(gw, d0, ()))).code() == UNAUTH
+        assert (await rpc_error(remove(gw, d0, bearer("anything")))).code() == UNAUTH
+        assert d0 in await members(gw)
+
+
+@pytest.mark.parametrize("api_keys", [(), (USER_KEY,)], ids=["no-keys", "user-keys"])
+async def test_admin_rpcs_are_off_for_everyone_without_an_admin_key(sims: SimCluster, dialled: list[str],
+                                                                    api_keys: tuple[str, ...]) -> None:
+    ar, d0, d1 = (sims.address(s) for s in (sims.ar, *sims.denoisers[:2]))
+    async with running_gateway([ar], [d0], api_keys=api_keys, admin_keys=()) as gw:
+        dialled_before = list(dialled)
+        for md in [(), USER, ADMIN, bearer("admin")]:
+            for call in (add(gw, d1, md), remove(gw, d0, md)):
+                err = await rpc_error(call)
+                assert err.code() == DENIED, md
+                assert "--admin-key" in err.details()
+        assert dialled == dialled_before
+        status = await gw.stub.GetStatus(pb.GetStatusRequest(), metadata=USER)
+        assert {w.address: w.state for w in status.workers} == {ar: AVAILABLE, d0: AVAILABLE}  # d0 not draining
+
+
+async def test_the_real_gateway_process_keeps_admin_rpcs_off_by_default(tmp_path: Path) -> None:
+    """`python -m gateway` with `make run`'s flags (no keys at all): nobody can change the pool."""
+    procs = Cluster(tmp_path)
+    try:
+        gw = procs.start("gateway", "gateway", ["--ar", "127.0.0.1:1", "--denoiser", "127.0.0.1:2"])
+        async with grpc.aio.insecure_channel(gw.address) as channel:
+            stub = pb_grpc.GatewayServiceStub(channel)
+            for md in [(), bearer("admin"), bearer("")]:
+                err = await rpc_error(stub.RemoveWorker(pb.RemoveWorkerRequest(address="127.0.0.1:2"), metadata=md))
+                assert err.code() == DENIED and "--admin-key" in err.details()
+                err = await rpc_error(stub.AddWorker(pb.AddWorkerRequest(address="127.0.0.1:3",
+                                                                         role=pb.WORKER_ROLE_DENOISER), metadata=md))
+                assert err.code() == DENIED
+            status = await stub.GetStatus(pb.GetStatusRequest())  # users stay open, as before
+            assert sorted(w.address for w in status.workers) == ["127.0.0.1:1", "127.0.0.1:2"]
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        procs.close()
+
+
+def test_gateway_flags_refuse_a_key_that_is_both_user_and_admin() -> None:
+    with pytest.raises(SystemExit, match="both as an API key and as an admin key"):
+        config_from(gateway_args(["--api-key", "k", "--admin-key", "k"]))
+    config = config_from(gateway_args(["--api-key", "k", "--admin-key", "a"]))
+    assert config.api_keys == ("k",) and config.admin_keys == ("a",) and config.worker_allow == ()
+
+
+# ---- AddWorker: allow-list, address checks, pool cap ------------------------------------------------------------
+
+
+async def test_add_worker_outside_the_allow_list_is_refused_without_dialling(sims: SimCluster,
+                                                                            dialled: list[str]) -> None:
+    ar, d0 = sims.address(sims.ar), sims.address(sims.denoisers[0])
+    async with listener() as (port, accepted, _), listener() as (allowed_port, allowed_accepts, allowed_event):
+        allow = (parse_allow_rule("10.0.0.0/8"), parse_allow_rule("*.denoiser.example:*"),
+                 parse_allow_rule(f"localhost:{allowed_port}"), parse_allow_rule(f"127.0.0.1:{allowed_port}"))
+        async with running_gateway([ar], [d0], worker_allow=allow) as gw:
+            before = await members(gw)
+            dialled.clear()
+            for address in [f"127.0.0.1:{port}", f"localhost:{port}", f"[::ffff:127.0.0.1]:{port}",
+                            f"127.0.0.2:{allowed_port}", f"evil.denoiser.example.attacker.net:{port}",
+                            f"x.y.denoiser.example:{port}"]:
+                err = await rpc_error(add(gw, address))
+                assert err.code() == DENIED and err.details().startswith("address:"), address
+                assert "--worker-allow" in err.details()
+            assert dialled == [] and await members(gw) == before
+            # The control: an allowed address is dialled at once (its health watch connects).
+            await add(gw, f"127.0.0.1:{allowed_port}")
+            await asyncio.wait_for(allowed_event.wait(), 10)
+            assert dialled == [f"127.0.0.1:{allowed_port}"] and allowed_accepts
+        assert accepted == []  # nothing ever connected to the refused port
+
+
+async def test_an_empty_allow_list_refuses_every_address(sims: SimCluster, dialled: list[str]) -> None:
+    d1 = sims.address(sims.denoisers[1])
+    async with listener() as (port, accepted, _):
+        async with running_gateway([sims.address(sims.ar)], [], worker_allow=()) as gw:
+            dialled.clear()
+            for address in (d1, f"127.0.0.1:{port}", f"localhost:{port}"):
+                err = await rpc_error(add(gw, address))
+                assert err.code() == DENIED and "no address" in err.details() and "--worker-allow" in err.details()
+            assert dialled == [] and d1 not in await members(gw)
+        assert accepted == []
+
+
+# Every IP literal: what is refused below is refused for its form, before the allow-list is consulted.
+EVERYTHING = (parse_allow_rule("0.0.0.0/0"), parse_allow_rule("[::/0]"), parse_allow_rule("*.svc"))
+
+
+@pytest.mark.parametrize("address, why", [
+    ("a" * 5000 + ":50061", "longer than"),
+    ("a" * 254 + ":1", "254 characters"),
+    (".".join(["a" * 63] * 4) + ":1", "characters"),  # 255 characters
+    ("a" * 64 + ".svc:1", "labels of 1-63"),
+    ("0.0.0.0:50061", "unspecified"),
+    ("[::]:50061", "unspecified"),
+    ("[::ffff:0.0.0.0]:50061", "unspecified"),
+    ("224.0.0.1:50061", "multicast"),
+    ("255.255.255.255:50061", "broadcast"),
+    ("127.0.0.1:22 ", "whitespace"),
+    (" 127.0.0.1:22", "whitespace"),
+    ("127.0.0.1\t:22", "whitespace"),
+    ("host\n:22", "whitespace"),
+    ("h\x00:22", "whitespace"),
+    ("hôst:22", "ASCII"),
+    ("127.0.0.1:0", "port"),
+    ("127.0.0.1:65536", "port"),
+    ("127.0.0.1:-1", "port"),
+    ("127.0.0.1:http", "port"),
+    ("127.0.0.1", "HOST:PORT"),
+    (":50061", "HOST:PORT"),
+    ("127.1:50061", "non-standard"),
+    ("2130706433:50061", "non-standard"),
+    ("0x7f.0.0.1:50061", "non-standard"),
+    ("1.2.3.4.5:50061", "all digits"),
+    ("[fe80::1%eth0]:50061", "zone"),
+    ("[127.0.0.1]:50061", "IPv6"),
+    ("fd00::1:50061", "brackets"),
+    ("a..b:1", "labels"),
+    ("-a.svc:1", "labels"),
+    ("a/b:1", "labels"),
+    ("user@host:1", "labels"),
+    ("unix:/tmp/sock", "port"),
+    ("dns:///x:1", "labels"),
+])
+async def test_bad_addresses_are_refused_by_name(sims: SimCluster, dialled: list[str], address: str,
+                                                 why: str) -> None:
+    async with running_gateway([sims.address(sims.ar)], [], worker_allow=EVERYTHING) as gw:
+        dialled.clear()
+        err = await rpc_error(add(gw, address))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("address:"), err.details()
+        assert why in err.details()
+        assert len(err.details()) < 400  # a 5,000-character name is not echoed back whole
+        assert dialled == []
+
+
+async def test_add_worker_lists_an_address_in_its_canonical_form(sims: SimCluster) -> None:
+    port = sims.denoisers[1].port
+    async with running_gateway([sims.address(sims.ar)], [], worker_allow=EVERYTHING) as gw:
+        await add(gw, f"[::FFFF:127.0.0.1]:0{port}")
+        await add(gw, f"127.0.0.1:{port}")  # the same worker: nothing new
+        assert set(await members(gw)) == {sims.address(sims.ar), f"127.0.0.1:{port}"}
+        await remove(gw, f"127.0.0.1:0{port}")
+        await until(gw, lambda m: len(m) == 1)
+
+
+async def test_the_pool_cap_holds_for_add_worker_and_dns(sims: SimCluster, dialled: list[str]) -> None:
+    ar, d0, d1, d2 = (sims.address(s) for s in (sims.ar, *sims.denoisers))
+    async with running_gateway([ar], [d0, d1], max_workers=3) as gw:
+        dialled.clear()
+        err = await rpc_error(add(gw, d2))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "--max-workers=3" in err.details()
+        err = await rpc_error(add(gw, d2, role=pb.WORKER_ROLE_AR))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION  # both roles count
+        await add(gw, d1)  # re-adding a member at the cap is no new member
+        assert dialled == []
+
+        async def resolver(host: str, port: int) -> frozenset[str]:
+            return frozenset({d2, "127.0.0.9:50061"})
+
+        dns = DnsMembership.from_target("denoisers.glm.svc:50061", WorkerRole.DENOISER, gw.driver.add_worker,
+                                        gw.driver.remove_worker, resolver=resolver)
+        await dns.refresh()  # logged and skipped
+        assert dialled == [] and gw.driver.pool_size() == 3 and dns.known == set()
+        assert set(await members(gw)) == {ar, d0, d1}
+
+        await remove(gw, d1)  # a place frees once the removed worker has drained
+        await until(gw, lambda m: d1 not in m)
+        await add(gw, d2)
+        assert dialled == [d2]
+        err = await rpc_error(add(gw, d1))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_gateway_flags_for_the_allow_list_and_the_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    config = config_from(gateway_args(["--worker-allow", "*.denoiser.ns.svc.cluster.local:50061",
+                                       "--worker-allow", "10.0.0.0/8", "--admin-key", "a"]))
+    assert [r.text for r in config.worker_allow] == ["*.denoiser.ns.svc.cluster.local:50061", "10.0.0.0/8"]
+    assert config.max_workers == 256
+    for bad in ("10.0.0.*", "10.0.0.1/8", "*", "host:0", "a b"):
+        with pytest.raises(SystemExit):
+            gateway_args(["--worker-allow", bad])
+        assert "--worker-allow" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="more than --max-workers=1"):
+        config_from(gateway_args(["--ar", "h:1", "--denoiser", "h:2", "--max-workers", "1"]))
+    with pytest.raises(SystemExit, match="at least 1"):
+        config_from(gateway_args(["--max-workers", "0"]))
