@@ -13,6 +13,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.scheduler import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
+from services.runtime.auth import add_internal_token_args, bearer_metadata, internal_token_from_args
 from services.runtime.logs import configure_logging
 from services.runtime.metrics import serve_metrics
 from services.runtime.server import announce, common_server_args, run_until_signalled, start_server
@@ -89,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the most workers the pool holds, both roles and every source (--ar/--denoiser, DNS, "
                         "AddWorker) together; past it AddWorker answers FAILED_PRECONDITION and DNS additions are "
                         "logged and skipped")
+    add_internal_token_args(p, "token presented as 'authorization: Bearer <token>' on every call to AR and "
+                               "denoisers that require one (their --internal-token-file)")
     p.add_argument("--denoise-timeout", type=float, default=600.0,
                    help="seconds one denoise call may take before it is retried on another denoiser and its worker "
                         "is sidelined until it answers a health check")
@@ -127,7 +130,8 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
         denoise_timeout=args.denoise_timeout, health_probe_timeout=args.health_probe_timeout,
         ar_dns=tuple(args.ar_dns), denoiser_dns=tuple(args.denoiser_dns), dns_interval=args.dns_interval,
         client_tls=client_tls_from_args(args), api_keys=api_keys, admin_keys=admin_keys,
-        worker_allow=tuple(args.worker_allow), max_workers=args.max_workers)
+        worker_allow=tuple(args.worker_allow), max_workers=args.max_workers,
+        worker_metadata=bearer_metadata(internal_token_from_args(args)))
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -152,6 +156,8 @@ async def serve(args: argparse.Namespace) -> None:
                  ", ".join(r.text for r in config.worker_allow) or "no address", config.max_workers)
     else:
         log.info("admin RPCs off (no --admin-key)")
+    if config.worker_metadata:
+        log.info("presenting the internal token to workers")
     # The gateway itself is ready at once; whether workers are available is reported by GetStatus and /health.
     await server.set_serving(True)
     try:

@@ -35,3 +35,6 @@ class GatewayConfig:
     worker_allow: tuple[AllowRule, ...] = ()
     # The most workers the pool holds, both roles and every source (static, DNS, AddWorker) together.
     max_workers: int = 256
+    # Extra metadata on every GenerateBatch/Denoise/DenoiseStream call to a worker (the internal token);
+    # health probes go without it.
+    worker_metadata: tuple[tuple[str, str], ...] = ()

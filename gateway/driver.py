@@ -378,7 +378,8 @@ class Driver:
         try:
             response = await worker.stub.GenerateBatch(
                 ar_service_pb2.GenerateBatchRequest(requests=requests),
-                timeout=self.config.request_timeout, metadata=(("x-request-id", ",".join(rids)),))
+                timeout=self.config.request_timeout,
+                metadata=(("x-request-id", ",".join(rids)), *self.config.worker_metadata))
         except asyncio.CancelledError:
             return
         except grpc.aio.AioRpcError as err:
@@ -419,7 +420,7 @@ class Driver:
             seed=prior.seed, output_format=p.output_format,
             output_compression=p.output_compression if p.HasField("output_compression") else None,
             request_id=job.request_id)
-        metadata = (("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"),)
+        metadata = (("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"), *self.config.worker_metadata)
         started = time.monotonic()
         try:
             if pending.stream is None:

@@ -1,28 +1,33 @@
-"""Who may do what: user and admin roles on GatewayService, the AddWorker allow-list and pool cap.
+"""Who may do what: user and admin roles on GatewayService, the AddWorker allow-list and pool cap, and the internal
+token the workers require.
 
 Tested as an attacker would try it: no credential, a wrong one, a user key where an admin one is needed, addresses
 meant to make the gateway dial somewhere it should not. The gateway is the real one (in-process, with the
 interceptor `python -m gateway` installs, or as a process); the workers are the simulated servers of
-bench/sim_backends.py.
+bench/sim_backends.py, or the real AR and denoiser processes on the tiny model for the internal token.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import gateway.driver as driver_module
 from gateway.__main__ import config_from
 from gateway.__main__ import parse_args as gateway_args
 from gateway.membership import DnsMembership, parse_allow_rule
 from gateway.scheduler import WorkerRole
+from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
+from services.runtime.auth import ENV_INTERNAL_TOKEN, check_token, internal_token_from
 from tests.cluster import Cluster
 from tests.test_gateway_control import (
     ADMIN,
@@ -322,3 +327,93 @@ def test_gateway_flags_for_the_allow_list_and_the_cap(capsys: pytest.CaptureFixt
         config_from(gateway_args(["--ar", "h:1", "--denoiser", "h:2", "--max-workers", "1"]))
     with pytest.raises(SystemExit, match="at least 1"):
         config_from(gateway_args(["--max-workers", "0"]))
+
+
+# ---- the internal token on AR and denoisers -------------------------------------------------------------------
+
+
+def test_internal_token_sources(tmp_path: Path) -> None:
+    token = secrets.token_hex(16)
+    (tmp_path / "t").write_text(token + "\n")
+    assert internal_token_from(tmp_path / "t", {}) == token
+    assert internal_token_from(tmp_path / "t", {ENV_INTERNAL_TOKEN: "x" * 20}) == token  # the file wins
+    assert internal_token_from(None, {ENV_INTERNAL_TOKEN: f" {token} "}) == token
+    assert internal_token_from(None, {}) is None
+    for bad in ("short", "has a space in it", "tab\tinside-the-token"):
+        with pytest.raises(ValueError):
+            check_token(bad, "test")
+    with pytest.raises(ValueError, match="--internal-token-file"):
+        internal_token_from(tmp_path / "missing", {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="0 characters"):
+        internal_token_from(tmp_path / "empty", {})
+
+
+@pytest.fixture
+def token_cluster(tmp_path: Path, tiny_checkpoint: Path):
+    """Real AR and denoiser processes (tiny model) requiring an internal token given in a file."""
+    token = secrets.token_urlsafe(24)
+    token_file = tmp_path / "internal-token"
+    token_file.write_text(token)
+    procs = Cluster(tmp_path / "procs")
+    try:
+        env = {ENV_INTERNAL_TOKEN: ""}  # only the file, so nothing leaks in from the test's environment
+        procs.start("ar", "ar", ["--internal-token-file", str(token_file)], env=env)
+        procs.start("denoiser", "denoiser", ["--internal-token-file", str(token_file), "--default-steps", "2"],
+                    env=env)
+        yield procs, token
+    finally:
+        procs.close()
+
+
+@pytest.mark.e2e
+async def test_workers_require_the_internal_token_and_the_gateway_presents_it(token_cluster) -> None:
+    procs, token = token_cluster
+    ar, den = procs.procs["ar"].address, procs.procs["denoiser"].address
+    generate = ar_service_pb2.GenerateRequest(prompt="a cat", n=1, height=64, width=64, seed=1)
+    denoise = denoiser_service_pb2.DenoiseRequest(prompt="a cat", height=64, width=64, seed=1)
+    denoise.prior_tokens.token_ids.extend(range(1, 17))
+    async with grpc.aio.insecure_channel(ar) as ar_ch, grpc.aio.insecure_channel(den) as den_ch:
+        ar_stub, den_stub = ar_service_pb2_grpc.ArServiceStub(ar_ch), denoiser_service_pb2_grpc.DenoiserServiceStub(
+            den_ch)
+        for md in [(), bearer("wrong-" + token), bearer(token[:-1]), (("authorization", token),),
+                   bearer(USER_KEY)]:
+            for call in (ar_stub.Generate(generate, metadata=md),
+                         ar_stub.GenerateBatch(ar_service_pb2.GenerateBatchRequest(requests=[generate]), metadata=md),
+                         den_stub.Denoise(denoise, metadata=md),
+                         den_stub.DenoiseStream(denoiser_service_pb2.DenoiseStreamRequest(job=denoise),
+                                                metadata=md).read()):
+                err = await rpc_error(call)
+                assert err.code() == UNAUTH and "internal token" in err.details(), md
+        # Health and reflection stay open: probes and grpcurl discovery need no token.
+        for channel, service in ((ar_ch, "glmimage.v1.ArService"), (den_ch, "glmimage.v1.DenoiserService")):
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            assert service in [s.name async for r in reflection for s in r.list_services_response.service]
+        # With the token the worker serves.
+        reply = await den_stub.Denoise(denoise, metadata=bearer(token), timeout=120)
+        assert reply.image.startswith(b"\x89PNG")
+
+    # A gateway without the token gets nothing done: the workers look healthy (health is open) but refuse work.
+    async with running_gateway([ar], [den]) as gw:
+        err = await rpc_error(gw.stub.GenerateImages(request(), timeout=60))
+        assert "internal token" in err.details()
+
+    # `python -m gateway` with the token in its environment generates end to end.
+    procs.start("gateway", "gateway", ["--ar", ar, "--denoiser", den], env={ENV_INTERNAL_TOKEN: token})
+    async with grpc.aio.insecure_channel(procs.procs["gateway"].address) as channel:
+        stub = pb_grpc.GatewayServiceStub(channel)
+        await wait_for_ready_workers(stub)
+        reply = await stub.GenerateImages(request(), timeout=120)
+        assert len(reply.images) == 1 and reply.images[0].image.startswith(b"\x89PNG")
+
+
+async def wait_for_ready_workers(stub: pb_grpc.GatewayServiceStub, timeout: float = 30.0) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            status = await stub.GetStatus(pb.GetStatusRequest())
+            if status.workers and all(w.state == AVAILABLE for w in status.workers):
+                return
+            await asyncio.sleep(0.02)

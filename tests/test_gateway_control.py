@@ -103,13 +103,13 @@ async def cluster() -> AsyncIterator[Cluster]:
 async def running_gateway(ar: list[str], denoisers: list[str], *, metrics: GatewayMetrics | None = None,
                           api_keys: tuple[str, ...] = (), admin_keys: tuple[str, ...] = (ADMIN_KEY,),
                           worker_allow: tuple = LOOPBACK, max_workers: int = 256,
-                          wait_available: bool = True,
+                          worker_metadata: tuple[tuple[str, str], ...] = (), wait_available: bool = True,
                           **scheduler: object) -> AsyncIterator[Gateway]:
     """The real gateway in-process, with the interceptor `python -m gateway` installs (gateway.auth)."""
     config = GatewayConfig(ar_addresses=tuple(ar), denoiser_addresses=tuple(denoisers),
                            scheduler=SchedulerConfig(ar_batch_delay=0.0, **scheduler),  # type: ignore[arg-type]
                            request_timeout=30, api_keys=api_keys, admin_keys=admin_keys, worker_allow=worker_allow,
-                           max_workers=max_workers)
+                           max_workers=max_workers, worker_metadata=worker_metadata)
     driver = Driver(config, metrics=metrics)
     servicer = GatewayServicer(driver, config)
     interceptors = [gateway_interceptor(api_keys, admin_keys)]

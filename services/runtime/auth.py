@@ -4,19 +4,28 @@ A credential travels as ``authorization: Bearer <secret>`` metadata and is compa
 configured one. Methods the table does not name (grpc.health.v1, reflection) stay open, so probes and grpcurl
 discovery work without a credential.
 
-Used by the gateway (user and admin keys on GatewayService, see gateway.auth). Torch-free, like the rest of
-services.runtime.
+Used by the gateway (user and admin keys on GatewayService, see gateway.auth) and by the AR and denoiser servers
+(the internal token the gateway presents on ArService and DenoiserService, see services.model.serving).
+Torch-free, like the rest of services.runtime.
 """
 from __future__ import annotations
 
+import argparse
 import hmac
 import logging
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 log = logging.getLogger(__name__)
+
+ENV_INTERNAL_TOKEN = "GLMIMAGE_INTERNAL_TOKEN"
+MIN_TOKEN_CHARS = 16
+INTERNAL = "internal"
+
 
 @dataclass(frozen=True)
 class Role:
@@ -42,6 +51,11 @@ def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes | 
                 return token.strip().encode()
             return None
     return None
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata presenting ``token``; empty for None."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -125,3 +139,48 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(unary, des, ser)
     return grpc.stream_stream_rpc_method_handler(stream, des, ser)
+
+
+# ---- the internal token (gateway -> AR and denoisers) -----------------------------------------------------------
+
+
+def check_token(token: str, source: str) -> str:
+    """``token`` if it can serve as the internal token; ValueError naming ``source`` otherwise."""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"the internal token from {source} is {len(token)} characters; use at least "
+                         f"{MIN_TOKEN_CHARS} (e.g. `openssl rand -hex 32`)")
+    if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
+        raise ValueError(f"the internal token from {source} must be printable ASCII without spaces")
+    return token
+
+
+def internal_token_from(path: Path | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The token in ``path`` (surrounding whitespace dropped), else ``$GLMIMAGE_INTERNAL_TOKEN``; None when
+    neither is set. ValueError for an unreadable file or an unusable token."""
+    if path is not None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--internal-token-file {path}: {exc}") from None
+        return check_token(text.strip(), f"--internal-token-file {path}")
+    text = environ.get(ENV_INTERNAL_TOKEN, "").strip()
+    return check_token(text, f"${ENV_INTERNAL_TOKEN}") if text else None
+
+
+def add_internal_token_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--internal-token-file", type=Path, default=None, metavar="PATH",
+                   help=f"{what} (also ${ENV_INTERNAL_TOKEN}; the file wins). A file or the environment, never a "
+                        "flag value, so `ps` does not show it. Off when neither is set.")
+
+
+def internal_token_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:
+    try:
+        return internal_token_from(args.internal_token_file, environ)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def internal_token_interceptor(token: str, services: Iterable[str]) -> BearerAuthInterceptor:
+    """Every method of ``services`` needs ``authorization: Bearer <token>``; health and reflection stay open."""
+    role = Role(INTERNAL, (token,), credential="internal token")
+    return BearerAuthInterceptor([role], {f"/{s}/": INTERNAL for s in services})
