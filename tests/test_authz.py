@@ -1,5 +1,5 @@
-"""Who may do what: user and admin roles on GatewayService, the AddWorker allow-list and pool cap, and the internal
-token the workers require.
+"""Who may do what: user and admin roles on GatewayService, the AddWorker allow-list and pool cap, the internal token
+the workers require, and the REST front's credentials per hop.
 
 Tested as an attacker would try it: no credential, a wrong one, a user key where an admin one is needed, addresses
 meant to make the gateway dial somewhere it should not. The gateway is the real one (in-process, with the
@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -23,6 +24,8 @@ import gateway.driver as driver_module
 from gateway.__main__ import config_from
 from gateway.__main__ import parse_args as gateway_args
 from gateway.membership import DnsMembership, parse_allow_rule
+from gateway.rest import __main__ as rest_main
+from gateway.rest.app import RestSettings, create_app
 from gateway.scheduler import WorkerRole
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
@@ -417,3 +420,87 @@ async def wait_for_ready_workers(stub: pb_grpc.GatewayServiceStub, timeout: floa
             if status.workers and all(w.state == AVAILABLE for w in status.workers):
                 return
             await asyncio.sleep(0.02)
+
+
+# ---- the REST front: credentials per hop ----------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def rest(settings: RestSettings) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://rest") as client:
+        yield client
+
+
+def body() -> dict:
+    return {"prompt": "a lighthouse", "size": "64x64", "seed": 3}
+
+
+async def test_rest_own_mode_generates_with_its_own_gateway_key(sims: SimCluster) -> None:
+    ar, d0 = sims.address(sims.ar), sims.address(sims.denoisers[0])
+    async with running_gateway([ar], [d0], api_keys=("gw-key-only",)) as gw:
+        address = f"127.0.0.1:{gw.port}"
+        # Before: a front with keys of its own and a separate gateway key forwards the client's key, which the
+        # gateway does not know: it can never generate.
+        forward = RestSettings(gateway_address=address, api_keys=("rest-key",), gateway_api_key="gw-key-only")
+        async with rest(forward) as client:
+            resp = await client.post("/v1/images/generations", json=body(),
+                                     headers={"Authorization": "Bearer rest-key"})
+            assert resp.status_code == 401
+        own = RestSettings(gateway_address=address, api_keys=("rest-key",), gateway_api_key="gw-key-only",
+                           gateway_auth="own")
+        async with rest(own) as client:
+            resp = await client.post("/v1/images/generations", json=body(),
+                                     headers={"Authorization": "Bearer rest-key"})
+            assert resp.status_code == 200, resp.text
+            assert len(resp.json()["data"]) == 1
+            stream = await client.post("/v1/images/generations", json={**body(), "stream": True},
+                                       headers={"Authorization": "Bearer rest-key"})
+            assert stream.status_code == 200 and "image_generation.completed" in stream.text
+            assert (await client.get("/health")).status_code == 200
+            # The front still checks its own clients: no key, or the gateway's key, is not a REST key.
+            for headers in ({}, {"Authorization": "Bearer gw-key-only"}, {"Authorization": "Bearer nope"}):
+                resp = await client.post("/v1/images/generations", json=body(), headers=headers)
+                assert resp.status_code == 401, headers
+
+
+async def test_rest_forward_mode_is_unchanged(sims: SimCluster) -> None:
+    ar, d0 = sims.address(sims.ar), sims.address(sims.denoisers[0])
+    async with running_gateway([ar], [d0], api_keys=("shared-1", "shared-2")) as gw:
+        settings = RestSettings(gateway_address=f"127.0.0.1:{gw.port}", api_keys=("shared-1", "shared-2"),
+                                gateway_api_key="shared-1")
+        async with rest(settings) as client:
+            resp = await client.post("/v1/images/generations", json=body(),
+                                     headers={"Authorization": "Bearer shared-2"})
+            assert resp.status_code == 200, resp.text
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.post("/v1/images/generations", json=body())).status_code == 401
+        # A front without keys forwards whatever the client sends, and the gateway decides.
+        async with rest(RestSettings(gateway_address=f"127.0.0.1:{gw.port}", gateway_api_key="shared-1")) as client:
+            ok = await client.post("/v1/images/generations", json=body(), headers={"Authorization": "Bearer shared-1"})
+            assert ok.status_code == 200
+            bad = await client.post("/v1/images/generations", json=body(), headers={"Authorization": "Bearer x"})
+            assert bad.status_code == 401
+
+
+def test_rest_flag_combinations_are_checked_at_start_up(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("GLMIMAGE_API_KEYS", "GLMIMAGE_GATEWAY_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for argv, why in [(["--gateway-auth", "own"], "--gateway-api-key"),
+                      (["--gateway-auth", "own", "--api-key", "r"], "--gateway-api-key"),  # no fallback on r
+                      (["--gateway-auth", "own", "--gateway-api-key", "g"], "--api-key"),
+                      (["--gateway-auth", "mine"], "invalid choice")]:
+        with pytest.raises(SystemExit):
+            rest_main.parse_args(argv)
+        assert why in capsys.readouterr().err, argv
+    args = rest_main.parse_args(["--gateway-auth", "own", "--api-key", "r", "--gateway-api-key", "g"])
+    settings = rest_main.settings_from_args(args)
+    assert (settings.gateway_auth, settings.api_keys, settings.gateway_api_key) == ("own", ("r",), "g")
+    monkeypatch.setenv("GLMIMAGE_GATEWAY_API_KEY", "g-env")
+    assert rest_main.settings_from_args(rest_main.parse_args(["--gateway-auth", "own", "--api-key", "r"])
+                                        ).gateway_api_key == "g-env"
+    forward = rest_main.settings_from_args(rest_main.parse_args(["--api-key", "r"]))
+    assert forward.gateway_auth == "forward" and forward.gateway_api_key == "g-env"
+
