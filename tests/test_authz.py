@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -31,7 +32,7 @@ from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
 from services.runtime.auth import ENV_INTERNAL_TOKEN, check_token, internal_token_from
-from tests.cluster import Cluster
+from tests.cluster import Cluster, running_stack
 from tests.test_gateway_control import (
     ADMIN,
     ADMIN_KEY,
@@ -420,6 +421,30 @@ async def wait_for_ready_workers(stub: pb_grpc.GatewayServiceStub, timeout: floa
             if status.workers and all(w.state == AVAILABLE for w in status.workers):
                 return
             await asyncio.sleep(0.02)
+
+
+@pytest.mark.e2e
+def test_make_run_can_turn_the_internal_token_on_without_showing_it(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """`python -m services.stack --internal-token`: AR and denoisers require a per-run token that only the gateway
+    has, handed over in the environment; it is in no process's command line."""
+    with running_stack(tmp_path, denoisers=1, extra_args=("--internal-token",)) as run:
+        procs = [psutil.Process(run.proc.pid), *psutil.Process(run.proc.pid).children(recursive=True)]
+        role = {p.pid: next((m for m in ("services.ar", "services.denoiser", "gateway.rest", "gateway")
+                             if m in p.cmdline()), "launcher") for p in procs}
+        envs = {role[p.pid]: p.environ() for p in procs}
+        token = envs["services.ar"][ENV_INTERNAL_TOKEN]
+        check_token(token, "the launcher")
+        assert envs["services.denoiser"][ENV_INTERNAL_TOKEN] == envs["gateway"][ENV_INTERNAL_TOKEN] == token
+        assert ENV_INTERNAL_TOKEN not in envs["gateway.rest"] and ENV_INTERNAL_TOKEN not in envs["launcher"]
+        assert not any(token in " ".join(p.cmdline()) for p in procs)
+        with grpc.insecure_channel(run.addresses["ar"]) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                ar_service_pb2_grpc.ArServiceStub(channel).Generate(
+                    ar_service_pb2.GenerateRequest(prompt="a cat", height=64, width=64), timeout=60)
+            assert err.value.code() == UNAUTH
+        resp = httpx.post(f"http://{run.addresses['rest']}/v1/images/generations", timeout=120,
+                          json={"prompt": "a cat", "size": "64x64"})
+        assert resp.status_code == 200, resp.text
 
 
 # ---- the REST front: credentials per hop ----------------------------------------------------------------------
