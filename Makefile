@@ -11,6 +11,8 @@ REST_PORT      ?= 8000
 GATEWAY_PORT   ?= 50050
 AR_PORT        ?= 50051
 DENOISER_PORTS ?= 50061,50062
+# Extra launcher flags, e.g. STACK_ARGS=--internal-token (see python -m services.stack --help).
+STACK_ARGS     ?=
 
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
@@ -39,7 +41,7 @@ $(STAMP): pyproject.toml
 
 run: venv
 	$(BIN)/python -m services.stack --rest-port $(REST_PORT) --gateway-port $(GATEWAY_PORT) \
-		--ar-port $(AR_PORT) --denoiser-ports $(DENOISER_PORTS)
+		--ar-port $(AR_PORT) --denoiser-ports $(DENOISER_PORTS) $(STACK_ARGS)
 
 # promtool (Debian package `prometheus`) lints every /metrics endpoint (tests/test_promtool.py). Installed only when
 # missing and only as root (CI runs as root); elsewhere the test fails and says how to install it.

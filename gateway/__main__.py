@@ -5,15 +5,16 @@ import argparse
 import asyncio
 import logging
 
-from gateway.auth import ENV_KEYS, ApiKeyInterceptor, api_keys_from
+from gateway.auth import ENV_ADMIN_KEYS, ENV_KEYS, admin_keys_from, api_keys_from, gateway_interceptor
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
-from gateway.membership import split_host_port
+from gateway.membership import parse_allow_rule, split_host_port
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from gateway.timeouts import TimeoutPolicy
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
+from services.runtime.auth import add_internal_token_args, bearer_metadata, internal_token_from_args
 from services.runtime.logs import configure_logging
 from services.runtime.metrics import serve_metrics
 from services.runtime.server import announce, common_server_args, run_until_signalled, start_server
@@ -48,6 +49,13 @@ def _timeout(text: str) -> float | None:
     return value
 
 
+def _allow_rule(text: str):
+    try:
+        return parse_allow_rule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d, g, t = SchedulerConfig(), GatewayConfig((), ()), TimeoutPolicy()
     p = argparse.ArgumentParser(description="GLM-Image gateway: schedules requests over AR and denoiser pools",
@@ -80,7 +88,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "as the reference deployment does (for benchmark baselines)")
     p.add_argument("--api-key", action="append", default=[],
                    help=f"require 'authorization: Bearer <key>' on GatewayService (repeatable; also ${ENV_KEYS}, "
-                        "comma-separated); health and reflection stay open")
+                        "comma-separated); health and reflection stay open. Such a key may generate and call "
+                        "GetStatus, not AddWorker/RemoveWorker")
+    p.add_argument("--admin-key", action="append", default=[],
+                   help=f"key for the admin RPCs AddWorker and RemoveWorker (repeatable; also ${ENV_ADMIN_KEYS}, "
+                        "comma-separated); it may call every other RPC too. None set (the default): the admin RPCs "
+                        "answer PERMISSION_DENIED to everyone")
+    p.add_argument("--worker-allow", action="append", default=[], type=_allow_rule, metavar="PATTERN",
+                   help="addresses AddWorker may add (repeatable): a host glob with '*' within one DNS label, such "
+                        "as '*.denoiser.ns.svc.cluster.local:50061', or a network for IP literals, such as "
+                        "'10.0.0.0/8' or '[fd00::/8]:50061'; the port part is *, N or N-M (default *). None set "
+                        "(the default): AddWorker refuses every address")
+    p.add_argument("--max-workers", type=int, default=GatewayConfig.max_workers,
+                   help="the most workers the pool holds, both roles and every source (--ar/--denoiser, DNS, "
+                        "AddWorker) together; past it AddWorker answers FAILED_PRECONDITION and DNS additions are "
+                        "logged and skipped")
+    add_internal_token_args(p, "token presented as 'authorization: Bearer <token>' on every call to AR and "
+                               "denoisers that require one (their --internal-token-file)")
     p.add_argument("--ar-timeout", type=_timeout, default=None, metavar="SECONDS|auto",
                    help="seconds one AR batch call may take before its requests are retried elsewhere and its "
                         "worker is sidelined until it answers a health check; default auto: --timeout-margin times "
@@ -129,6 +153,15 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
             for fixed in (args.ar_timeout, args.denoise_timeout))
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from None
+    api_keys, admin_keys = api_keys_from(args.api_key), admin_keys_from(args.admin_key)
+    if both := set(api_keys) & set(admin_keys):
+        raise SystemExit(f"gateway: {len(both)} key(s) given both as an API key and as an admin key; an admin key "
+                         "must not double as a user key")
+    if args.max_workers < 1:
+        raise SystemExit("gateway: --max-workers must be at least 1")
+    if len(args.ar) + len(args.denoiser) > args.max_workers:
+        raise SystemExit(f"gateway: {len(args.ar) + len(args.denoiser)} workers given with --ar/--denoiser, more "
+                         f"than --max-workers={args.max_workers}")
     return GatewayConfig(
         ar_addresses=tuple(args.ar), denoiser_addresses=tuple(args.denoiser), scheduler=scheduler,
         default_height=height, default_width=width, request_timeout=args.request_timeout,
@@ -136,7 +169,9 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
         health_probe_interval=args.health_probe_interval, health_probe_failures=args.health_probe_failures,
         max_prompt_chars=args.max_prompt_chars, max_pixels=args.max_pixels, max_steps=args.max_steps,
         ar_dns=tuple(args.ar_dns), denoiser_dns=tuple(args.denoiser_dns), dns_interval=args.dns_interval,
-        client_tls=client_tls_from_args(args), api_keys=api_keys_from(args.api_key))
+        client_tls=client_tls_from_args(args), api_keys=api_keys, admin_keys=admin_keys,
+        worker_allow=tuple(args.worker_allow), max_workers=args.max_workers,
+        worker_metadata=bearer_metadata(internal_token_from_args(args)))
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -144,7 +179,8 @@ async def serve(args: argparse.Namespace) -> None:
     tls = server_tls_from_args(args)
     driver = Driver(config, metrics=GatewayMetrics())
     servicer = GatewayServicer(driver, config)
-    interceptors = [ApiKeyInterceptor(config.api_keys, [SERVICE_NAME])] if config.api_keys else []
+    # Always installed: with no admin key it is what keeps AddWorker/RemoveWorker off.
+    interceptors = [gateway_interceptor(config.api_keys, config.admin_keys)]
     # A reply carries every image of a request (10 PNGs at 2048x2048 can pass 100 MB): the same 256 MiB the REST
     # front and the Python client accept, so a big reply is not refused as RESOURCE_EXHAUSTED (a retryable 429).
     server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
@@ -155,6 +191,13 @@ async def serve(args: argparse.Namespace) -> None:
     serve_metrics(args.host, args.metrics_port)
     if config.api_keys:
         log.info("API keys required on %s (%d key(s))", SERVICE_NAME, len(config.api_keys))
+    if config.admin_keys:
+        log.info("admin RPCs on (%d admin key(s)); AddWorker allows %s, up to %d workers", len(config.admin_keys),
+                 ", ".join(r.text for r in config.worker_allow) or "no address", config.max_workers)
+    else:
+        log.info("admin RPCs off (no --admin-key)")
+    if config.worker_metadata:
+        log.info("presenting the internal token to workers")
     # The gateway itself is ready at once; whether workers are available is reported by GetStatus and /health.
     await server.set_serving(True)
     try:

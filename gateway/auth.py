@@ -1,81 +1,58 @@
-"""Optional API keys on GatewayService: ``authorization: Bearer <key>`` metadata, checked by a server interceptor.
+"""Who may call what on GatewayService: user keys generate and read the status, admin keys manage the pool.
+
+One interceptor (services.runtime.auth.BearerAuthInterceptor) with one table, METHOD_ROLES:
+
+- user methods (GenerateImages, GenerateImagesStream, GetStatus): open when no ``--api-key`` is set (as before);
+  otherwise they need a user key or an admin key.
+- admin methods (AddWorker, RemoveWorker, and any GatewayService method the table does not name): refused for
+  everyone with PERMISSION_DENIED while no ``--admin-key`` is set (the default); otherwise they need an admin key.
+  A user key there gets PERMISSION_DENIED; no key or an unknown one, UNAUTHENTICATED.
 
 Health and reflection stay open, so probes and grpcurl discovery work without a key.
 """
 from __future__ import annotations
 
-import hmac
-import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-import grpc
-
-log = logging.getLogger(__name__)
+from glmimage.v1 import gateway_service_pb2
+from services.runtime.auth import BearerAuthInterceptor, Role
 
 ENV_KEYS = "GLMIMAGE_API_KEYS"
+ENV_ADMIN_KEYS = "GLMIMAGE_ADMIN_KEYS"
+USER, ADMIN = "user", "admin"
+SERVICE = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+METHOD_ROLES: dict[str, str] = {
+    f"/{SERVICE}/": ADMIN,  # a method not named below: fail closed
+    f"/{SERVICE}/GenerateImages": USER,
+    f"/{SERVICE}/GenerateImagesStream": USER,
+    f"/{SERVICE}/GetStatus": USER,
+    f"/{SERVICE}/AddWorker": ADMIN,
+    f"/{SERVICE}/RemoveWorker": ADMIN,
+}
+ADMIN_OFF = ("the admin RPCs (AddWorker, RemoveWorker) are off on this gateway: start it with --admin-key "
+             f"(or ${ENV_ADMIN_KEYS}) to turn them on, and call them with 'authorization: Bearer <admin key>'")
 
 
-def api_keys_from(flags: Iterable[str], environ: dict[str, str] | os._Environ = os.environ) -> tuple[str, ...]:
-    """``--api-key`` flags plus the comma-separated env var, de-duplicated, blanks dropped."""
-    env = [k.strip() for k in environ.get(ENV_KEYS, "").split(",")]
-    return tuple(dict.fromkeys(k for k in [*flags, *env] if k))
+def keys_from(flags: Iterable[str], env: str, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """Keys from flags plus the comma-separated env var ``env``, de-duplicated, blanks dropped."""
+    from_env = [k.strip() for k in environ.get(env, "").split(",")]
+    return tuple(dict.fromkeys(k for k in [*(f.strip() for f in flags), *from_env] if k))
 
 
-def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes | None:
-    for key, value in metadata or ():
-        if key == "authorization":
-            text = value if isinstance(value, str) else value.decode("latin-1")
-            scheme, _, token = text.partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip().encode()
-            return None
-    return None
+def api_keys_from(flags: Iterable[str], environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """``--api-key`` flags plus ``$GLMIMAGE_API_KEYS``."""
+    return keys_from(flags, ENV_KEYS, environ)
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls to the protected services with UNAUTHENTICATED unless a configured key is presented."""
-
-    def __init__(self, keys: Iterable[str], protected_services: Iterable[str]) -> None:
-        self._keys = tuple(k.encode() for k in keys)
-        self._prefixes = tuple(f"/{s}/" for s in protected_services)
-
-    def authorized(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
-        token = _bearer(metadata)
-        if token is None:
-            return False
-        # Compare with every key, without short-circuit, so timing does not tell which key nearly matched.
-        return any([hmac.compare_digest(token, key) for key in self._keys])
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or not self._keys or not method.startswith(self._prefixes):
-            return handler
-        if self.authorized(handler_call_details.invocation_metadata):
-            return handler
-        log.info("%s refused: missing or invalid API key", method)
-        return _refusal(handler)
+def admin_keys_from(flags: Iterable[str], environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """``--admin-key`` flags plus ``$GLMIMAGE_ADMIN_KEYS``."""
+    return keys_from(flags, ENV_ADMIN_KEYS, environ)
 
 
-_MESSAGE = "missing or invalid API key: send metadata 'authorization: Bearer <key>'"
-
-
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that only answers UNAUTHENTICATED."""
-    des, ser = handler.request_deserializer, handler.response_serializer
-
-    async def unary(request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
-
-    async def stream(request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
-        yield  # pragma: no cover - makes this an async generator; abort always raises
-
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, des, ser)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(stream, des, ser)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, des, ser)
-    return grpc.stream_stream_rpc_method_handler(stream, des, ser)
+def gateway_interceptor(api_keys: Iterable[str], admin_keys: Iterable[str]) -> BearerAuthInterceptor:
+    """The GatewayService interceptor; install it always (with no admin keys it is what keeps the admin RPCs off)."""
+    roles = [Role(USER, tuple(api_keys), credential="API key", also=(ADMIN,)),
+             Role(ADMIN, tuple(admin_keys), credential="admin key", off_message=ADMIN_OFF)]
+    return BearerAuthInterceptor(roles, METHOD_ROLES)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.membership import AllowRule
 from gateway.scheduler import SchedulerConfig
 from gateway.timeouts import TimeoutPolicy
 from services.model import checks
@@ -42,3 +43,11 @@ class GatewayConfig:
     dns_interval: float = 5.0
     client_tls: ClientTls | None = None  # how the gateway dials AR and denoisers; None: plaintext
     api_keys: tuple[str, ...] = ()  # GatewayService callers must present one; empty: auth off
+    admin_keys: tuple[str, ...] = ()  # AddWorker/RemoveWorker need one; empty: those RPCs are off for everyone
+    # Addresses AddWorker may add (--worker-allow); empty: AddWorker refuses every address.
+    worker_allow: tuple[AllowRule, ...] = ()
+    # The most workers the pool holds, both roles and every source (static, DNS, AddWorker) together.
+    max_workers: int = 256
+    # Extra metadata on every GenerateBatch/Denoise/DenoiseStream call to a worker (the internal token);
+    # health probes go without it.
+    worker_metadata: tuple[tuple[str, str], ...] = ()

@@ -229,12 +229,20 @@ class Driver:
                 self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
                 return True
             return False
+        if len(self._workers) >= self.config.max_workers:
+            log.warning("%s worker %s not added: the pool already has %d workers (--max-workers)",
+                        role.value.lower(), address, len(self._workers))
+            return False
         worker = _Worker(address, role, self.config)
         self._workers[address] = worker
         log.info("%s worker %s added", role.value.lower(), address)
         self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
         worker.watch_task = asyncio.create_task(self._watch_health(worker), name=f"health:{address}")
         return True
+
+    def pool_size(self) -> int:
+        """Workers held, both roles, draining ones included (what --max-workers bounds)."""
+        return len(self._workers)
 
     def remove_worker(self, address: str) -> bool:
         """Drain and remove a worker: its current job finishes, no new job is sent. False if unknown."""
@@ -410,7 +418,7 @@ class Driver:
         try:
             response = await worker.stub.GenerateBatch(
                 ar_service_pb2.GenerateBatchRequest(requests=requests),
-                timeout=timeout, metadata=(("x-request-id", ",".join(rids)),))
+                timeout=timeout, metadata=(("x-request-id", ",".join(rids)), *self.config.worker_metadata))
         except grpc.aio.AioRpcError as err:
             log.warning("AR batch %d (%s) on %s failed after %.1fs: %s: %s", action.batch_id, ",".join(rids),
                         worker.address, time.monotonic() - started, err.code().name, err.details())
@@ -472,7 +480,7 @@ class Driver:
             return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=action.worker,
                                      message="request already finished", retryable=False)
         request = self._denoise_request(action, pending)
-        metadata = (("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"),)
+        metadata = (("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"), *self.config.worker_metadata)
         timeout = self.denoise_timeouts.timeout(request.num_inference_steps, request.height, request.width)
         started = time.monotonic()
         try:

@@ -15,7 +15,7 @@ import grpc
 from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.driver import Driver, Outcome, RequestFailed, StreamOptions
-from gateway.membership import split_host_port
+from gateway.membership import WorkerAddress, allowed, parse_worker_address, split_host_port
 from gateway.validation import check_generate, check_partial_images
 from glmimage.v1 import common_pb2, denoiser_service_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.errors import InvalidArgument, error_for
@@ -55,6 +55,14 @@ def check_address(address: str) -> str:
     except ValueError as exc:
         raise InvalidArgument("address", str(exc)) from None
     return address.strip()
+
+
+def check_worker_address(address: str) -> WorkerAddress:
+    """The strict form AddWorker accepts (see membership.parse_worker_address); INVALID_ARGUMENT naming the field."""
+    try:
+        return parse_worker_address(address)
+    except ValueError as exc:
+        raise InvalidArgument("address", str(exc)) from None
 
 
 class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
@@ -147,21 +155,40 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
                 for w in snap.workers])
 
     async def AddWorker(self, request, context: grpc.aio.ServicerContext):
-        address = check_address(request.address)
+        # Who may call this is the interceptor's business (gateway.auth); what may be added is checked here, all of
+        # it before anything is dialled.
+        parsed = check_worker_address(request.address)
+        address = parsed.target
         role = ROLE_FROM_PROTO.get(request.role)
         if role is None:
             raise InvalidArgument("role", "must be WORKER_ROLE_AR or WORKER_ROLE_DENOISER")
+        if not self.config.worker_allow:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "address: AddWorker accepts no address on this gateway: start it with --worker-allow "
+                                "PATTERN (host glob or CIDR, optional port) to say which it may add")
+        if (rule := allowed(parsed, self.config.worker_allow)) is None:
+            log.warning("admin: AddWorker %s refused: outside --worker-allow", address)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"address: {address} matches no --worker-allow pattern of this gateway")
         known = self.driver.worker_role(address)
         if known is not None and known is not role:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"address: {address} is already a {known.value.lower()} worker; remove it first")
+        if known is None and self.driver.pool_size() >= self.config.max_workers:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the pool is full: it holds {self.driver.pool_size()} workers, the most "
+                                f"--max-workers={self.config.max_workers} allows; remove one first")
         self.driver.add_worker(address, role)
-        log.info("admin: added %s worker %s", role.value.lower(), address)
+        log.info("admin: added %s worker %s (allowed by %s)", role.value.lower(), address, rule.text)
         return gateway_service_pb2.AddWorkerResponse()
 
     async def RemoveWorker(self, request, context: grpc.aio.ServicerContext):
         address = check_address(request.address)
-        if not self.driver.remove_worker(address):
+        try:  # an AddWorker'd worker is listed under its canonical form ("Host:050061" -> "host:50061")
+            canonical = parse_worker_address(address).target
+        except ValueError:
+            canonical = address
+        if not self.driver.remove_worker(address) and not self.driver.remove_worker(canonical):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"address: {address} is not a worker of this gateway")
         log.info("admin: removed worker %s (draining)", address)
         return gateway_service_pb2.RemoveWorkerResponse()

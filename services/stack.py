@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -35,6 +36,7 @@ class Child:
     process: asyncio.subprocess.Process | None = None
     port: int = 0
     extra: dict = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
 
     @property
     def address(self) -> str:
@@ -63,6 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra flag passed to the gateway")
     p.add_argument("--rest-arg", action="append", default=[], help="extra flag passed to the REST front")
+    p.add_argument("--internal-token", action="store_true",
+                   help="make AR and denoisers require a random token made for this run, which the gateway "
+                        "presents (through the environment, $GLMIMAGE_INTERNAL_TOKEN); off by default, so the "
+                        "README's grpcurl calls straight to the AR and denoisers work without a header")
     return p.parse_args(argv)
 
 
@@ -114,11 +120,12 @@ class Stack:
         self.children: list[Child] = []
         self.run_dir = Path(tempfile.mkdtemp(prefix="glmimage-stack-"))
 
-    def _child(self, name: str, module: str, port: int, flags: list[str], health: str | None) -> Child:
+    def _child(self, name: str, module: str, port: int, flags: list[str], health: str | None,
+               env: dict[str, str] | None = None) -> Child:
         port_file = self.run_dir / f"{name}.port"
         argv = [sys.executable, "-m", module, "--host", self.args.host, "--port", str(port),
                 "--port-file", str(port_file), "--log-level", self.args.log_level, *flags]
-        child = Child(name=name, argv=argv, port_file=port_file, health_service=health)
+        child = Child(name=name, argv=argv, port_file=port_file, health_service=health, env=dict(env or {}))
         self.children.append(child)
         return child
 
@@ -127,7 +134,8 @@ class Stack:
         # Through the die_with_parent trampoline, so no child outlives the launcher (see that module for why not
         # a preexec_fn).
         child.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.runtime.die_with_parent", str(os.getpid()), "--", *child.argv)
+            sys.executable, "-m", "services.runtime.die_with_parent", str(os.getpid()), "--", *child.argv,
+            env={**os.environ, **child.env})
 
     async def start(self) -> dict[str, str]:
         a = self.args
@@ -141,9 +149,11 @@ class Stack:
             from services.model.tiny import ensure_tiny_checkpoint
 
             await asyncio.to_thread(ensure_tiny_checkpoint)
-        ar = self._child("ar", "services.ar", a.ar_port, model_flags, "glmimage.v1.ArService")
+        # The token goes through the environment, not argv, so `ps` does not show it.
+        token_env = {"GLMIMAGE_INTERNAL_TOKEN": secrets.token_urlsafe(32)} if a.internal_token else {}
+        ar = self._child("ar", "services.ar", a.ar_port, model_flags, "glmimage.v1.ArService", token_env)
         denoisers = [self._child(f"denoiser-{i}", "services.denoiser", int(p), model_flags,
-                                 "glmimage.v1.DenoiserService")
+                                 "glmimage.v1.DenoiserService", token_env)
                      for i, p in enumerate(a.denoiser_ports.split(","))]
         model_children = [ar, *denoisers]
         await asyncio.gather(*(self._spawn(c) for c in model_children))
@@ -151,7 +161,8 @@ class Stack:
         await asyncio.gather(*(_wait_serving(c, deadline) for c in model_children))
 
         gw_flags = ["--ar", ar.address, *[f"--denoiser={d.address}" for d in denoisers], *a.gateway_arg]
-        gateway = self._child("gateway", "gateway", a.gateway_port, gw_flags, "glmimage.v1.GatewayService")
+        gateway = self._child("gateway", "gateway", a.gateway_port, gw_flags, "glmimage.v1.GatewayService",
+                              token_env)
         await self._spawn(gateway)
         await _wait_port(gateway, deadline)
         await _wait_serving(gateway, deadline)

@@ -167,12 +167,13 @@ class StackRun:
 
 
 @contextlib.contextmanager
-def running_stack(run_dir: Path, denoisers: int = 2) -> Iterator[StackRun]:
+def running_stack(run_dir: Path, denoisers: int = 2, extra_args: tuple[str, ...] = ()) -> Iterator[StackRun]:
     """`python -m services.stack` (what `make run` starts) on ephemeral ports, once every server is SERVING."""
     ready = run_dir / "ready.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.stack", "--rest-port", "0", "--gateway-port", "0", "--ar-port", "0",
-         "--denoiser-ports", ",".join(["0"] * denoisers), "--ready-file", str(ready), "--log-level", "WARNING"],
+         "--denoiser-ports", ",".join(["0"] * denoisers), "--ready-file", str(ready), "--log-level", "WARNING",
+         *extra_args],
         stdout=subprocess.PIPE, text=True)
     try:
         # The launcher prints its banner only once every server reports SERVING: block on that line.

@@ -19,10 +19,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.sim_backends import SimAr, SimCosts, SimDenoiser, serve_sim_ar, serve_sim_denoiser
-from gateway.auth import ApiKeyInterceptor, api_keys_from
+from gateway.auth import api_keys_from, gateway_interceptor
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
-from gateway.membership import DnsMembership, join_host_port, resolve, split_host_port
+from gateway.membership import DnsMembership, join_host_port, parse_allow_rule, resolve, split_host_port
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import SchedulerConfig, WorkerRole
 from gateway.servicer import GatewayServicer
@@ -34,6 +34,9 @@ GATEWAY = "glmimage.v1.GatewayService"
 FAST = SimCosts(scale=0.001)  # AR ~20-33 ms, denoise ~12 ms
 AVAILABLE, BUSY = pb.WORKER_STATE_AVAILABLE, pb.WORKER_STATE_BUSY
 UNHEALTHY, DRAINING = pb.WORKER_STATE_UNHEALTHY, pb.WORKER_STATE_DRAINING
+ADMIN_KEY = "admin-key-for-tests"
+ADMIN = (("authorization", f"Bearer {ADMIN_KEY}"),)  # call metadata for the admin RPCs
+LOOPBACK = (parse_allow_rule("127.0.0.0/8"),)  # what AddWorker may add in these tests
 
 
 @dataclass
@@ -77,8 +80,9 @@ async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None
             await asyncio.sleep(0.005)
 
 
-@pytest.fixture
-async def cluster() -> AsyncIterator[Cluster]:
+@contextlib.asynccontextmanager
+async def sim_cluster() -> AsyncIterator[Cluster]:
+    """One simulated AR and three simulated denoisers, SERVING."""
     gate = asyncio.Event()
     gate.set()
     ar = await serve_sim_ar(SimAr(FAST, cached_tokens=5))
@@ -89,16 +93,26 @@ async def cluster() -> AsyncIterator[Cluster]:
         await server.stop(None)
 
 
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    async with sim_cluster() as c:
+        yield c
+
+
 @contextlib.asynccontextmanager
 async def running_gateway(ar: list[str], denoisers: list[str], *, metrics: GatewayMetrics | None = None,
-                          api_keys: tuple[str, ...] = (), wait_available: bool = True,
+                          api_keys: tuple[str, ...] = (), admin_keys: tuple[str, ...] = (ADMIN_KEY,),
+                          worker_allow: tuple = LOOPBACK, max_workers: int = 256,
+                          worker_metadata: tuple[tuple[str, str], ...] = (), wait_available: bool = True,
                           **scheduler: object) -> AsyncIterator[Gateway]:
+    """The real gateway in-process, with the interceptor `python -m gateway` installs (gateway.auth)."""
     config = GatewayConfig(ar_addresses=tuple(ar), denoiser_addresses=tuple(denoisers),
                            scheduler=SchedulerConfig(ar_batch_delay=0.0, **scheduler),  # type: ignore[arg-type]
-                           request_timeout=30, api_keys=api_keys)
+                           request_timeout=30, api_keys=api_keys, admin_keys=admin_keys, worker_allow=worker_allow,
+                           max_workers=max_workers, worker_metadata=worker_metadata)
     driver = Driver(config, metrics=metrics)
     servicer = GatewayServicer(driver, config)
-    interceptors = [ApiKeyInterceptor(api_keys, [GATEWAY])] if api_keys else []
+    interceptors = [gateway_interceptor(api_keys, admin_keys)]
     server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
                                 [GATEWAY], "127.0.0.1:0", interceptors=interceptors)
     await driver.start()
@@ -256,7 +270,7 @@ async def test_status_shows_each_worker_state_and_job_and_removal_drains(gateway
     await cluster.denoisers[[d0, d1, d2].index(free)].set_serving(False)
     await gateway.until(lambda s: {w.address: w.state for w in s.workers}[free] == DRAINING)
 
-    await gateway.stub.RemoveWorker(pb.RemoveWorkerRequest(address=held))
+    await gateway.stub.RemoveWorker(pb.RemoveWorkerRequest(address=held), metadata=ADMIN)
     workers = await gateway.workers()
     assert workers[held].state == DRAINING and workers[held].current_job == busy[held]
     assert workers[cluster.address(cluster.ar)].state == AVAILABLE
@@ -276,8 +290,9 @@ async def test_status_shows_each_worker_state_and_job_and_removal_drains(gateway
 async def test_admin_add_worker_gets_work(cluster: Cluster) -> None:
     ar, (d0, d1, _) = cluster.address(cluster.ar), [cluster.address(d) for d in cluster.denoisers]
     async with running_gateway([ar], [d0]) as gw:
-        await gw.stub.AddWorker(pb.AddWorkerRequest(address=d1, role=pb.WORKER_ROLE_DENOISER))
-        await gw.stub.AddWorker(pb.AddWorkerRequest(address=d1, role=pb.WORKER_ROLE_DENOISER))  # idempotent
+        await gw.stub.AddWorker(pb.AddWorkerRequest(address=d1, role=pb.WORKER_ROLE_DENOISER), metadata=ADMIN)
+        await gw.stub.AddWorker(pb.AddWorkerRequest(address=d1, role=pb.WORKER_ROLE_DENOISER),  # idempotent
+                                metadata=ADMIN)
         status = await gw.until(lambda s: [w.state for w in s.workers].count(AVAILABLE) == 3)
         assert {w.address: w.role for w in status.workers}[d1] == pb.WORKER_ROLE_DENOISER
         cluster.gate.clear()
@@ -299,13 +314,13 @@ async def test_admin_add_worker_gets_work(cluster: Cluster) -> None:
     ("RemoveWorker", pb.RemoveWorkerRequest(address="10.0.0.9:1"), "NOT_FOUND", "address"),
 ])
 async def test_admin_rpcs_validate(gateway: Gateway, rpc: str, message: object, code: str, field: str) -> None:
-    err = await rpc_error(getattr(gateway.stub, rpc)(message))
+    err = await rpc_error(getattr(gateway.stub, rpc)(message, metadata=ADMIN))
     assert err.code() == getattr(grpc.StatusCode, code) and err.details().startswith(f"{field}:")
 
 
 async def test_admin_add_refuses_a_second_role_for_an_address(gateway: Gateway, cluster: Cluster) -> None:
     err = await rpc_error(gateway.stub.AddWorker(pb.AddWorkerRequest(address=cluster.address(cluster.denoisers[0]),
-                                                                     role=pb.WORKER_ROLE_AR)))
+                                                                     role=pb.WORKER_ROLE_AR), metadata=ADMIN))
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS
 
 
@@ -445,8 +460,7 @@ async def test_api_keys_guard_gateway_service_but_not_health_or_reflection(clust
             "GenerateImagesStream": lambda md: gw.stub.GenerateImagesStream(
                 pb.GenerateImagesStreamRequest(request=request()), metadata=md).read(),
             "GetStatus": lambda md: gw.stub.GetStatus(pb.GetStatusRequest(), metadata=md),
-            "RemoveWorker": lambda md: gw.stub.RemoveWorker(pb.RemoveWorkerRequest(address="h:1"), metadata=md),
-        }
+        }  # the admin RPCs: tests/test_authz.py
         for name, call in calls.items():
             for md in [(), (("authorization", "Bearer nope"),), (("authorization", "k-one"),),
                        (("authorization", "Bearer "),), (("authorization", "Bearer k-one2"),)]:

@@ -1095,3 +1095,29 @@ async def test_listen_socket_gives_accepted_connections_tcp_nodelay() -> None:
         _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
         assert await asyncio.wait_for(accepted, 10) != 0
         writer.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_own_gateway_auth_sends_the_fronts_key_never_the_clients(backend: Backend, stream: bool) -> None:
+    """--gateway-auth own: separate keys per hop; the client's REST key stays in the front."""
+    backend.servicer.required_authorization = "Bearer gw-only"
+    settings = RestSettings(gateway_address=backend.address, api_keys=("rest-only",), gateway_api_key="gw-only",
+                            gateway_auth="own")
+    async with rest_client(settings) as c:
+        resp = await _generate(c, {"prompt": "x", "stream": stream}, headers={"Authorization": "Bearer rest-only"})
+        assert resp.status_code == 200, resp.text
+        (_, metadata), = backend.servicer.stream_calls if stream else backend.servicer.calls
+        assert metadata["authorization"] == "Bearer gw-only"
+        assert "rest-only" not in " ".join(metadata.values())
+        # The gateway's key is not a REST key.
+        _assert_error(await _generate(c, {"prompt": "x"}, headers={"Authorization": "Bearer gw-only"}), 401, None,
+                      "invalid_api_key")
+
+
+def test_own_gateway_auth_needs_both_key_sets() -> None:
+    with pytest.raises(ValueError, match="--gateway-api-key"):
+        RestSettings(api_keys=("r",), gateway_auth="own")
+    with pytest.raises(ValueError, match="--api-key"):
+        RestSettings(gateway_api_key="g", gateway_auth="own")
+    with pytest.raises(ValueError, match="forward, own"):
+        RestSettings(gateway_auth="both")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
-from .app import RestSettings, create_app
+from .app import GATEWAY_AUTH_MODES, RestSettings, create_app
 
 _DEFAULTS = RestSettings()
 
@@ -37,10 +37,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--default-size", type=_size, default=_DEFAULTS.default_size, help="size used for 'auto'")
     p.add_argument("--api-key", action="append", default=[],
                    help="accepted Bearer key (repeatable; also GLMIMAGE_API_KEYS, comma-separated)")
+    p.add_argument("--gateway-auth", choices=GATEWAY_AUTH_MODES, default="forward",
+                   help="how generation calls authenticate to the gateway. forward (default): with the client's own "
+                   "Authorization header, so the gateway checks every caller (give both the same keys). own: with "
+                   "--gateway-api-key, after this front checked the client against its own --api-key list; needs "
+                   "both")
     p.add_argument("--gateway-api-key", default=None,
-                   help="key for the REST front's own gateway calls (GetStatus behind /health), when the gateway "
-                   "requires keys; also GLMIMAGE_GATEWAY_API_KEY; default: the first key this front accepts "
-                   "itself (the Helm chart gives both the same keys). Generation calls forward the client's key.")
+                   help="key this front presents to the gateway: on its own calls (GetStatus behind /health) and, "
+                   "with --gateway-auth own, on every generation call; also GLMIMAGE_GATEWAY_API_KEY. Default with "
+                   "forward: the first key this front accepts itself (the Helm chart gives both the same keys)")
     p.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens")
     p.add_argument("--request-timeout", type=float, default=_DEFAULTS.request_timeout, help="seconds")
@@ -57,6 +62,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.gateway_tls_client_cert is None) != (args.gateway_tls_client_key is None):
         p.error("--gateway-tls-client-cert and --gateway-tls-client-key go together")
+    try:  # the flag combinations RestSettings refuses, reported as usage errors at start-up
+        settings_from_args(args)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -77,8 +86,10 @@ def settings_from_args(args: argparse.Namespace) -> RestSettings:
         gateway_tls_server_name=args.gateway_tls_server_name,
         # Without one, /health could not read the gateway's status when both sides require keys, and the
         # readiness probe would never pass: fall back on a key of this front's own.
+        # With own, only an explicit key: falling back on a client key would defeat separate keys per hop.
         gateway_api_key=(args.gateway_api_key or os.environ.get("GLMIMAGE_GATEWAY_API_KEY")
-                         or next(iter(api_keys), None)),
+                         or (next(iter(api_keys), None) if args.gateway_auth == "forward" else None)),
+        gateway_auth=args.gateway_auth,
     )
 
 

@@ -103,6 +103,12 @@ def _default_quality_steps() -> dict[str, int]:
     return {"low": 10, "medium": 30, "high": 50, "auto": 0}
 
 
+# How generation calls authenticate to the gateway. forward: with the client's own Authorization header (the
+# gateway checks every caller; both sides share the keys). own: with this front's --gateway-api-key, after the
+# front has checked the client against its own --api-key list (separate key sets per hop).
+GATEWAY_AUTH_MODES = ("forward", "own")
+
+
 @dataclass(frozen=True)
 class RestSettings:
     gateway_address: str = "127.0.0.1:50050"
@@ -116,8 +122,10 @@ class RestSettings:
     enable_cache_report: bool = False
     health_timeout: float = 5.0
     # Bearer key for REST's own gateway calls (GetStatus behind /health) when the gateway checks keys.
-    # Generation calls carry the client's own Authorization header instead, so the gateway checks the caller.
+    # With gateway_auth "forward", generation calls carry the client's own Authorization header instead, so the
+    # gateway checks the caller; with "own", they carry this key and the client's header stays here.
     gateway_api_key: str | None = None
+    gateway_auth: str = "forward"  # "forward" or "own", see GATEWAY_AUTH_MODES
     # TLS to the gateway: on when any is set. CA: PEM roots to verify the gateway (None: system roots);
     # client cert and key (PEM, both or neither): mutual TLS.
     gateway_tls_ca: Path | None = None
@@ -129,6 +137,14 @@ class RestSettings:
     def __post_init__(self) -> None:
         if (self.gateway_tls_client_cert is None) != (self.gateway_tls_client_key is None):
             raise ValueError("gateway TLS: give the client certificate and its key together, or neither")
+        if self.gateway_auth not in GATEWAY_AUTH_MODES:
+            raise ValueError(f"gateway auth must be one of {', '.join(GATEWAY_AUTH_MODES)}, not {self.gateway_auth!r}")
+        if self.gateway_auth == "own" and not self.gateway_api_key:
+            raise ValueError("--gateway-auth own needs --gateway-api-key (or GLMIMAGE_GATEWAY_API_KEY): the key this "
+                             "front presents to the gateway on every call")
+        if self.gateway_auth == "own" and not self.api_keys:
+            raise ValueError("--gateway-auth own needs --api-key (or GLMIMAGE_API_KEYS) too: a front with no keys "
+                             "of its own would let anyone generate with its gateway key")
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -600,10 +616,12 @@ def create_app(settings: RestSettings) -> FastAPI:
         rid = _request_id(request)
         req, quality = _to_grpc(body, settings, rid)
         metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_HEADER, rid),)
-        # Forwarded whether or not REST checks keys itself: the gateway may enforce its own.
-        authorization = request.headers.get("authorization")
-        if authorization and _HEADER_VALUE_RE.fullmatch(authorization):
-            metadata += (("authorization", authorization),)
+        if settings.gateway_auth == "own":  # the gateway sees this front's key; the client's stays here
+            metadata += own_metadata
+        else:  # forwarded whether or not REST checks keys itself: the gateway may enforce its own
+            authorization = request.headers.get("authorization")
+            if authorization and _HEADER_VALUE_RE.fullmatch(authorization):
+                metadata += (("authorization", authorization),)
         gen = _Generation(request=req, quality=quality, metadata=metadata, rid=rid)
         log.info(
             "%s generate n=%d size=%dx%d steps=%d format=%s stream=%s user=%r",

@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from services.model.device import DEVICE_CHOICES, DTYPE_CHOICES
+from services.runtime.auth import add_internal_token_args, internal_token_from_args, internal_token_interceptor
 from services.runtime.executor import SerialExecutor
 from services.runtime.metrics import serve_metrics
 from services.runtime.server import announce, run_until_signalled, start_server
@@ -26,6 +27,8 @@ def model_args() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     p.add_argument("--torch-threads", type=int, default=0, help="0 keeps torch's default")
+    add_internal_token_args(p, "require 'authorization: Bearer <token>' with this token on the model service "
+                               "(the gateway's --internal-token-file); health and reflection stay open")
     return p
 
 
@@ -41,13 +44,17 @@ async def serve_model(
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     tls = server_tls_from_args(args)  # flag errors before the (slow) model load
+    token = internal_token_from_args(args)
+    interceptors = [internal_token_interceptor(token, [service_name])] if token else []
     executor = SerialExecutor(name)
     # Load before binding, so nothing can reach a half-loaded model; health stays NOT_SERVING through warm-up.
     engine = await executor.run(load)
     servicer = make_servicer(engine, executor)
     server = await start_server(lambda s: register(servicer, s), [service_name], f"{args.host}:{args.port}",
-                                tls=tls)
+                                tls=tls, interceptors=interceptors)
     announce(server, args, service_name)
+    if token:
+        log.info("%s requires the internal token", service_name)
     serve_metrics(args.host, args.metrics_port)
     await executor.run(engine.warm_up)
     await server.set_serving(True)

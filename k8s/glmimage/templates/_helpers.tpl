@@ -75,6 +75,48 @@ app.kubernetes.io/component: {{ .component }}
 {{- if or .Values.apiKeys.existingSecret .Values.apiKeys.keys }}true{{ end }}
 {{- end }}
 
+{{- define "glmimage.adminKeySecretName" -}}
+{{- default (printf "%s-admin-keys" (include "glmimage.fullname" .)) .Values.adminKeys.existingSecret }}
+{{- end }}
+
+{{- define "glmimage.adminKeysEnabled" -}}
+{{- if or .Values.adminKeys.existingSecret .Values.adminKeys.keys }}true{{ end }}
+{{- end }}
+
+{{- define "glmimage.internalTokenSecretName" -}}
+{{- default (printf "%s-internal-token" (include "glmimage.fullname" .)) .Values.internalToken.existingSecret }}
+{{- end }}
+
+{{/* Where the internal token Secret is mounted in the AR, denoiser and gateway containers. */}}
+{{- define "glmimage.internalTokenDir" -}}/etc/glmimage/internal{{- end }}
+
+{{/* The flag that points a server at the internal token (a file: the token never appears in the args). */}}
+{{- define "glmimage.internalTokenArgs" -}}
+{{- if .Values.internalToken.enabled }}
+- --internal-token-file={{ include "glmimage.internalTokenDir" . }}/token
+{{- end }}
+{{- end }}
+
+{{- define "glmimage.internalTokenVolume" -}}
+{{- if .Values.internalToken.enabled }}
+- name: internal-token
+  secret:
+    secretName: {{ include "glmimage.internalTokenSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.internalToken.secretKey }}
+        path: token
+{{- end }}
+{{- end }}
+
+{{- define "glmimage.internalTokenVolumeMount" -}}
+{{- if .Values.internalToken.enabled }}
+- name: internal-token
+  mountPath: {{ include "glmimage.internalTokenDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
 {{- define "glmimage.tlsSecretName" -}}
 {{- default (printf "%s-tls" (include "glmimage.fullname" .)) .Values.tls.existingSecret }}
 {{- end }}
@@ -186,6 +228,7 @@ readinessProbe:
     medium: Memory
     sizeLimit: 256Mi
 {{- with include "glmimage.tlsVolume" .root | trim }}{{ . | nindent 0 }}{{- end }}
+{{- with include "glmimage.internalTokenVolume" .root | trim }}{{ . | nindent 0 }}{{- end }}
 {{- end }}
 
 {{- define "glmimage.modelVolumeMounts" -}}
@@ -199,6 +242,7 @@ readinessProbe:
 - name: tmp
   mountPath: /tmp
 {{- with include "glmimage.tlsVolumeMount" . | trim }}{{ . | nindent 0 }}{{- end }}
+{{- with include "glmimage.internalTokenVolumeMount" . | trim }}{{ . | nindent 0 }}{{- end }}
 {{- end }}
 
 {{/* --model-path, unless the tiny test model is wanted. */}}

@@ -1,0 +1,186 @@
+"""Bearer credentials on gRPC servers: one interceptor, one table saying which role each method needs.
+
+A credential travels as ``authorization: Bearer <secret>`` metadata and is compared in constant time with every
+configured one. Methods the table does not name (grpc.health.v1, reflection) stay open, so probes and grpcurl
+discovery work without a credential.
+
+Used by the gateway (user and admin keys on GatewayService, see gateway.auth) and by the AR and denoiser servers
+(the internal token the gateway presents on ArService and DenoiserService, see services.model.serving).
+Torch-free, like the rest of services.runtime.
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+ENV_INTERNAL_TOKEN = "GLMIMAGE_INTERNAL_TOKEN"
+MIN_TOKEN_CHARS = 16
+INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class Role:
+    """Who may call a group of methods, and with which credentials."""
+
+    name: str  # the table's values name roles by this
+    keys: tuple[str, ...]
+    credential: str = "API key"  # how messages name the credential ("admin key", "internal token")
+    # With no keys of its own, a role's methods are open (authentication off) when this is None; otherwise they
+    # are refused for everyone with PERMISSION_DENIED and this message (a feature off until it gets a credential).
+    off_message: str | None = None
+    # Other roles whose keys are accepted here too (an admin key may do what a user key may).
+    also: tuple[str, ...] = ()
+
+
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes | None:
+    """The token of the first ``authorization`` entry if it is ``Bearer <token>``; None otherwise."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            text = value if isinstance(value, str) else value.decode("latin-1")
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip().encode()
+            return None
+    return None
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata presenting ``token``; empty for None."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks every call against ``table``: ``"/pkg.Service/Method"`` -> role name, or ``"/pkg.Service/"`` -> the
+    role of that service's methods the table does not name (so a method added later is not open by accident).
+
+    Refusals: no credential, or one that matches no configured key: UNAUTHENTICATED. A valid credential of a
+    role the method does not accept (a user key on an admin method): PERMISSION_DENIED. A method whose role has no
+    keys and an ``off_message``: PERMISSION_DENIED with that message, whatever the caller sends.
+    """
+
+    def __init__(self, roles: Iterable[Role], table: Mapping[str, str]) -> None:
+        self._roles = {r.name: r for r in roles}
+        unknown = {name for name in table.values() if name not in self._roles}
+        unknown |= {name for r in self._roles.values() for name in r.also if name not in self._roles}
+        if unknown:
+            raise ValueError(f"unknown role(s) {sorted(unknown)}")
+        self._table = dict(table)
+        # Every configured key once, with its role: each call is compared with all of them, without short-circuit,
+        # so the time taken does not tell which key (or which role's key) nearly matched.
+        self._keys = [(r.name, k.encode()) for r in self._roles.values() for k in dict.fromkeys(r.keys) if k]
+
+    def role_of(self, method: str) -> Role | None:
+        """The role ``method`` needs; None: the method is open."""
+        name = self._table.get(method)
+        if name is None:
+            service, sep, _ = method.rpartition("/")
+            name = self._table.get(service + sep) if sep else None
+        return None if name is None else self._roles[name]
+
+    def check(self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None
+              ) -> tuple[grpc.StatusCode, str] | None:
+        """None if the call may go ahead, else the status code and message to refuse it with."""
+        role = self.role_of(method)
+        if role is None:
+            return None
+        if not role.keys:
+            return None if role.off_message is None else (grpc.StatusCode.PERMISSION_DENIED, role.off_message)
+        token = bearer_token(metadata)
+        matched = set()
+        if token is not None:
+            hits = [hmac.compare_digest(token, key) for _, key in self._keys]
+            matched = {name for (name, _), hit in zip(self._keys, hits, strict=True) if hit}
+        if matched & {role.name, *role.also}:
+            return None
+        if matched:
+            held = " or ".join(sorted(self._roles[name].credential for name in matched))
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method} needs the {role.name} role: an {role.credential}, not an {held}")
+        return (grpc.StatusCode.UNAUTHENTICATED,
+                f"missing or invalid {role.credential}: send metadata 'authorization: Bearer <key>'")
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        refusal = self.check(method, handler_call_details.invocation_metadata)
+        if refusal is None:
+            return handler
+        code, message = refusal
+        log.info("%s refused: %s: %s", method, code.name, message)
+        return _refusal(handler, code, message)
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that only answers ``code``."""
+    des, ser = handler.request_deserializer, handler.response_serializer
+
+    async def unary(request, context: grpc.aio.ServicerContext):
+        await context.abort(code, message)
+
+    async def stream(request, context: grpc.aio.ServicerContext):
+        await context.abort(code, message)
+        yield  # pragma: no cover - makes this an async generator; abort always raises
+
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, des, ser)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream, des, ser)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, des, ser)
+    return grpc.stream_stream_rpc_method_handler(stream, des, ser)
+
+
+# ---- the internal token (gateway -> AR and denoisers) -----------------------------------------------------------
+
+
+def check_token(token: str, source: str) -> str:
+    """``token`` if it can serve as the internal token; ValueError naming ``source`` otherwise."""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"the internal token from {source} is {len(token)} characters; use at least "
+                         f"{MIN_TOKEN_CHARS} (e.g. `openssl rand -hex 32`)")
+    if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
+        raise ValueError(f"the internal token from {source} must be printable ASCII without spaces")
+    return token
+
+
+def internal_token_from(path: Path | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The token in ``path`` (surrounding whitespace dropped), else ``$GLMIMAGE_INTERNAL_TOKEN``; None when
+    neither is set. ValueError for an unreadable file or an unusable token."""
+    if path is not None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--internal-token-file {path}: {exc}") from None
+        return check_token(text.strip(), f"--internal-token-file {path}")
+    text = environ.get(ENV_INTERNAL_TOKEN, "").strip()
+    return check_token(text, f"${ENV_INTERNAL_TOKEN}") if text else None
+
+
+def add_internal_token_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--internal-token-file", type=Path, default=None, metavar="PATH",
+                   help=f"{what} (also ${ENV_INTERNAL_TOKEN}; the file wins). A file or the environment, never a "
+                        "flag value, so `ps` does not show it. Off when neither is set.")
+
+
+def internal_token_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:
+    try:
+        return internal_token_from(args.internal_token_file, environ)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def internal_token_interceptor(token: str, services: Iterable[str]) -> BearerAuthInterceptor:
+    """Every method of ``services`` needs ``authorization: Bearer <token>``; health and reflection stay open."""
+    role = Role(INTERNAL, (token,), credential="internal token")
+    return BearerAuthInterceptor([role], {f"/{s}/": INTERNAL for s in services})
