@@ -77,6 +77,9 @@ _CLIENT_TEXT = {
     grpc.StatusCode.UNAVAILABLE: "was unreachable",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "was overloaded",
     grpc.StatusCode.CANCELLED: "cancelled the call",
+    # A deployment problem, not the client's: the worker wants the internal token the gateway lacks or got wrong.
+    grpc.StatusCode.UNAUTHENTICATED: "refused the gateway's credential (its internal token)",
+    grpc.StatusCode.PERMISSION_DENIED: "refused the gateway's credential (its internal token)",
 }
 
 
