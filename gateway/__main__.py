@@ -58,8 +58,9 @@ def _allow_rule(text: str):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d, g, t = SchedulerConfig(), GatewayConfig((), ()), TimeoutPolicy()
+    # No abbreviated flags: "--internal-token S" must not be read as --internal-token-file and echo S in an error.
     p = argparse.ArgumentParser(description="GLM-Image gateway: schedules requests over AR and denoiser pools",
-                                parents=[common_server_args(50050), client_tls_args()])
+                                parents=[common_server_args(50050), client_tls_args()], allow_abbrev=False)
     p.add_argument("--ar", action="append", default=[], type=_target, metavar="HOST:PORT",
                    help="AR server (repeatable)")
     p.add_argument("--denoiser", action="append", default=[], type=_target, metavar="HOST:PORT",

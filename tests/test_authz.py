@@ -529,3 +529,15 @@ def test_rest_flag_combinations_are_checked_at_start_up(monkeypatch: pytest.Monk
     forward = rest_main.settings_from_args(rest_main.parse_args(["--api-key", "r"]))
     assert forward.gateway_auth == "forward" and forward.gateway_api_key == "g-env"
 
+
+
+@pytest.mark.parametrize("module", ["gateway.__main__", "services.ar.__main__", "services.denoiser.__main__"])
+def test_an_abbreviated_flag_never_swallows_a_secret(module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # argparse would read "--internal-token S" as --internal-token-file S: S read as a path, and a file of that
+    # name (or an error quoting it as one) in play. Abbreviations are off, so it is an unknown flag at once.
+    import importlib
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).parse_args(["--internal-token", "s3cret-value-123456"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --internal-token" in err and "No such file" not in err

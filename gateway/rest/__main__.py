@@ -24,7 +24,7 @@ def _size(value: str) -> tuple[int, int]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="glmimage-rest", description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="glmimage-rest", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, default=None,

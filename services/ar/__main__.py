@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="GLM-Image AR server (prompt -> prior tokens)",
+    p = argparse.ArgumentParser(allow_abbrev=False, description="GLM-Image AR server (prompt -> prior tokens)",
                                 parents=[common_server_args(50051), model_args()])
     p.add_argument("--max-prompt-chars", type=int, default=ArLimits.max_prompt_chars)
     p.add_argument("--max-pixels", type=int, default=ArLimits.max_pixels)

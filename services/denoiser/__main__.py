@@ -18,7 +18,7 @@ SERVICE_NAME = denoiser_service_pb2.DESCRIPTOR.services_by_name["DenoiserService
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="GLM-Image denoiser server (prior tokens -> image), batch 1",
-                                parents=[common_server_args(50061), model_args()])
+                                parents=[common_server_args(50061), model_args()], allow_abbrev=False)
     p.add_argument("--default-steps", type=int, default=DenoiseLimits.default_steps,
                    help="steps when the request gives none (the tiny model needs 2; real weights ~50)")
     p.add_argument("--default-guidance", type=float, default=DenoiseLimits.default_guidance)
