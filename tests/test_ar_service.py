@@ -188,6 +188,7 @@ async def test_sizes_round_up_to_multiples_of_32(ar) -> None:
     (pb.GenerateRequest(prompt="x", height=0, width=64), "height"),
     (pb.GenerateRequest(prompt="x", height=64, width=0), "width"),
     (pb.GenerateRequest(prompt="x", height=4096, width=4096), "height"),
+    (pb.GenerateRequest(prompt="x", height=1, width=2**32 - 1), "width"),  # the larger side is at fault
     (pb.GenerateRequest(prompt="x", height=64, width=64,
                         sampling=common_pb2.SamplingParams(temperature=0)), "sampling.temperature"),
     (pb.GenerateRequest(prompt="x", height=64, width=64,

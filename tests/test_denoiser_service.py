@@ -218,6 +218,7 @@ async def test_cancelled_stream_stops_the_job_and_shares_the_busy_slot(dn, servi
     ({"height": 0}, "height"),
     ({"width": 0}, "width"),
     ({"height": 4096, "width": 4096, "prior_tokens": _row(4096, 4096)}, "height"),
+    ({"height": 64, "width": 2**32 - 1}, "width"),
     ({"num_inference_steps": 201}, "num_inference_steps"),
     ({"guidance_scale": 31.0}, "guidance_scale"),
     ({"guidance_scale": -0.5}, "guidance_scale"),
