@@ -39,7 +39,7 @@ def denoise_engine(tiny_checkpoint: Path):
 
 @pytest.fixture(scope="session")
 async def ar_server(ar_engine):
-    """A real ArService on 127.0.0.1:<ephemeral>, SERVING."""
+    """A real ArService on 127.0.0.1:<ephemeral>, SERVING; `.servicer` exposes its admission queue."""
     from glmimage.v1 import ar_service_pb2_grpc
     from services.ar.servicer import ArServicer
     from services.runtime.executor import SerialExecutor
@@ -49,6 +49,7 @@ async def ar_server(ar_engine):
     server = await start_server(lambda s: ar_service_pb2_grpc.add_ArServiceServicer_to_server(servicer, s),
                                 ["glmimage.v1.ArService"], "127.0.0.1:0")
     await server.set_serving(True)
+    server.servicer = servicer
     yield server
     await server.stop(None)
 

@@ -160,6 +160,19 @@ async def test_sampling_parameters_change_the_tokens_and_stay_deterministic(ar) 
     assert alone.outputs[0].tokens.token_ids == greedy
 
 
+async def test_a_vanishing_temperature_samples_the_most_likely_token(ar) -> None:
+    # float32's smallest denormal: logits / temperature overflow to inf, and softmax gives NaN. The limit of
+    # sampling as the temperature goes to 0 is greedy decoding, whatever the seed: what top_k=1 gives.
+    def req(seed: int, **sampling) -> pb.GenerateRequest:
+        return pb.GenerateRequest(prompt=PROMPT, height=64, width=64, seed=seed,
+                                  sampling=common_pb2.SamplingParams(**sampling))
+
+    greedy = await ar.Generate(req(4, top_k=1))
+    tiny = await ar.GenerateBatch(pb.GenerateBatchRequest(requests=[req(3, temperature=1e-45), req(5)]))
+    assert tiny.responses[0].outputs[0].tokens == greedy.outputs[0].tokens
+    assert tiny.responses[1].outputs[0].tokens != greedy.outputs[0].tokens  # its batch-mate still samples
+
+
 async def test_sizes_round_up_to_multiples_of_32(ar) -> None:
     resp = await ar.Generate(pb.GenerateRequest(prompt=PROMPT, height=50, width=90, seed=1))
     assert (resp.height, resp.width) == (64, 96)
@@ -175,6 +188,7 @@ async def test_sizes_round_up_to_multiples_of_32(ar) -> None:
     (pb.GenerateRequest(prompt="x", height=0, width=64), "height"),
     (pb.GenerateRequest(prompt="x", height=64, width=0), "width"),
     (pb.GenerateRequest(prompt="x", height=4096, width=4096), "height"),
+    (pb.GenerateRequest(prompt="x", height=1, width=2**32 - 1), "width"),  # the larger side is at fault
     (pb.GenerateRequest(prompt="x", height=64, width=64,
                         sampling=common_pb2.SamplingParams(temperature=0)), "sampling.temperature"),
     (pb.GenerateRequest(prompt="x", height=64, width=64,

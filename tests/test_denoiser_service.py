@@ -218,10 +218,13 @@ async def test_cancelled_stream_stops_the_job_and_shares_the_busy_slot(dn, servi
     ({"height": 0}, "height"),
     ({"width": 0}, "width"),
     ({"height": 4096, "width": 4096, "prior_tokens": _row(4096, 4096)}, "height"),
+    ({"height": 64, "width": 2**32 - 1}, "width"),
     ({"num_inference_steps": 201}, "num_inference_steps"),
     ({"guidance_scale": 31.0}, "guidance_scale"),
     ({"guidance_scale": -0.5}, "guidance_scale"),
     ({"output_compression": 101}, "output_compression"),
+    ({"output_format": 4}, "output_format"),  # proto3 enums are open: undeclared values arrive as they are
+    ({"output_format": -1}, "output_format"),
 ])
 async def test_invalid_requests_name_the_field(dn, overrides, field) -> None:
     invalid = _sample("glmimage_denoiser_jobs_total", outcome="invalid")

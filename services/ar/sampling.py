@@ -71,7 +71,8 @@ class RowSampler(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         chosen = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
         for g in self._groups:
-            ids, s = (input_ids, scores) if g.whole_batch else (input_ids[g.rows], scores[g.rows])
+            ids, raw = (input_ids, scores) if g.whole_batch else (input_ids[g.rows], scores[g.rows])
+            s = raw
             for w in g.warpers:
                 s = w(ids, s)
             probs = torch.softmax(s, dim=-1)
@@ -81,6 +82,12 @@ class RowSampler(LogitsProcessor):
             for j, gen in enumerate(g.generators):
                 q[j].exponential_(generator=gen)
             picked = (probs / q).argmax(dim=-1)
+            # A temperature so small that logits / temperature overflow (a float32 denormal such as 1e-45) makes
+            # softmax inf - inf = NaN, whose argmax is token 0. The limit of sampling as the temperature goes to 0
+            # is the most likely token, which the warpers never remove: take it.
+            overflowed = probs.isnan().any(dim=-1)
+            if overflowed.any():
+                picked = torch.where(overflowed, raw.argmax(dim=-1), picked)
             if g.whole_batch:
                 chosen = picked
             else:

@@ -47,12 +47,17 @@ FORMAT_TO_PROTO = {
 
 
 def job_from_proto(msg: denoiser_service_pb2.DenoiseRequest, partial_images: int = 0) -> DenoiseJob:
+    """The job a request describes; InvalidArgument for an output_format value ImageFormat does not declare
+    (proto3 enums are open: any int32 arrives as is)."""
+    if msg.output_format not in FORMAT_FROM_PROTO:
+        raise InvalidArgument("output_format", f"unknown format {msg.output_format}; expected one of "
+                                               f"{', '.join(common_pb2.ImageFormat.keys())}")
     return DenoiseJob(
         prompt=msg.prompt, token_ids=list(msg.prior_tokens.token_ids), height=msg.height, width=msg.width,
         steps=msg.num_inference_steps,
         guidance_scale=msg.guidance_scale if msg.HasField("guidance_scale") else None,
         seed=msg.seed if msg.HasField("seed") else None,
-        output_format=FORMAT_FROM_PROTO.get(msg.output_format, ImageFormat.PNG),
+        output_format=FORMAT_FROM_PROTO[msg.output_format],
         output_compression=msg.output_compression if msg.HasField("output_compression") else None,
         partial_images=partial_images)
 
@@ -120,7 +125,7 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         await self._idle.wait()
 
     async def Denoise(self, request, context: grpc.aio.ServicerContext):
-        result = await self._execute(job_from_proto(request), context)
+        result = await self._execute(request, 0, context)
         return result_to_proto(result)
 
     async def DenoiseStream(self, request, context: grpc.aio.ServicerContext
@@ -131,8 +136,7 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         def emit(event: JobEvent) -> None:  # runs on the worker thread
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        job = job_from_proto(request.job, partial_images=request.partial_images)
-        task = asyncio.ensure_future(self._execute(job, context, emit))
+        task = asyncio.ensure_future(self._execute(request.job, request.partial_images, context, emit))
         # The worker's events were queued before its result reached the loop, so None really comes last.
         task.add_done_callback(lambda _: events.put_nowait(None))
         try:
@@ -158,11 +162,12 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
             await self._idle.wait()  # the RPC's own deadline bounds this wait
         return True
 
-    async def _execute(self, job: DenoiseJob, context: grpc.aio.ServicerContext,
+    async def _execute(self, request: denoiser_service_pb2.DenoiseRequest, partial_images: int,
+                       context: grpc.aio.ServicerContext,
                        emit: Callable[[JobEvent], None] | None = None) -> DenoiseResult:
         """Validate, take the slot (or refuse), run on the worker thread, stop it if the caller goes away."""
         try:
-            job = self.engine.validate(job)
+            job = self.engine.validate(job_from_proto(request, partial_images))
         except InvalidArgument:
             metrics.JOBS.labels(Outcome.INVALID).inc()
             raise

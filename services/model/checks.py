@@ -34,8 +34,10 @@ def model_size(height: int, width: int, max_pixels: int) -> tuple[int, int]:
             raise InvalidArgument(name, f"must be positive, got {value}")
     h, w = round_up(height), round_up(width)
     if h * w > max_pixels:
-        raise InvalidArgument("height", f"{h}x{w} (after rounding up to multiples of {SIZE_MULTIPLE}) exceeds "
-                                        f"the limit of {max_pixels} pixels")
+        # Named after the larger side: 32x4294967296 is the width's fault, not the height's.
+        raise InvalidArgument("height" if h >= w else "width",
+                              f"{h}x{w} (after rounding up to multiples of {SIZE_MULTIPLE}) exceeds the limit of "
+                              f"{max_pixels} pixels")
     return h, w
 
 
