@@ -39,7 +39,7 @@ from glmimage.v1 import ar_service_pb2_grpc, common_pb2, denoiser_service_pb2_gr
 from glmimage.v1 import denoiser_service_pb2 as dn_pb
 from glmimage.v1 import gateway_service_pb2 as gw_pb
 from services.model.checks import round_up
-from tests.test_gateway_control import Gateway, running_gateway
+from tests.test_gateway_control import ADMIN, Gateway, running_gateway
 
 # Examples hold 100k-character strings on purpose; hypothesis warns when it builds their repr.
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
@@ -499,12 +499,12 @@ async def test_fuzz_add_and_remove_worker(workers: Workers, ops: list[tuple[str,
                 if addr.strip() in gateway.members:
                     continue  # draining a real worker is not what this fuzz is about
                 request = gw_pb.RemoveWorkerRequest(address=addr)
-                answer = await unary(gateway.stub.RemoveWorker(request, timeout=CALL_TIMEOUT))
+                answer = await unary(gateway.stub.RemoveWorker(request, timeout=CALL_TIMEOUT, metadata=ADMIN))
                 await check_gateway(gateway, answer, f"RemoveWorker({describe(request)})", request.DESCRIPTOR, trail,
                                     allowed=ADMIN_REFUSALS - {OK}, request_text=addr)
                 continue
             request = gw_pb.AddWorkerRequest(address=addr, role=role)
-            answer = await unary(gateway.stub.AddWorker(request, timeout=CALL_TIMEOUT))
+            answer = await unary(gateway.stub.AddWorker(request, timeout=CALL_TIMEOUT, metadata=ADMIN))
             call = f"AddWorker({describe(request)})"
             await check_gateway(gateway, answer, call, request.DESCRIPTOR, trail, allowed=ADMIN_REFUSALS,
                                 request_text=addr)
@@ -515,7 +515,7 @@ async def test_fuzz_add_and_remove_worker(workers: Workers, ops: list[tuple[str,
                     assert answer.code == (OK if same else grpc.StatusCode.ALREADY_EXISTS), f"{call}{trail}"
             elif answer.code == OK:  # a new (unreachable) worker: remove it again, which must work
                 removal = gw_pb.RemoveWorkerRequest(address=addr)
-                removed = await unary(gateway.stub.RemoveWorker(removal, timeout=CALL_TIMEOUT))
+                removed = await unary(gateway.stub.RemoveWorker(removal, timeout=CALL_TIMEOUT, metadata=ADMIN))
                 await check_gateway(gateway, removed, f"{call} then RemoveWorker", removal.DESCRIPTOR, trail,
                                     allowed=frozenset({OK}), request_text=addr)
         await assert_gateway_recovered(gateway, trail)

@@ -10,14 +10,22 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.model.checks import SEED_SPACE, check_prompt, check_sampling, check_seed, model_size
+from services.model.checks import (
+    MAX_PIXELS,
+    MAX_PROMPT_CHARS,
+    SEED_SPACE,
+    check_prompt,
+    check_sampling,
+    check_seed,
+    model_size,
+)
 from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError
 
 
 @dataclass(frozen=True)
 class ArLimits:
-    max_prompt_chars: int = 8192
-    max_pixels: int = 2048 * 2048
+    max_prompt_chars: int = MAX_PROMPT_CHARS
+    max_pixels: int = MAX_PIXELS
     max_n: int = 16
     # Output rows in one model batch (the sum of n over a GenerateBatch call): bounds KV-cache memory.
     max_batch_outputs: int = 32
@@ -140,7 +148,7 @@ def validate(req: ArRequest, limits: ArLimits) -> ArRequest:
     height, width = model_size(req.height, req.width, limits.max_pixels)
     s = req.sampling
     check_sampling(s.temperature, s.top_p, s.top_k)
-    check_seed(req.seed)
+    check_seed(req.seed, n)
     return ArRequest(prompt=req.prompt, n=n, height=height, width=width, seed=req.seed, sampling=s)
 
 

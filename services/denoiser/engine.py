@@ -18,7 +18,17 @@ import torch
 from PIL import Image
 
 from services.denoiser.encoding import DEFAULT_PNG_LEVEL, ImageFormat, encode
-from services.model.checks import SEED_SPACE, check_prompt, check_seed, model_size, round_up
+from services.model.checks import (
+    MAX_GUIDANCE,
+    MAX_PIXELS,
+    MAX_PROMPT_CHARS,
+    MAX_STEPS,
+    SEED_SPACE,
+    check_prompt,
+    check_seed,
+    model_size,
+    round_up,
+)
 from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.tiny import DENOISER_PARTS
@@ -32,10 +42,10 @@ MAX_PARTIAL_IMAGES = 3  # OpenAI's partial_images range is 0-3
 
 @dataclass(frozen=True)
 class DenoiseLimits:
-    max_prompt_chars: int = 8192
-    max_pixels: int = 2048 * 2048
-    max_steps: int = 200
-    max_guidance: float = 30.0
+    max_prompt_chars: int = MAX_PROMPT_CHARS
+    max_pixels: int = MAX_PIXELS
+    max_steps: int = MAX_STEPS
+    max_guidance: float = MAX_GUIDANCE
     default_steps: int = 2  # the tiny model's sensible default; set --default-steps 50 for real weights
     default_guidance: float = 1.5
     png_compress_level: int = DEFAULT_PNG_LEVEL  # zlib level when a PNG request gives no output_compression
