@@ -154,8 +154,9 @@ async def test_a_job_sent_right_after_a_cancel_waits_for_the_slot_instead_of_bus
 
 async def test_passed_deadline_stops_the_job_and_frees_the_slot(dn, servicer) -> None:
     cancelled = _sample("glmimage_denoiser_cancelled_jobs_total", reason="deadline")
+    # 512x512: 200 steps take several seconds even on a quiet machine (at 256x256 they could beat the deadline).
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await dn.Denoise(_req(256, 256, num_inference_steps=LONG_STEPS, seed=1), timeout=1.5)
+        await dn.Denoise(_req(512, 512, num_inference_steps=LONG_STEPS, seed=1), timeout=1.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     # No lower bound: on a loaded machine the deadline may pass during the glyph encoding, before step 1.
     await _assert_stopped_early(servicer, CancelReason.DEADLINE, min_steps=0)
