@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
+from services.runtime import keepalive
 
 from . import sse
 from .errors import APIError, error_response, from_rpc_error, from_validation_errors
@@ -51,10 +52,11 @@ REQUEST_ID_HEADER = "x-request-id"
 PARTIAL_EVENT = "image_generation.partial_image"
 COMPLETED_EVENT = "image_generation.completed"
 ERROR_EVENT = "error"
-# Ten 2048x2048 PNGs can exceed gRPC's 4 MiB default by far.
+# Ten 2048x2048 PNGs can exceed gRPC's 4 MiB default by far. Keepalive and the short capped reconnect backoff (a
+# restarted gateway is reached within about a second): services.runtime.keepalive, shared by every hop.
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    *keepalive.message_size_options(256 * 1024 * 1024, 64 * 1024 * 1024),
+    *keepalive.GATEWAY_CHANNEL_OPTIONS,
 ]
 # Client-supplied ids end up in gRPC metadata and logs: printable ASCII only.
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
