@@ -2,12 +2,15 @@
 
 - idle, then a burst: bursts separated by idle gaps longer than every keepalive interval all succeed, and no server
   ever counts a ping strike (the old servers' misspelt ping interval left grpc's 5-minute default in force, so the
-  gateway's keepalive pings earned strikes until a worker answered GOAWAY "too_many_pings" under the next burst).
+  gateway's keepalive pings earned strikes until a worker answered GOAWAY "too_many_pings" under the next burst);
+- after a gateway restart the REST front and the SDK are back within 2 s of the gateway serving (with gRPC's
+  default reconnect backoff they kept answering "connection refused" for 8-13 s).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +23,7 @@ import pytest
 from glmimage import Client, GlmImageError, RetryPolicy
 from glmimage import _keepalive as sdk_keepalive
 from services.runtime import keepalive
-from tests.cluster import Cluster
+from tests.cluster import Cluster, wait_serving
 
 PROMPT = 'idle "then" busy'
 SIZE = "64x64"
@@ -36,6 +39,10 @@ MAX_PING_SILENCE_MS = keepalive.KEEPALIVE_TIME_MS + keepalive.KEEPALIVE_TIMEOUT_
 TRACE_ENV = {"GRPC_TRACE": "http_keepalive", "GRPC_VERBOSITY": "debug"}
 _PING = re.compile(r"SERVER\[(\w+)\]: received ping \d+: now=@(\d+)ms transport_idle=\d "
                    r"next_allowed_ping=@(\S+?)(?:ms)? ping_strikes=(\d+)")
+# A gateway down for some seconds, as a rescheduled pod is. With gRPC's default reconnect backoff (1 s, x1.6, +-20%)
+# the attempts came about 1, 2.6, 5.2, 9.3 (+-1.9) and 15.8 (+-2.5) s after the first failure, so a gateway back
+# after ~11-12 s was reached only 2-6 s after it was serving.
+OUTAGE_S = 10.8
 SDK_NO_RETRY = RetryPolicy(max_attempts=1)  # a failure must show, not be retried away
 
 
@@ -194,3 +201,55 @@ def test_bursts_after_idle_gaps_all_succeed_without_ping_strikes(cluster: Cluste
         assert len(kept_alive) >= want, (
             f"{name}: {len(kept_alive)} connection(s) pinged through the idle gaps, want {want}; pings per "
             f"connection (ms): { {c: [p[0] for p in ps] for c, ps in conns.items()} }")
+
+
+@pytest.mark.chaos
+def test_rest_and_sdk_are_back_within_2s_of_a_restarted_gateway(cluster: Cluster) -> None:
+    rest = f"http://{cluster.procs['rest'].address}/v1/images/generations"
+    body = {"prompt": PROMPT, "n": 1, "size": SIZE}
+    sdk = Client(cluster.procs["gateway"].address, retry=SDK_NO_RETRY, timeout=30)
+    rest_answers: list[tuple[float, int, str]] = []  # after SERVING: (seconds, status, body)
+    try:
+        with httpx.Client(timeout=30) as http:
+            assert http.post(rest, json=body).status_code == 200
+            sdk.generate(PROMPT, size=SIZE)
+            cluster.kill("gateway", signal.SIGKILL)
+            # Both see it gone; from here their channels retry in the background with their reconnect backoff.
+            assert http.post(rest, json=body).status_code == 503
+            with pytest.raises(GlmImageError) as err:
+                sdk.generate(PROMPT, size=SIZE)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            time.sleep(OUTAGE_S)  # the outage is the point here
+            cluster.restart("gateway", wait=False)
+            wait_serving(cluster.procs["gateway"].address, "glmimage.v1.GatewayService", timeout=60)
+            serving = time.monotonic()
+
+            def rest_ok() -> bool:
+                r = http.post(rest, json=body)
+                rest_answers.append((time.monotonic() - serving, r.status_code, r.text[:300]))
+                return r.status_code == 200
+
+            def sdk_ok() -> bool:
+                try:
+                    sdk.generate(PROMPT, size=SIZE)
+                    return True
+                except GlmImageError:
+                    return False
+
+            def seconds_to_success(call) -> float:
+                while not call():
+                    if time.monotonic() - serving > 30:
+                        return float("inf")
+                    time.sleep(0.05)
+                return time.monotonic() - serving
+
+            with cf.ThreadPoolExecutor(2) as pool:  # both at once: each is timed from the gateway's SERVING
+                rest_after, sdk_after = pool.map(seconds_to_success, (rest_ok, sdk_ok))
+    finally:
+        sdk.close()
+    assert rest_after <= 2.0, f"REST served again {rest_after:.2f}s after the gateway was SERVING: {rest_answers}"
+    assert sdk_after <= 2.0, f"the SDK was served again {sdk_after:.2f}s after the gateway was SERVING"
+    # A request that found the channel still reconnecting waited for it instead of answering "connection refused"
+    # (a 503 of the gateway's own, before it has seen its workers, is another matter).
+    refused = [a for a in rest_answers if a[1] != 200 and "failed to connect" in a[2].lower()]
+    assert not refused, refused

@@ -160,6 +160,27 @@ class _Gateway:
     channel: grpc.aio.Channel
     stub: gateway_service_pb2_grpc.GatewayServiceStub
     health: health_pb2_grpc.HealthStub
+    reconnect_wait: float = keepalive.RECONNECT_WAIT_S
+
+    async def connected(self) -> None:
+        """Before a call: if the channel is reconnecting (the gateway restarted or is briefly away), give it up to
+        ``reconnect_wait`` seconds to be READY. A call made in TRANSIENT_FAILURE fails at once, so a request that
+        arrives just before the next reconnect attempt would get 503 although the gateway is back. If it is still
+        not ready the call goes ahead and fails as before (503)."""
+        state = self.channel.get_state(try_to_connect=True)
+        if state not in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.CONNECTING):
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reconnect_wait
+        while state is not grpc.ChannelConnectivity.READY:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(self.channel.wait_for_state_change(state), remaining)
+            except TimeoutError:
+                return
+            state = self.channel.get_state(try_to_connect=True)
 
 
 class _FrontMiddleware:
@@ -384,6 +405,7 @@ async def _generate(
     gateway: _Gateway, gen: _Generation, timeout: float, receive: Receive
 ) -> gateway_service_pb2.GenerateImagesResponse | None:
     """Run GenerateImages; None if the HTTP client went away (the RPC is then cancelled)."""
+    await gateway.connected()
     guard = _CallGuard(gateway.stub.GenerateImages(gen.request, metadata=gen.metadata, timeout=timeout), receive)
     try:
         return await guard.wait(guard.call)
@@ -476,6 +498,7 @@ async def _stream(
     receive: Receive,
 ) -> Response:
     req = gateway_service_pb2.GenerateImagesStreamRequest(request=gen.request, partial_images=partial_images)
+    await gateway.connected()
     call = gateway.stub.GenerateImagesStream(req, metadata=gen.metadata, timeout=settings.request_timeout)
     guard = _CallGuard(call, receive)
     try:

@@ -62,6 +62,11 @@ MAX_RECONNECT_BACKOFF_MS = 1_000
 # RST) is soon retried. A refused connection (the peer's process is down) fails at once and only backs off.
 MIN_CONNECT_TIMEOUT_MS = 5_000
 
+# REST front: how long a request that finds the gateway channel reconnecting (TRANSIENT_FAILURE) waits for it to
+# become ready before the call is made (and then fails with 503 if it is still down): one capped backoff with its
+# jitter plus a connect, so a request arriving just after the gateway came back is served, not refused.
+RECONNECT_WAIT_S = 2.0
+
 # ---- channel arguments ------------------------------------------------------------------------------------------
 
 Options = tuple[tuple[str, int], ...]
