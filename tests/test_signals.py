@@ -108,7 +108,7 @@ def _check(runs: list[_Run]) -> None:
     assert not problems, "\n\n".join(problems)
 
 
-@pytest.mark.parametrize("role", ["gateway", "rest"])
+@pytest.mark.parametrize("role", ["ar", "denoiser", "gateway", "rest"])
 def test_sigterm_and_sigint_exit_0_without_traceback(role: str, tiny_checkpoint: Path, tmp_path: Path) -> None:
     phases = (STARTING, SERVING) if role != "gateway" else (SERVING,)  # the gateway has no slow start-up
     runs = [_launch(role, sig, phase, tmp_path) for phase in phases for sig in (signal.SIGTERM, signal.SIGINT)]

@@ -222,10 +222,15 @@ def install_shutdown_signals() -> asyncio.Event:
 
 
 async def run_until_signalled(
-    server: GrpcServer, *, grace: float, on_drain: Callable[[], Awaitable[None]] | None = None
+    server: GrpcServer, *, grace: float, on_drain: Callable[[], Awaitable[None]] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then go NOT_SERVING, let in-flight RPCs finish (up to grace) and stop."""
-    stop = install_shutdown_signals()
+    """Serve until SIGTERM/SIGINT, then go NOT_SERVING, let in-flight RPCs finish (up to grace) and stop.
+
+    ``stop``: the event from an earlier install_shutdown_signals() (a server that wants the signals handled during
+    its start-up already); installed here otherwise."""
+    if stop is None:
+        stop = install_shutdown_signals()
     await stop.wait()
     log.info("shutdown requested: draining for up to %.0fs", grace)
     await server.set_serving(False)
