@@ -29,10 +29,9 @@ PROMPT = 'idle "then" busy'
 SIZE = "64x64"
 BURST = 8  # concurrent requests per burst, half through REST, half through the SDK
 KEEPALIVE_S = keepalive.KEEPALIVE_TIME_MS / 1000
-# Longer than every keepalive interval in play, and than three client pings: with the old settings the third ping
-# since a worker last sent data was the one answered with GOAWAY.
-IDLE_GAP_S = 3 * KEEPALIVE_S + 2
-GAPS = 2
+# Idle gaps between the bursts, each longer than every keepalive interval in play. The first is also longer than
+# three client pings: with the old settings the third ping since a worker last sent data was answered with GOAWAY.
+IDLE_GAPS_S = (3 * KEEPALIVE_S + 2, KEEPALIVE_S + 2)
 # Longest silence allowed between two pings on a connection: a keepalive period plus its timeout.
 MAX_PING_SILENCE_MS = keepalive.KEEPALIVE_TIME_MS + keepalive.KEEPALIVE_TIMEOUT_MS
 # Server-side ping traces: "SERVER[0x...]: received ping <id>: now=@<ms>ms ... next_allowed_ping=@<ms>ms ..."
@@ -169,9 +168,8 @@ def test_bursts_after_idle_gaps_all_succeed_without_ping_strikes(cluster: Cluste
     failures: dict[int, list[str]] = {}
     try:
         with httpx.Client() as http:
-            for cycle in range(GAPS + 1):
-                if cycle:
-                    time.sleep(IDLE_GAP_S)  # the idle period is the point of the test
+            for cycle, gap in enumerate((0, *IDLE_GAPS_S)):
+                time.sleep(gap)  # the idle period is the point of the test
                 failures[cycle] = _burst(cluster, sdk, http, seed=100 * cycle)
     finally:
         sdk.close()
@@ -185,7 +183,7 @@ def test_bursts_after_idle_gaps_all_succeed_without_ping_strikes(cluster: Cluste
 
     # Every server: no ping was early (a strike), and the connections that lived through the gaps kept pinging at
     # the keepalive period (with grpc's pings-without-data cap they fell back to one ping a minute).
-    idle_ms = GAPS * IDLE_GAP_S * 1000
+    idle_ms = sum(IDLE_GAPS_S) * 1000
     for name, log in logs.items():
         if name == "rest":
             continue  # not a gRPC server
