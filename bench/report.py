@@ -120,6 +120,11 @@ def soak(d: dict) -> str:
             f"\n{d['duration_s']:.0f} s, {d['clients']} clients, {d['denoiser_kills']} denoiser kills: "
             f"{d['requests']} requests, {d['successes']} succeeded, failures {d['failures_by_reason'] or 'none'}, "
             f"lost {d['lost']}.\n")
+    gap = d.get("after_idle_gap")
+    if gap is not None:
+        text += (f"\nLoad came in {d['busy_s']:.0f} s stretches separated by {d['idle_gaps']} idle gap(s) of "
+                 f"{d['idle_gap_s']:.0f} s; of the {gap['requests']} requests started within {gap['window_s']:.0f} s "
+                 f"after a gap, {gap['successes']} succeeded, failures {gap['failures_by_reason'] or 'none'}.\n")
     samples = d.get("rss_mib_over_time") or []
     if not samples:
         return text

@@ -35,6 +35,7 @@ from glmimage.v1 import (
     gateway_service_pb2,
 )
 from services.model.checks import round_up
+from services.runtime import keepalive
 from services.runtime.tls import make_channel
 
 log = logging.getLogger(__name__)
@@ -52,19 +53,12 @@ ERROR_CODE_OF = {grpc.StatusCode.INVALID_ARGUMENT: sch.ErrorKind.INVALID_ARGUMEN
 
 _BATCH_FIELD = re.compile(r"^requests\[\d+\]\.")
 
+# Keepalive pings find a worker whose node vanished without closing the connection (the health Watch then breaks and
+# the worker is marked unhealthy); the short capped reconnect backoff reaches a restarted worker within about a
+# second. Both, and how they agree with what the workers accept, are in services.runtime.keepalive.
 CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    # Pings find a worker whose node vanished without closing the connection: the health Watch then breaks
-    # and the worker is marked unhealthy. Servers allow them (services.runtime.server.start_server).
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    # gRPC's default reconnect backoff grows to minutes; a restarted worker must be reached within about a second
-    # of coming back (the health probe then re-admits it), so keep the backoff short and capped.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
+    *keepalive.message_size_options(64 * 1024 * 1024, 64 * 1024 * 1024),
+    *keepalive.WORKER_CHANNEL_OPTIONS,
 )
 
 # Call failures that say more about the worker than about the job.

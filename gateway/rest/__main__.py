@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import uvicorn
@@ -114,12 +116,34 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM and SIGINT end the process with exit code 0 after the graceful
+    shutdown (in-flight requests finish, the gateway channel closes), like every other server of the suite.
+
+    uvicorn's own capture_signals() re-raises the captured signal once it has shut down, so the process then died
+    of it: exit code 143 on SIGTERM, a KeyboardInterrupt traceback on SIGINT. main() installs the handlers itself,
+    before the port is bound, so a signal that arrives while the front is still starting is handled the same way.
+    """
+
+    def install_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.handle_exit)  # sets should_exit; a second SIGINT sets force_exit
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the handlers are in place already, and nothing is re-raised afterwards
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(settings_from_args(args))
+    # The stdlib loop: uvloop measured no faster here (the time goes to FastAPI and the gRPC client).
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", loop="asyncio")
+    server = _Server(config)
+    server.install_handlers()
     # Bind here rather than in uvicorn so that --port 0 can report the port it got.
     sock = listen_socket(args.host, args.port)
     if args.port_file is not None:
@@ -127,10 +151,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tmp.write_text(str(sock.getsockname()[1]))
         tmp.replace(args.port_file)
     logging.getLogger("gateway.rest").info("REST front listening on %s:%d", args.host, sock.getsockname()[1])
-    # The stdlib loop: uvloop measured no faster here (the time goes to FastAPI and the gRPC client).
-    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", loop="asyncio")
-    # uvicorn installs its own SIGINT/SIGTERM handlers and shuts down gracefully.
-    uvicorn.Server(config).run(sockets=[sock])
+    server.run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
+from services.runtime import keepalive
 
 from . import sse
 from .errors import APIError, error_response, from_rpc_error, from_validation_errors
@@ -51,10 +52,11 @@ REQUEST_ID_HEADER = "x-request-id"
 PARTIAL_EVENT = "image_generation.partial_image"
 COMPLETED_EVENT = "image_generation.completed"
 ERROR_EVENT = "error"
-# Ten 2048x2048 PNGs can exceed gRPC's 4 MiB default by far.
+# Ten 2048x2048 PNGs can exceed gRPC's 4 MiB default by far. Keepalive and the short capped reconnect backoff (a
+# restarted gateway is reached within about a second): services.runtime.keepalive, shared by every hop.
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    *keepalive.message_size_options(256 * 1024 * 1024, 64 * 1024 * 1024),
+    *keepalive.GATEWAY_CHANNEL_OPTIONS,
 ]
 # Client-supplied ids end up in gRPC metadata and logs: printable ASCII only.
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
@@ -200,6 +202,27 @@ class _Gateway:
     channel: grpc.aio.Channel
     stub: gateway_service_pb2_grpc.GatewayServiceStub
     health: health_pb2_grpc.HealthStub
+    reconnect_wait: float = keepalive.RECONNECT_WAIT_S
+
+    async def connected(self) -> None:
+        """Before a call: if the channel is reconnecting (the gateway restarted or is briefly away), give it up to
+        ``reconnect_wait`` seconds to be READY. A call made in TRANSIENT_FAILURE fails at once, so a request that
+        arrives just before the next reconnect attempt would get 503 although the gateway is back. If it is still
+        not ready the call goes ahead and fails as before (503)."""
+        state = self.channel.get_state(try_to_connect=True)
+        if state not in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.CONNECTING):
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reconnect_wait
+        while state is not grpc.ChannelConnectivity.READY:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(self.channel.wait_for_state_change(state), remaining)
+            except TimeoutError:
+                return
+            state = self.channel.get_state(try_to_connect=True)
 
 
 class _FrontMiddleware:
@@ -425,6 +448,7 @@ async def _generate(
     gateway: _Gateway, gen: _Generation, timeout: float, receive: Receive
 ) -> gateway_service_pb2.GenerateImagesResponse | None:
     """Run GenerateImages; None if the HTTP client went away (the RPC is then cancelled)."""
+    await gateway.connected()
     guard = _CallGuard(gateway.stub.GenerateImages(gen.request, metadata=gen.metadata, timeout=timeout), receive,
                        gen.rid)
     try:
@@ -518,6 +542,7 @@ async def _stream(
     receive: Receive,
 ) -> Response:
     req = gateway_service_pb2.GenerateImagesStreamRequest(request=gen.request, partial_images=partial_images)
+    await gateway.connected()
     call = gateway.stub.GenerateImagesStream(req, metadata=gen.metadata, timeout=settings.request_timeout)
     guard = _CallGuard(call, receive, gen.rid)
     try:

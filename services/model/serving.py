@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
-from collections.abc import Callable
-from typing import Any
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -13,10 +16,11 @@ from services.model.device import DEVICE_CHOICES, DTYPE_CHOICES
 from services.runtime.auth import add_internal_token_args, internal_token_from_args, internal_token_interceptor
 from services.runtime.executor import SerialExecutor
 from services.runtime.metrics import serve_metrics
-from services.runtime.server import announce, run_until_signalled, start_server
+from services.runtime.server import announce, install_shutdown_signals, run_until_signalled, start_server
 from services.runtime.tls import server_tls_from_args
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def model_args() -> argparse.ArgumentParser:
@@ -44,11 +48,15 @@ async def serve_model(
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     tls = server_tls_from_args(args)  # flag errors before the (slow) model load
+    # Signals are ours from here on: without this a SIGTERM while loading killed the process (exit 143) and a
+    # SIGINT printed a KeyboardInterrupt traceback.
+    stop = install_shutdown_signals()
     token = internal_token_from_args(args)
     interceptors = [internal_token_interceptor(token, [service_name])] if token else []
     executor = SerialExecutor(name)
     # Load before binding, so nothing can reach a half-loaded model; health stays NOT_SERVING through warm-up.
-    engine = await executor.run(load)
+    log.info("%s: loading the model", name)
+    engine = await _unless_stopped(executor.run(load), stop)
     servicer = make_servicer(engine, executor)
     server = await start_server(lambda s: register(servicer, s), [service_name], f"{args.host}:{args.port}",
                                 tls=tls, interceptors=interceptors)
@@ -56,10 +64,26 @@ async def serve_model(
     if token:
         log.info("%s requires the internal token", service_name)
     serve_metrics(args.host, args.metrics_port)
-    await executor.run(engine.warm_up)
+    await _unless_stopped(executor.run(engine.warm_up), stop)
     await server.set_serving(True)
     log.info("%s SERVING", service_name)
     try:
-        await run_until_signalled(server, grace=args.drain_seconds)
+        await run_until_signalled(server, grace=args.drain_seconds, stop=stop)
     finally:
         executor.shutdown()
+
+
+async def _unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T:
+    """The result of ``work`` (a start-up step), or, if SIGTERM/SIGINT comes first, the end of the process with
+    exit code 0: nothing has been served yet, so there is nothing to drain, and a model load or warm-up running in
+    its thread cannot be interrupted (a normal exit would wait for it: minutes with real weights)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        stopped.cancel()
+        return task.result()
+    log.info("shutdown requested during start-up: exiting without serving")
+    logging.shutdown()  # flushes the handlers: os._exit skips that
+    sys.stdout.flush()
+    os._exit(0)

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.runtime import keepalive
 from services.runtime.errors import ErrorKind, ServiceError
 from services.runtime.logs import new_request_id, request_id_var
 from services.runtime.tls import ServerTls, add_server_tls_args
@@ -215,6 +216,17 @@ class GrpcServer:
         await self.server.stop(grace)
 
 
+def server_options(max_message_mb: int) -> list[tuple[str, int]]:
+    """The channel arguments of every server: message limits, and the pings it accepts from the clients of every
+    hop (services.runtime.keepalive, where the numbers are reasoned)."""
+    size = max_message_mb * 1024 * 1024
+    return [
+        *keepalive.message_size_options(size, size),
+        ("grpc.so_reuseport", 0),  # two servers on one port must fail loudly, not share traffic
+        *keepalive.SERVER_OPTIONS,
+    ]
+
+
 async def start_server(
     add_servicers: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
@@ -228,17 +240,9 @@ async def start_server(
 
     ``interceptors`` run after the error interceptor, so what they raise or abort with is mapped the same way.
     With ``tls`` the port serves TLS only (mutual TLS when it names a client CA)."""
-    options = [
-        ("grpc.max_receive_message_length", max_message_mb * 1024 * 1024),
-        ("grpc.max_send_message_length", max_message_mb * 1024 * 1024),
-        ("grpc.so_reuseport", 0),  # two servers on one port must fail loudly, not share traffic
-        # Let the gateway's keepalive pings through (see CHANNEL_OPTIONS in gateway.driver): they are how it
-        # notices a worker whose node vanished without closing the connection.
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
     work = InflightWork()
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(work), *interceptors], options=options)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(work), *interceptors],
+                             options=server_options(max_message_mb))
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -264,10 +268,15 @@ def install_shutdown_signals() -> asyncio.Event:
 
 
 async def run_until_signalled(
-    server: GrpcServer, *, grace: float, on_drain: Callable[[], Awaitable[None]] | None = None
+    server: GrpcServer, *, grace: float, on_drain: Callable[[], Awaitable[None]] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then go NOT_SERVING, let in-flight RPCs finish (up to grace) and stop."""
-    stop = install_shutdown_signals()
+    """Serve until SIGTERM/SIGINT, then go NOT_SERVING, let in-flight RPCs finish (up to grace) and stop.
+
+    ``stop``: the event from an earlier install_shutdown_signals() (a server that wants the signals handled during
+    its start-up already); installed here otherwise."""
+    if stop is None:
+        stop = install_shutdown_signals()
     await stop.wait()
     log.info("shutdown requested: draining for up to %.0fs", grace)
     await server.set_serving(False)

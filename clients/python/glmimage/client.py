@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from glmimage._keepalive import CHANNEL_OPTIONS
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -293,8 +294,11 @@ class _Base:
         self.timeout = timeout
         self.retry = retry
         self._rng = rng or random.Random()
+        # Keepalive the gateway accepts and a short capped reconnect backoff (see glmimage._keepalive); the
+        # caller's ``options`` come last, so they override.
         opts: list[tuple[str, Any]] = [("grpc.max_receive_message_length", max_message_bytes),
-                                       ("grpc.max_send_message_length", max_message_bytes)]
+                                       ("grpc.max_send_message_length", max_message_bytes),
+                                       *CHANNEL_OPTIONS]
         if tls is not None and tls.server_name:
             opts.append(("grpc.ssl_target_name_override", tls.server_name))
         self._options = [*opts, *options]
