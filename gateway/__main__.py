@@ -199,7 +199,9 @@ async def serve(args: argparse.Namespace) -> None:
         log.info("admin RPCs off (no --admin-key)")
     if config.worker_metadata:
         log.info("presenting the internal token to workers")
-    # The gateway itself is ready at once; whether workers are available is reported by GetStatus and /health.
+    # SERVING once it knows its static workers (each answered a first health check, or failed to: at most two probe
+    # timeouts), so a restarted gateway does not fail-fast its first requests; GetStatus and /health say the rest.
+    await driver.first_checks(2 * config.health_probe_timeout)
     await server.set_serving(True)
     try:
         await run_until_signalled(server, grace=args.drain_seconds)

@@ -151,6 +151,7 @@ class _Worker:
         self.channel = make_channel(address, config.client_tls, CHANNEL_OPTIONS)
         self.watch_task: asyncio.Task | None = None
         self.health = WorkerHealth.UNKNOWN
+        self.checked = asyncio.Event()  # its first health check has an answer, whichever
         if role is sch.WorkerRole.AR:
             self.stub = ar_service_pb2_grpc.ArServiceStub(self.channel)
             self.service = AR_SERVICE
@@ -289,6 +290,16 @@ class Driver:
             raise
         finally:
             self._pending.pop(request_id, None)
+
+    async def first_checks(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) until every member's first health check has an answer: a gateway that says
+        SERVING before it knows its workers would fail-fast its first requests with 503."""
+        events = [w.checked.wait() for w in self._workers.values()]
+        if events:
+            try:
+                await asyncio.wait_for(asyncio.gather(*events), timeout)
+            except TimeoutError:
+                log.warning("some workers had not answered a first health check after %.1fs", timeout)
 
     def snapshot(self) -> sch.Snapshot:
         return self.scheduler.snapshot()
@@ -620,6 +631,7 @@ class Driver:
                         self._feed(sch.WorkerNotServing(now=time.monotonic(), worker=worker.address))
                     serving = now_serving
                     backoff = self.config.health_retry_min
+                    worker.checked.set()
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is None or task.cancelling() or prober is None or not prober.done():
@@ -643,6 +655,7 @@ class Driver:
             finally:
                 if prober is not None:
                     prober.cancel()
+                worker.checked.set()
             serving = False
             if healthy:
                 healthy = False
