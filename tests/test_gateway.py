@@ -88,7 +88,7 @@ async def test_default_size_and_request_id_echo(gateway) -> None:
     # Range-checked before any arithmetic: rounded up to a multiple of 32 this no longer fits uint32, and the AR
     # batch task once died on it and held the AR slot for good.
     (pb.GenerateImagesRequest(prompt="x", height=2**32 - 1, width=2**32 - 1), "height"),
-    (pb.GenerateImagesRequest(prompt="x", height=64, width=2**32 - 1), "height"),
+    (pb.GenerateImagesRequest(prompt="x", height=64, width=2**32 - 1), "width"),  # the larger side is at fault
     (pb.GenerateImagesRequest(prompt="x" * 8193), "prompt"),
     (pb.GenerateImagesRequest(prompt="x", num_inference_steps=201), "num_inference_steps"),
     (pb.GenerateImagesRequest(prompt="x", guidance_scale=float("nan")), "guidance_scale"),
