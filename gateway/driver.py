@@ -10,7 +10,6 @@ DenoiseSucceeded as for a unary one.
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import itertools
 import logging
@@ -20,28 +19,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.membership import DnsMembership
 from gateway.metrics import GatewayMetrics
 from gateway.timeouts import ArTimeouts, DenoiseTimeouts
+from gateway.workers import Worker, WorkerHealth
 from glmimage.v1 import (
     ar_service_pb2,
-    ar_service_pb2_grpc,
     denoiser_service_pb2,
-    denoiser_service_pb2_grpc,
     gateway_service_pb2,
 )
 from services.model.checks import round_up
-from services.runtime import keepalive
-from services.runtime.tls import make_channel
 
 log = logging.getLogger(__name__)
 
-AR_SERVICE = ar_service_pb2.DESCRIPTOR.services_by_name["ArService"].full_name
-DENOISER_SERVICE = denoiser_service_pb2.DESCRIPTOR.services_by_name["DenoiserService"].full_name
 # A denoise failure with these codes says nothing about the request itself: try another worker.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                              grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -52,14 +45,6 @@ ERROR_CODE_OF = {grpc.StatusCode.INVALID_ARGUMENT: sch.ErrorKind.INVALID_ARGUMEN
                  grpc.StatusCode.FAILED_PRECONDITION: sch.ErrorKind.INVALID_ARGUMENT}
 
 _BATCH_FIELD = re.compile(r"^requests\[\d+\]\.")
-
-# Keepalive pings find a worker whose node vanished without closing the connection (the health Watch then breaks and
-# the worker is marked unhealthy); the short capped reconnect backoff reaches a restarted worker within about a
-# second. Both, and how they agree with what the workers accept, are in services.runtime.keepalive.
-CHANNEL_OPTIONS = (
-    *keepalive.message_size_options(64 * 1024 * 1024, 64 * 1024 * 1024),
-    *keepalive.WORKER_CHANNEL_OPTIONS,
-)
 
 # Call failures that say more about the worker than about the job.
 SUSPECT_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
@@ -83,26 +68,6 @@ def client_message(role: str, err: grpc.aio.AioRpcError) -> str:
     if err.code() in ERROR_CODE_OF:
         return err.details() or "invalid request"
     return f"the {role} {_CLIENT_TEXT.get(err.code(), 'failed')}"
-
-
-class WorkerHealth(enum.Enum):
-    """Why a member is (not) usable, as the gateway last saw it: shown in GetStatus and /health."""
-
-    UNKNOWN = "not yet checked"
-    SERVING = "serving"
-    NOT_SERVING = "not serving (draining)"
-    UNREACHABLE = "unreachable"
-    HUNG = "not answering health checks (hung)"
-    TIMED_OUT = "a call to it timed out"
-
-    @property
-    def stuck(self) -> bool:
-        """Connected but not answering: the process is there and holds its work, yet makes no progress."""
-        return self in (WorkerHealth.HUNG, WorkerHealth.TIMED_OUT)
-
-
-class _NotServing(Exception):
-    """A health probe answered, but not SERVING."""
 
 
 # Called with (image index, DenoiseStreamResponse carrying progress or partial_image).
@@ -144,22 +109,6 @@ class _Pending:
     denoise_dispatched: set[int] = field(default_factory=set)  # output indices dispatched at least once
 
 
-class _Worker:
-    def __init__(self, address: str, role: sch.WorkerRole, config: GatewayConfig) -> None:
-        self.address = address
-        self.role = role
-        self.channel = make_channel(address, config.client_tls, CHANNEL_OPTIONS)
-        self.watch_task: asyncio.Task | None = None
-        self.health = WorkerHealth.UNKNOWN
-        self.checked = asyncio.Event()  # its first health check has an answer, whichever
-        if role is sch.WorkerRole.AR:
-            self.stub = ar_service_pb2_grpc.ArServiceStub(self.channel)
-            self.service = AR_SERVICE
-        else:
-            self.stub = denoiser_service_pb2_grpc.DenoiserServiceStub(self.channel)
-            self.service = DENOISER_SERVICE
-
-
 class Driver:
     def __init__(self, config: GatewayConfig, scheduler: sch.Scheduler | None = None,
                  metrics: GatewayMetrics | None = None) -> None:
@@ -167,7 +116,7 @@ class Driver:
         self.scheduler = scheduler or sch.Scheduler(config.scheduler)
         self.metrics = metrics
         self._pending: dict[str, _Pending] = {}
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, Worker] = {}
         self._removed: set[str] = set()  # removed from the scheduler, maybe still draining
         self._ar_calls: dict[int, asyncio.Task] = {}
         self._abandoned_batches: set[int] = set()  # cancelled because nobody waits: report their end
@@ -231,11 +180,11 @@ class Driver:
             log.warning("%s worker %s not added: the pool already has %d workers (--max-workers)",
                         role.value.lower(), address, len(self._workers))
             return False
-        worker = _Worker(address, role, self.config)
+        worker = Worker(address, role, self.config)
         self._workers[address] = worker
         log.info("%s worker %s added", role.value.lower(), address)
         self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
-        worker.watch_task = asyncio.create_task(self._watch_health(worker), name=f"health:{address}")
+        worker.watch(self._feed, lambda: self._closed)
         return True
 
     def pool_size(self) -> int:
@@ -431,7 +380,7 @@ class Driver:
             log.warning("AR batch %d (%s) on %s failed after %.1fs: %s: %s", action.batch_id, ",".join(rids),
                         worker.address, time.monotonic() - started, err.code().name, err.details())
             if err.code() in SUSPECT_CODES:
-                self._suspect(worker, err.code())
+                self._sideline(worker, err.code())
             kind = ERROR_CODE_OF.get(err.code(), sch.ErrorKind.UNAVAILABLE)
             # The AR names the field within its batch ("requests[1].prompt: ..."); the client sent one request.
             message = client_message("AR server", err)
@@ -503,7 +452,7 @@ class Driver:
             if code in SUSPECT_CODES:
                 # No answer in time, or the connection broke: take the worker out *before* the job is requeued,
                 # so the retry goes elsewhere, and let it back only once a health check answers again.
-                self._suspect(worker, code)
+                self._sideline(worker, code)
             return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
                                      message=client_message("denoiser", err), retryable=code in RETRYABLE_CODES,
                                      code=ERROR_CODE_OF.get(code, sch.ErrorKind.INTERNAL))
@@ -536,7 +485,7 @@ class Driver:
             event = task.result()
         self._feed(event)
 
-    async def _denoise_stream(self, worker: _Worker, request: denoiser_service_pb2.DenoiseRequest,
+    async def _denoise_stream(self, worker: Worker, request: denoiser_service_pb2.DenoiseRequest,
                               metadata: tuple[tuple[str, str], ...], index: int,
                               stream: StreamOptions, timeout: float) -> denoiser_service_pb2.DenoiseResponse | None:
         """Run a streamed job, relaying its events; the final result, or None if the stream ended without it."""
@@ -558,108 +507,17 @@ class Driver:
             return await worker.stub.Denoise(request, timeout=timeout, metadata=metadata)
         return None
 
-    # ---- health ---------------------------------------------------------------------------------------------
+    # ---- health (the watches themselves are gateway.workers') -------------------------------------------------
 
     def worker_health(self, address: str) -> WorkerHealth:
         worker = self._workers.get(address)
         return WorkerHealth.UNKNOWN if worker is None else worker.health
 
-    def _suspect(self, worker: _Worker, code: grpc.StatusCode) -> None:
-        """Mark a worker unhealthy now and restart its health watch, which must see a fresh answer to clear it."""
-        if worker.watch_task is None or self._closed or self._workers.get(worker.address) is not worker:
+    def _sideline(self, worker: Worker, code: grpc.StatusCode) -> None:
+        """A call to it timed out or broke: unavailable until it answers a health check again."""
+        if self._closed or self._workers.get(worker.address) is not worker:
             return
         log.warning("%s %s is suspect (%s on a call): unavailable until it answers a health check",
                     worker.role.name.lower(), worker.address, code.name)
-        worker.health = (WorkerHealth.TIMED_OUT if code is grpc.StatusCode.DEADLINE_EXCEEDED
-                         else WorkerHealth.UNREACHABLE)
-        worker.watch_task.cancel()
-        self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=worker.address))
-        worker.watch_task = asyncio.create_task(self._watch_health(worker), name=f"health:{worker.address}")
-
-    async def _probe(self, stub: health_pb2_grpc.HealthStub, worker: _Worker) -> None:
-        """Return once the worker failed ``health_probe_failures`` probes in a row (it is hung or gone)."""
-        cfg = self.config
-        request = health_pb2.HealthCheckRequest(service=worker.service)
-        failures = 0
-        while failures < cfg.health_probe_failures:
-            await asyncio.sleep(cfg.health_probe_interval)
-            try:
-                await stub.Check(request, timeout=cfg.health_probe_timeout)
-                failures = 0
-            except grpc.aio.AioRpcError as err:
-                failures += 1
-                log.info("%s %s: health probe %d failed: %s", worker.role.name.lower(), worker.address, failures,
-                         err.code().name)
-                if err.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
-                    return  # refused or broken: gone, not hung; the Watch breaks too
-        worker.health = WorkerHealth.HUNG
-
-    async def _watch_health(self, worker: _Worker) -> None:
-        """Follow grpc.health.v1 Watch, with periodic probes beside it; any break in the stream, or probes that
-        go unanswered, count as unhealthy until it says SERVING again.
-
-        NOT_SERVING from a worker that was serving means it is draining (SIGTERM): it takes no new work, but what
-        it holds is left to finish, as its shutdown grace promises. Only if it then goes away is that work lost.
-        """
-        stub = health_pb2_grpc.HealthStub(worker.channel)
-        backoff = self.config.health_retry_min
-        healthy = False  # what the scheduler was last told: WorkerHealthy (True) or WorkerUnhealthy (False)
-        serving = False
-        while not self._closed:
-            prober: asyncio.Task | None = None
-            try:
-                # A Check with a deadline first: a hung process keeps its connection open, so only an answer
-                # within the probe timeout proves it is alive; the Watch below then follows changes.
-                probe = await stub.Check(health_pb2.HealthCheckRequest(service=worker.service),
-                                         timeout=self.config.health_probe_timeout)
-                if probe.status != health_pb2.HealthCheckResponse.SERVING:
-                    raise _NotServing
-                call = stub.Watch(health_pb2.HealthCheckRequest(service=worker.service))
-                # A hung process keeps the Watch open but silent: the probes end it.
-                prober = asyncio.create_task(self._probe(stub, worker), name=f"probe:{worker.address}")
-                prober.add_done_callback(lambda _t, c=call: c.cancel())
-                async for reply in call:
-                    now_serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-                    worker.health = WorkerHealth.SERVING if now_serving else WorkerHealth.NOT_SERVING
-                    if now_serving and not (healthy and serving):
-                        log.info("%s %s is SERVING", worker.role.name.lower(), worker.address)
-                        self._feed(sch.WorkerHealthy(now=time.monotonic(), worker=worker.address))
-                        healthy = True
-                    elif not now_serving and healthy and serving:
-                        log.info("%s %s is not serving (draining): no new work, its current work may finish",
-                                 worker.role.name.lower(), worker.address)
-                        self._feed(sch.WorkerNotServing(now=time.monotonic(), worker=worker.address))
-                    serving = now_serving
-                    backoff = self.config.health_retry_min
-                    worker.checked.set()
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is None or task.cancelling() or prober is None or not prober.done():
-                    return  # this watch itself is cancelled (closing, or a fresh one replaces it)
-                # Else the probes ended the Watch (gRPC raises CancelledError for a cancelled call): hung, or gone.
-                if worker.health is not WorkerHealth.HUNG:
-                    worker.health = WorkerHealth.UNREACHABLE
-            except grpc.aio.AioRpcError as err:
-                if prober is not None and prober.done() and worker.health is WorkerHealth.HUNG:
-                    pass  # the probes went unanswered and ended the Watch
-                elif err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                    if worker.health is not WorkerHealth.TIMED_OUT:  # still the reason it was sidelined for
-                        worker.health = WorkerHealth.HUNG
-                else:
-                    worker.health = WorkerHealth.UNREACHABLE
-            except _NotServing:
-                worker.health = WorkerHealth.NOT_SERVING
-            except Exception:  # noqa: BLE001 - the watch must outlive any surprise, or the worker's state freezes
-                log.exception("health watch of %s failed unexpectedly", worker.address)
-                worker.health = WorkerHealth.UNREACHABLE
-            finally:
-                if prober is not None:
-                    prober.cancel()
-                worker.checked.set()
-            serving = False
-            if healthy:
-                healthy = False
-                log.warning("%s %s is %s", worker.role.name.lower(), worker.address, worker.health.value)
-                self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=worker.address))
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.config.health_retry_max)
+        worker.sideline(WorkerHealth.TIMED_OUT if code is grpc.StatusCode.DEADLINE_EXCEEDED
+                        else WorkerHealth.UNREACHABLE)

@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-import gateway.driver as driver_module
+import gateway.workers as workers_module
 from gateway.__main__ import config_from
 from gateway.__main__ import parse_args as gateway_args
 from gateway.membership import DnsMembership, parse_allow_rule
@@ -84,13 +84,13 @@ async def sims() -> AsyncIterator[SimCluster]:
 def dialled(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every address the gateway creates a worker channel for, from now on (the real make_channel still runs)."""
     seen: list[str] = []
-    real = driver_module.make_channel
+    real = workers_module.make_channel
 
     def recording(address, *args, **kwargs):
         seen.append(address)
         return real(address, *args, **kwargs)
 
-    monkeypatch.setattr(driver_module, "make_channel", recording)
+    monkeypatch.setattr(workers_module, "make_channel", recording)
     return seen
 
 

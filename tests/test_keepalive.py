@@ -48,8 +48,8 @@ SDK_NO_RETRY = RetryPolicy(max_attempts=1)  # a failure must show, not be retrie
 # ---- fast checks on the settings themselves -----------------------------------------------------------------------
 
 def _hops() -> dict[str, dict[str, int]]:
-    from gateway.driver import CHANNEL_OPTIONS
     from gateway.rest.app import _CHANNEL_OPTIONS
+    from gateway.workers import CHANNEL_OPTIONS
 
     sdk = Client("127.0.0.1:1")  # what the SDK really passes to its channel
     try:

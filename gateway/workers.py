@@ -1,0 +1,177 @@
+"""The members of the gateway's pool: a channel and stub per worker, and the watch that follows its health.
+
+Health is followed with grpc.health.v1 Watch plus periodic probes beside it: a hung (SIGSTOPped) process keeps its
+connection and its Watch open but silent, so only unanswered probes reveal it. What the watch learns reaches the
+scheduler as WorkerHealthy / WorkerUnhealthy / WorkerNotServing events through the driver's feed.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway import scheduler as sch
+from gateway.config import GatewayConfig
+from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc
+from services.runtime import keepalive
+from services.runtime.tls import make_channel
+
+log = logging.getLogger("gateway.driver")
+
+Feed = Callable[[sch.Event], None]
+
+AR_SERVICE = ar_service_pb2.DESCRIPTOR.services_by_name["ArService"].full_name
+DENOISER_SERVICE = denoiser_service_pb2.DESCRIPTOR.services_by_name["DenoiserService"].full_name
+# Keepalive pings find a worker whose node vanished without closing the connection (the health Watch then breaks and
+# the worker is marked unhealthy); the short capped reconnect backoff reaches a restarted worker within about a
+# second. Both, and how they agree with what the workers accept, are in services.runtime.keepalive.
+CHANNEL_OPTIONS = (
+    *keepalive.message_size_options(64 * 1024 * 1024, 64 * 1024 * 1024),
+    *keepalive.WORKER_CHANNEL_OPTIONS,
+)
+
+
+class WorkerHealth(enum.Enum):
+    """Why a member is (not) usable, as the gateway last saw it: shown in GetStatus and /health."""
+
+    UNKNOWN = "not yet checked"
+    SERVING = "serving"
+    NOT_SERVING = "not serving (draining)"
+    UNREACHABLE = "unreachable"
+    HUNG = "not answering health checks (hung)"
+    TIMED_OUT = "a call to it timed out"
+
+    @property
+    def stuck(self) -> bool:
+        """Connected but not answering: the process is there and holds its work, yet makes no progress."""
+        return self in (WorkerHealth.HUNG, WorkerHealth.TIMED_OUT)
+
+
+class _NotServing(Exception):
+    """A health probe answered, but not SERVING."""
+
+
+class Worker:
+    """One member of the pool: its channel and stub, and its health as a watch of its own follows it."""
+
+    def __init__(self, address: str, role: sch.WorkerRole, config: GatewayConfig) -> None:
+        self.address = address
+        self.role = role
+        self.channel = make_channel(address, config.client_tls, CHANNEL_OPTIONS)
+        self.config = config
+        self.watch_task: asyncio.Task | None = None
+        self.health = WorkerHealth.UNKNOWN
+        self.checked = asyncio.Event()  # its first health check has an answer, whichever
+        if role is sch.WorkerRole.AR:
+            self.stub = ar_service_pb2_grpc.ArServiceStub(self.channel)
+            self.service = AR_SERVICE
+        else:
+            self.stub = denoiser_service_pb2_grpc.DenoiserServiceStub(self.channel)
+            self.service = DENOISER_SERVICE
+
+    def watch(self, feed: Feed, closed: Callable[[], bool]) -> None:
+        """Start following its health; every change reaches the scheduler through ``feed``."""
+        self._feed, self._closed = feed, closed
+        self.watch_task = asyncio.create_task(self._watch(feed, closed), name=f"health:{self.address}")
+
+    def sideline(self, why: WorkerHealth) -> None:
+        """Unhealthy now (a call to it failed), until a fresh health check answers: the watch starts over."""
+        if self.watch_task is None:
+            return
+        self.health = why
+        self.watch_task.cancel()
+        self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=self.address))
+        self.watch_task = asyncio.create_task(self._watch(self._feed, self._closed), name=f"health:{self.address}")
+
+    async def _probe(self, stub: health_pb2_grpc.HealthStub) -> None:
+        """Return once the worker failed ``health_probe_failures`` probes in a row (it is hung or gone)."""
+        cfg = self.config
+        request = health_pb2.HealthCheckRequest(service=self.service)
+        failures = 0
+        while failures < cfg.health_probe_failures:
+            await asyncio.sleep(cfg.health_probe_interval)
+            try:
+                await stub.Check(request, timeout=cfg.health_probe_timeout)
+                failures = 0
+            except grpc.aio.AioRpcError as err:
+                failures += 1
+                log.info("%s %s: health probe %d failed: %s", self.role.name.lower(), self.address, failures,
+                         err.code().name)
+                if err.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return  # refused or broken: gone, not hung; the Watch breaks too
+        self.health = WorkerHealth.HUNG
+
+    async def _watch(self, feed: Feed, closed: Callable[[], bool]) -> None:
+        """Follow grpc.health.v1 Watch, with periodic probes beside it; any break in the stream, or probes that
+        go unanswered, count as unhealthy until it says SERVING again.
+
+        NOT_SERVING from a worker that was serving means it is draining (SIGTERM): it takes no new work, but what
+        it holds is left to finish, as its shutdown grace promises. Only if it then goes away is that work lost.
+        """
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        backoff = self.config.health_retry_min
+        healthy = False  # what the scheduler was last told: WorkerHealthy (True) or WorkerUnhealthy (False)
+        serving = False
+        while not closed():
+            prober: asyncio.Task | None = None
+            try:
+                # A Check with a deadline first: a hung process keeps its connection open, so only an answer
+                # within the probe timeout proves it is alive; the Watch below then follows changes.
+                probe = await stub.Check(health_pb2.HealthCheckRequest(service=self.service),
+                                         timeout=self.config.health_probe_timeout)
+                if probe.status != health_pb2.HealthCheckResponse.SERVING:
+                    raise _NotServing
+                call = stub.Watch(health_pb2.HealthCheckRequest(service=self.service))
+                # A hung process keeps the Watch open but silent: the probes end it.
+                prober = asyncio.create_task(self._probe(stub), name=f"probe:{self.address}")
+                prober.add_done_callback(lambda _t, c=call: c.cancel())
+                async for reply in call:
+                    now_serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                    self.health = WorkerHealth.SERVING if now_serving else WorkerHealth.NOT_SERVING
+                    if now_serving and not (healthy and serving):
+                        log.info("%s %s is SERVING", self.role.name.lower(), self.address)
+                        feed(sch.WorkerHealthy(now=time.monotonic(), worker=self.address))
+                        healthy = True
+                    elif not now_serving and healthy and serving:
+                        log.info("%s %s is not serving (draining): no new work, its current work may finish",
+                                 self.role.name.lower(), self.address)
+                        feed(sch.WorkerNotServing(now=time.monotonic(), worker=self.address))
+                    serving = now_serving
+                    backoff = self.config.health_retry_min
+                    self.checked.set()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling() or prober is None or not prober.done():
+                    return  # this watch itself is cancelled (closing, or a fresh one replaces it)
+                # Else the probes ended the Watch (gRPC raises CancelledError for a cancelled call): hung, or gone.
+                if self.health is not WorkerHealth.HUNG:
+                    self.health = WorkerHealth.UNREACHABLE
+            except grpc.aio.AioRpcError as err:
+                if prober is not None and prober.done() and self.health is WorkerHealth.HUNG:
+                    pass  # the probes went unanswered and ended the Watch
+                elif err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    if self.health is not WorkerHealth.TIMED_OUT:  # still the reason it was sidelined for
+                        self.health = WorkerHealth.HUNG
+                else:
+                    self.health = WorkerHealth.UNREACHABLE
+            except _NotServing:
+                self.health = WorkerHealth.NOT_SERVING
+            except Exception:  # noqa: BLE001 - the watch must outlive any surprise, or the worker's state freezes
+                log.exception("health watch of %s failed unexpectedly", self.address)
+                self.health = WorkerHealth.UNREACHABLE
+            finally:
+                if prober is not None:
+                    prober.cancel()
+                self.checked.set()
+            serving = False
+            if healthy:
+                healthy = False
+                log.warning("%s %s is %s", self.role.name.lower(), self.address, self.health.value)
+                feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=self.address))
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.config.health_retry_max)
