@@ -133,3 +133,23 @@ def test_mutual_tls_flags(tmp_path: Path) -> None:
         assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
     finally:
         srv.server.stop(None)
+
+
+def test_connection_flags_go_before_or_after_the_subcommand(fake: FakeServer, tmp_path: Path) -> None:
+    before = glmimage("--address", fake.address, "--api-key", "sk-before", "--json", "status", cwd=tmp_path)
+    assert before.returncode == 0, before.stderr
+    assert json.loads(before.stdout)["active_requests"] == 4
+    assert fake.servicer.calls[-1].metadata["authorization"] == "Bearer sk-before"
+    # Given in both places, the value after the subcommand wins; one given only before it stands.
+    both = glmimage("--address", "127.0.0.1:1", "--api-key", "sk-before", "--timeout", "20", "status",
+                    "--address", fake.address, "--api-key", "sk-after", cwd=tmp_path)
+    assert both.returncode == 0, both.stderr
+    assert "pending AR outputs" in both.stdout
+    assert fake.servicer.calls[-1].metadata["authorization"] == "Bearer sk-after"
+    out = glmimage("--retries", "0", "--timeout", "10", "--address", fake.address, "generate", "p", "-o", "g",
+                   cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "g" / "image-0.png").exists()
+    fake.servicer.fail["GetStatus"] = [grpc.StatusCode.UNAVAILABLE]
+    out = glmimage("--retries", "0", "status", "--address", fake.address, cwd=tmp_path)
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr

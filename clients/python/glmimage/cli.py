@@ -45,30 +45,44 @@ def _size(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _connection_args() -> argparse.ArgumentParser:
-    """Flags every subcommand accepts, so they can follow the subcommand name."""
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("connection")
-    g.add_argument("--address", default=os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS),
+def _connection_args(parser: argparse.ArgumentParser, *, suppress: bool = False) -> None:
+    """The connection flags (and --json, -v), accepted before the subcommand and after it.
+
+    The top-level copy carries the defaults; the subcommands' copies default to SUPPRESS, so they set a value only
+    when given: a flag after the subcommand wins over the same flag before it.
+    """
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
+    g = parser.add_argument_group("connection (before or after the subcommand)")
+    g.add_argument("--address", default=default(os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS)),
                    help=f"GatewayService host:port (default {DEFAULT_ADDRESS}, or ${ADDRESS_ENV})")
-    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+    g.add_argument("--api-key", default=default(os.environ.get(API_KEY_ENV)),
                    help=f"sent as 'authorization: Bearer <key>' (default ${API_KEY_ENV})")
-    g.add_argument("--timeout", type=float, default=600.0, help="overall deadline in seconds, retries included")
-    g.add_argument("--retries", type=int, default=3,
+    g.add_argument("--timeout", type=float, default=default(600.0),
+                   help="overall deadline in seconds, retries included")
+    g.add_argument("--retries", type=int, default=default(3),
                    help="retries on UNAVAILABLE / RESOURCE_EXHAUSTED, with exponential backoff (0 disables)")
-    g.add_argument("--tls", action="store_true", help="use TLS with the system trust store")
-    g.add_argument("--tls-ca", type=Path, metavar="PEM",
+    g.add_argument("--tls", action="store_true", default=default(False), help="use TLS with the system trust store")
+    g.add_argument("--tls-ca", type=Path, metavar="PEM", default=default(None),
                    help="CA bundle that signed the server certificate (implies --tls)")
-    g.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate for mutual TLS")
-    g.add_argument("--tls-key", type=Path, metavar="PEM", help="client private key for mutual TLS")
-    g.add_argument("--tls-server-name", help="expected server name, when it differs from the address host")
-    g.add_argument("-v", "--verbose", action="store_true", help="log retries and connection details to stderr")
-    return p
+    g.add_argument("--tls-cert", type=Path, metavar="PEM", default=default(None),
+                   help="client certificate for mutual TLS")
+    g.add_argument("--tls-key", type=Path, metavar="PEM", default=default(None),
+                   help="client private key for mutual TLS")
+    g.add_argument("--tls-server-name", default=default(None),
+                   help="expected server name, when it differs from the address host")
+    g.add_argument("-v", "--verbose", action="store_true", default=default(False),
+                   help="log retries and connection details to stderr")
+    g.add_argument("--json", action="store_true", default=default(False),
+                   help="print the result as JSON (generate: files, seeds and usage)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    conn = _connection_args()
     parser = argparse.ArgumentParser(prog="glmimage", description="GLM-Image gateway client")
+    _connection_args(parser)
+    conn = argparse.ArgumentParser(add_help=False)
+    _connection_args(conn, suppress=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", parents=[conn], help="generate images and write them to a directory")
@@ -85,10 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="stream progress (a progress bar on stderr)")
     gen.add_argument("--partial-images", type=int, default=0, choices=range(4), metavar="{0-3}",
                      help="with --stream: previews per image, written as <name>-<i>.partial-<k>.<ext>")
-    gen.add_argument("--json", action="store_true", help="print files, seeds and usage as one JSON document")
 
-    st = sub.add_parser("status", parents=[conn], help="show the gateway's queues and workers")
-    st.add_argument("--json", action="store_true", help="print the status as JSON")
+    sub.add_parser("status", parents=[conn], help="show the gateway's queues and workers")
     return parser
 
 
