@@ -11,6 +11,10 @@ REST_PORT      ?= 8000
 GATEWAY_PORT   ?= 50050
 AR_PORT        ?= 50051
 DENOISER_PORTS ?= 50061,50062
+# Prometheus /metrics of the gRPC servers (the REST front serves its own on REST_PORT); one per denoiser; 0 = pick.
+GATEWAY_METRICS_PORT   ?= 9090
+AR_METRICS_PORT        ?= 9091
+DENOISER_METRICS_PORTS ?= 9161,9162
 # Extra launcher flags, e.g. STACK_ARGS=--internal-token (see python -m services.stack --help).
 STACK_ARGS     ?=
 
@@ -41,7 +45,8 @@ $(STAMP): pyproject.toml
 
 run: venv
 	$(BIN)/python -m services.stack --rest-port $(REST_PORT) --gateway-port $(GATEWAY_PORT) \
-		--ar-port $(AR_PORT) --denoiser-ports $(DENOISER_PORTS) $(STACK_ARGS)
+		--ar-port $(AR_PORT) --denoiser-ports $(DENOISER_PORTS) --gateway-metrics-port $(GATEWAY_METRICS_PORT) \
+		--ar-metrics-port $(AR_METRICS_PORT) --denoiser-metrics-ports $(DENOISER_METRICS_PORTS) $(STACK_ARGS)
 
 # promtool (Debian package `prometheus`) lints every /metrics endpoint (tests/test_promtool.py). Installed only when
 # missing and only as root (CI runs as root); elsewhere the test fails and says how to install it.

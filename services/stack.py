@@ -36,6 +36,7 @@ class Child:
     process: asyncio.subprocess.Process | None = None
     port: int = 0
     extra: dict = field(default_factory=dict)
+    metrics_port: int | None = None  # the --metrics-port it was given (the REST front: its own port)
     env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
 
     @property
@@ -55,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ar-port", type=int, default=50051)
     p.add_argument("--denoiser-ports", default="50061,50062",
                    help="comma-separated; one denoiser process per port (0 = pick a free port)")
+    p.add_argument("--ar-metrics-port", type=int, default=None,
+                   help="the AR's Prometheus /metrics port (0 = pick a free port); off when unset")
+    p.add_argument("--denoiser-metrics-ports", default=None,
+                   help="comma-separated, one per --denoiser-ports entry (0 = pick a free port); off when unset")
+    p.add_argument("--gateway-metrics-port", type=int, default=None,
+                   help="the gateway's Prometheus /metrics port (0 = pick a free port); off when unset "
+                        "(the REST front always serves /metrics on its own port)")
     p.add_argument("--model-path", default=None, help="GLM-Image checkpoint; default: the embedded tiny model")
     p.add_argument("--device", default="auto")
     p.add_argument("--torch-threads", type=int, default=1,
@@ -69,7 +77,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="make AR and denoisers require a random token made for this run, which the gateway "
                         "presents (through the environment, $GLMIMAGE_INTERNAL_TOKEN); off by default, so the "
                         "README's grpcurl calls straight to the AR and denoisers work without a header")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.denoiser_metrics_ports is not None:
+        ports = args.denoiser_metrics_ports.split(",")
+        if len(ports) != len(args.denoiser_ports.split(",")):
+            p.error(f"--denoiser-metrics-ports has {len(ports)} port(s) for "
+                    f"{len(args.denoiser_ports.split(','))} denoiser(s)")
+    return args
+
+
+def _metrics_port(port: int | str | None) -> int | None:
+    """The port to give a server's --metrics-port: 0 is resolved here, because the servers do not report the
+    port they bound for /metrics (there is a short window in which another process could take it)."""
+    if port is None:
+        return None
+    port = int(port)
+    if port:
+        return port
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 async def _wait_port(child: Child, deadline: float) -> None:
@@ -121,11 +150,14 @@ class Stack:
         self.run_dir = Path(tempfile.mkdtemp(prefix="glmimage-stack-"))
 
     def _child(self, name: str, module: str, port: int, flags: list[str], health: str | None,
-               env: dict[str, str] | None = None) -> Child:
+               env: dict[str, str] | None = None, metrics_port: int | None = None) -> Child:
         port_file = self.run_dir / f"{name}.port"
         argv = [sys.executable, "-m", module, "--host", self.args.host, "--port", str(port),
                 "--port-file", str(port_file), "--log-level", self.args.log_level, *flags]
+        if metrics_port is not None:
+            argv += ["--metrics-port", str(metrics_port)]
         child = Child(name=name, argv=argv, port_file=port_file, health_service=health, env=dict(env or {}))
+        child.metrics_port = metrics_port
         self.children.append(child)
         return child
 
@@ -151,10 +183,14 @@ class Stack:
             await asyncio.to_thread(ensure_tiny_checkpoint)
         # The token goes through the environment, not argv, so `ps` does not show it.
         token_env = {"GLMIMAGE_INTERNAL_TOKEN": secrets.token_urlsafe(32)} if a.internal_token else {}
-        ar = self._child("ar", "services.ar", a.ar_port, model_flags, "glmimage.v1.ArService", token_env)
+        ar = self._child("ar", "services.ar", a.ar_port, model_flags, "glmimage.v1.ArService", token_env,
+                         _metrics_port(a.ar_metrics_port))
+        ports = a.denoiser_ports.split(",")
+        metrics_ports = (a.denoiser_metrics_ports.split(",") if a.denoiser_metrics_ports is not None
+                         else [None] * len(ports))
         denoisers = [self._child(f"denoiser-{i}", "services.denoiser", int(p), model_flags,
-                                 "glmimage.v1.DenoiserService", token_env)
-                     for i, p in enumerate(a.denoiser_ports.split(","))]
+                                 "glmimage.v1.DenoiserService", token_env, _metrics_port(m))
+                     for i, (p, m) in enumerate(zip(ports, metrics_ports, strict=True))]
         model_children = [ar, *denoisers]
         await asyncio.gather(*(self._spawn(c) for c in model_children))
         await asyncio.gather(*(_wait_port(c, deadline) for c in model_children))
@@ -162,7 +198,7 @@ class Stack:
 
         gw_flags = ["--ar", ar.address, *[f"--denoiser={d.address}" for d in denoisers], *a.gateway_arg]
         gateway = self._child("gateway", "gateway", a.gateway_port, gw_flags, "glmimage.v1.GatewayService",
-                              token_env)
+                              token_env, _metrics_port(a.gateway_metrics_port))
         await self._spawn(gateway)
         await _wait_port(gateway, deadline)
         await _wait_serving(gateway, deadline)
@@ -172,7 +208,13 @@ class Stack:
         await self._spawn(rest)
         await _wait_port(rest, deadline)
         await _wait_http_health(rest, deadline)
+        rest.metrics_port = rest.port
         return {c.name: c.address for c in self.children}
+
+    def metrics_urls(self) -> dict[str, str]:
+        """`<name>-metrics` -> the /metrics URL of each server that serves one (the REST front always does)."""
+        return {f"{c.name}-metrics": f"http://{self.args.host}:{c.metrics_port}/metrics"
+                for c in self.children if c.metrics_port is not None}
 
     async def stop(self, grace: float = 20.0) -> None:
         """SIGTERM in reverse start order (front first, so nothing new arrives), then SIGKILL stragglers."""
@@ -213,8 +255,11 @@ async def run(args: argparse.Namespace) -> int:
         addresses = starting.result()
         rest = addresses["rest"]
         lines = [f"  {name:<12} {addr}" for name, addr in addresses.items()]
+        # After the address lines, which stay as they were (tools parse them): one line per /metrics endpoint.
+        metrics = stack.metrics_urls()
+        lines += [f"  {name:<20} {url}" for name, url in metrics.items()]
         if args.ready_file:
-            args.ready_file.write_text(json.dumps(addresses))
+            args.ready_file.write_text(json.dumps({**addresses, **metrics}))
         print("GLM-Image stack is up:\n" + "\n".join(lines) +
               f"\n\n  try: curl -s http://{rest}/v1/images/generations -H 'Content-Type: application/json' "
               "-d '{\"prompt\":\"a red \\\"STOP\\\" sign\",\"n\":1,\"size\":\"256x256\"}'\n"

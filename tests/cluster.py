@@ -164,6 +164,7 @@ def wait_serving(address: str, service: str, timeout: float = 120) -> None:
 class StackRun:
     addresses: dict[str, str]  # role -> host:port
     proc: subprocess.Popen
+    banner: list[str] = field(default_factory=list)  # the "GLM-Image stack is up" lines, up to "Ctrl-C ..."
 
 
 @contextlib.contextmanager
@@ -183,7 +184,12 @@ def running_stack(run_dir: Path, denoisers: int = 2, extra_args: tuple[str, ...]
                 break
         else:
             raise RuntimeError(f"the stack did not start (exit code {proc.wait()})")
-        yield StackRun(addresses=json.loads(ready.read_text()), proc=proc)
+        banner = [line.rstrip("\n")]
+        for line in proc.stdout:  # the banner is printed (and flushed) in one piece: this does not block
+            banner.append(line.rstrip("\n"))
+            if "Ctrl-C stops everything" in line:
+                break
+        yield StackRun(addresses=json.loads(ready.read_text()), proc=proc, banner=banner)
     finally:
         if proc.poll() is None:
             proc.terminate()

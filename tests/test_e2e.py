@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -26,9 +27,10 @@ PROMPT = 'a red "STOP" sign'
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
-    with running_stack(tmp_path_factory.mktemp("stack")) as run:
+    metrics = ("--ar-metrics-port", "0", "--denoiser-metrics-ports", "0,0", "--gateway-metrics-port", "0")
+    with running_stack(tmp_path_factory.mktemp("stack"), extra_args=metrics) as run:
         children = psutil.Process(run.proc.pid).children(recursive=True)
-        yield {"proc": run.proc, "addresses": run.addresses, "children": children}
+        yield {"proc": run.proc, "addresses": run.addresses, "children": children, "banner": run.banner}
 
 
 def _generate(rest: str, **body) -> httpx.Response:
@@ -78,6 +80,24 @@ def test_grpcurl_lists_services_health_and_reflection(stack) -> None:
                             capture_output=True, text=True, timeout=30, check=True).stdout
     workers = json.loads(status)["workers"]
     assert sorted(w["role"] for w in workers) == ["WORKER_ROLE_AR", "WORKER_ROLE_DENOISER", "WORKER_ROLE_DENOISER"]
+
+
+def test_banner_prints_every_metrics_endpoint(stack) -> None:
+    addr, banner = stack["addresses"], stack["banner"]
+    names = ["ar", "denoiser-0", "denoiser-1", "gateway", "rest"]
+    # The address lines, unchanged (tools parse them), then one metrics line per server.
+    assert banner[1:6] == [f"  {name:<12} {addr[name]}" for name in names]
+    metrics = dict(re.fullmatch(r"  (\S+)-metrics +(\S+)", line).groups() for line in banner[6:11])
+    assert sorted(metrics) == sorted(names) and banner[11] == "", banner
+    family = {"ar": "glmimage_ar_", "denoiser-0": "glmimage_denoiser_", "denoiser-1": "glmimage_denoiser_",
+              "gateway": "glmimage_gateway_", "rest": "glmimage_rest_"}
+    for name, url in metrics.items():
+        assert addr[f"{name}-metrics"] == url  # the --ready-file JSON has them too
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url), url
+        text = httpx.get(url, timeout=10).text
+        assert f"# TYPE {family[name]}" in text, (name, url)
+        others = set(family.values()) - {family[name]}
+        assert not any(f"# TYPE {f}" in text for f in others), (name, url)
 
 
 def test_sigterm_stops_every_process(stack) -> None:
