@@ -12,9 +12,9 @@ GATEWAY_PORT   ?= 50050
 AR_PORT        ?= 50051
 DENOISER_PORTS ?= 50061,50062
 # Prometheus /metrics of the gRPC servers (the REST front serves its own on REST_PORT); one per denoiser; 0 = pick.
-GATEWAY_METRICS_PORT   ?= 9090
-AR_METRICS_PORT        ?= 9091
-DENOISER_METRICS_PORTS ?= 9161,9162
+GATEWAY_METRICS_PORT   ?= 51050
+AR_METRICS_PORT        ?= 51051
+DENOISER_METRICS_PORTS ?= 51061,51062
 # Extra launcher flags, e.g. STACK_ARGS=--internal-token (see python -m services.stack --help).
 STACK_ARGS     ?=
 

@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ar-metrics-port", type=int, default=None,
                    help="the AR's Prometheus /metrics port (0 = pick a free port); off when unset")
     p.add_argument("--denoiser-metrics-ports", default=None,
-                   help="comma-separated, one per --denoiser-ports entry (0 = pick a free port); off when unset")
+                   help="comma-separated, one per --denoiser-ports entry (0 = pick a free port; denoisers beyond the "
+                        "list pick one too, extra entries are unused); off when unset")
     p.add_argument("--gateway-metrics-port", type=int, default=None,
                    help="the gateway's Prometheus /metrics port (0 = pick a free port); off when unset "
                         "(the REST front always serves /metrics on its own port)")
@@ -77,13 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="make AR and denoisers require a random token made for this run, which the gateway "
                         "presents (through the environment, $GLMIMAGE_INTERNAL_TOKEN); off by default, so the "
                         "README's grpcurl calls straight to the AR and denoisers work without a header")
-    args = p.parse_args(argv)
-    if args.denoiser_metrics_ports is not None:
-        ports = args.denoiser_metrics_ports.split(",")
-        if len(ports) != len(args.denoiser_ports.split(",")):
-            p.error(f"--denoiser-metrics-ports has {len(ports)} port(s) for "
-                    f"{len(args.denoiser_ports.split(','))} denoiser(s)")
-    return args
+    return p.parse_args(argv)
 
 
 def _metrics_port(port: int | str | None) -> int | None:
@@ -186,8 +181,12 @@ class Stack:
         ar = self._child("ar", "services.ar", a.ar_port, model_flags, "glmimage.v1.ArService", token_env,
                          _metrics_port(a.ar_metrics_port))
         ports = a.denoiser_ports.split(",")
-        metrics_ports = (a.denoiser_metrics_ports.split(",") if a.denoiser_metrics_ports is not None
-                         else [None] * len(ports))
+        # `make run DENOISER_PORTS=a,b,c` must work with the default two metrics ports: a denoiser beyond the list
+        # gets a free one (printed in the banner), and unused entries are ignored.
+        metrics_ports: list[str | None] = [None] * len(ports)
+        if a.denoiser_metrics_ports is not None:
+            given = a.denoiser_metrics_ports.split(",")
+            metrics_ports = [given[i] if i < len(given) else "0" for i in range(len(ports))]
         denoisers = [self._child(f"denoiser-{i}", "services.denoiser", int(p), model_flags,
                                  "glmimage.v1.DenoiserService", token_env, _metrics_port(m))
                      for i, (p, m) in enumerate(zip(ports, metrics_ports, strict=True))]
