@@ -396,6 +396,32 @@ async def test_raw_bodies_400(
     _assert_error(resp, 400, param, code)
 
 
+@pytest.mark.parametrize(
+    ("headers", "content"),
+    [
+        ({"content-type": "text/plain"}, b'{"prompt": "x"}'),
+        ({"content-type": "application/x-www-form-urlencoded"}, b"prompt=x"),
+        ({"content-type": "multipart/form-data; boundary=b"}, b"--b\r\n\r\nx\r\n--b--\r\n"),
+        ({}, b"prompt=x"),  # no content type at all
+    ],
+    ids=["text-plain", "form", "multipart", "no-content-type"],
+)
+async def test_body_that_is_not_json_is_415(
+    client: httpx.AsyncClient, backend: Backend, headers: dict[str, str], content: bytes
+) -> None:
+    err = _assert_error(await client.post("/v1/images/generations", content=content, headers=headers), 415, None,
+                        "unsupported_media_type")
+    assert "must be application/json" in err["message"] and err["type"] == "invalid_request_error"
+    assert backend.servicer.calls == []
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON"])
+async def test_json_with_parameters_is_accepted(client: httpx.AsyncClient, content_type: str) -> None:
+    resp = await client.post("/v1/images/generations", content=b'{"prompt": "x"}',
+                             headers={"content-type": content_type})
+    assert resp.status_code == 200, resp.text
+
+
 async def test_url_message(client: httpx.AsyncClient) -> None:
     resp = await _generate(client, {"prompt": "x", "response_format": "url"})
     err = _assert_error(resp, 400, "response_format")

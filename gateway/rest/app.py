@@ -62,6 +62,8 @@ _CHANNEL_OPTIONS = [
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
 _HEADER_VALUE_RE = re.compile(r"[\x20-\x7e]{1,8192}")
 _SIZE_RE = re.compile(r"([0-9]{1,7})x([0-9]{1,7})")
+# Routes whose body is JSON: anything else there is answered 415 before the body is read.
+_JSON_BODY_ROUTES = frozenset({("POST", "/v1/images/generations")})
 
 _FORMATS: dict[str, common_pb2.ImageFormat.ValueType] = {
     "png": common_pb2.IMAGE_FORMAT_PNG,
@@ -267,6 +269,13 @@ class _FrontMiddleware:
                     401, "invalid or missing API key", type="authentication_error", code="invalid_api_key"
                 )
                 await resp(scope, receive, send_wrapper)
+            elif (scope.get("method"), path) in _JSON_BODY_ROUTES and not _json_or_no_body(headers):
+                given = headers.get("content-type", "")[:100]
+                log.info("%s rejected: body content type %r", rid, given)
+                why = f"Content-Type is {given!a}" if given else "the request has no Content-Type header"
+                resp = error_response(415, f"the request body must be application/json; {why}",
+                                      code="unsupported_media_type")
+                await resp(scope, receive, send_wrapper)
             else:
                 await self.app(scope, receive, send_wrapper)
         except Exception:
@@ -297,6 +306,19 @@ class _FrontMiddleware:
         presented = token.strip().encode("latin-1", "replace")
         # Compare against every key so timing does not reveal which prefix matched.
         return any([hmac.compare_digest(presented, key) for key in self.api_keys])
+
+
+def _is_json(content_type: str) -> bool:
+    """application/json, with or without parameters (charset), or an application/*+json type."""
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _json_or_no_body(headers: Mapping[str, str]) -> bool:
+    """A JSON body, or none at all (left to the route, which answers "request body is required")."""
+    if "content-type" in headers:
+        return _is_json(headers["content-type"])
+    return headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -616,7 +638,7 @@ def create_app(settings: RestSettings) -> FastAPI:
         return error_response(exc.status_code, str(exc.detail), type=err_type, code=code, headers=exc.headers)
 
     error_responses: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 499, 500, 503, 504)
+        status: {"model": ErrorResponse} for status in (400, 401, 404, 415, 429, 499, 500, 503, 504)
     }
 
     @app.post(
