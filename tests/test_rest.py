@@ -422,6 +422,91 @@ async def test_json_with_parameters_is_accepted(client: httpx.AsyncClient, conte
     assert resp.status_code == 200, resp.text
 
 
+class ChunkedBody:
+    """An ASGI `receive` that streams `total` bytes of a JSON-looking body in `chunk`-sized pieces, counting what
+    the app took; after the body (or once the app stopped reading) it waits, then reports a disconnect."""
+
+    def __init__(self, total: int, chunk: int = 64 * 1024) -> None:
+        self.total = total
+        self.chunk = chunk
+        self.taken = 0
+        self.sent: list[dict[str, Any]] = []
+
+    async def receive(self) -> dict[str, Any]:
+        if self.taken >= self.total:
+            await asyncio.sleep(3600)
+        size = min(self.chunk, self.total - self.taken)
+        self.taken += size
+        return {"type": "http.request", "body": b" " * size, "more_body": self.taken < self.total}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+    async def run(self, app: FastAPI, headers: list[tuple[bytes, bytes]]) -> int:
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/v1/images/generations", "raw_path": b"/v1/images/generations",
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1234), "server": ("test", 80),
+            "headers": [(b"host", b"test"), (b"content-type", b"application/json"), *headers],
+        }
+        await asyncio.wait_for(app(scope, self.receive, self.send), 10)
+        start = self.sent[0]
+        assert start["type"] == "http.response.start"
+        body = json.loads(b"".join(m.get("body", b"") for m in self.sent[1:]))
+        assert body["error"]["code"] == "request_too_large" and set(body["error"]) == {
+            "message", "type", "param", "code"}
+        return int(start["status"])
+
+
+async def test_body_over_the_limit_is_413(backend: Backend) -> None:
+    limit = 4096
+    big = {"prompt": "x" * 5000}
+    async with rest_client(RestSettings(gateway_address=backend.address, max_body_bytes=limit)) as c:
+        # Content-Length over the limit: refused up front.
+        err = _assert_error(await _generate(c, big), 413, None, "request_too_large")
+        assert str(limit) in err["message"]
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: httpx sends it chunked
+            data = json.dumps(big).encode()
+            for i in range(0, len(data), 1000):
+                yield data[i:i + 1000]
+
+        resp = await c.post("/v1/images/generations", content=chunks(), headers={"content-type": "application/json"})
+        assert "content-length" not in resp.request.headers
+        _assert_error(resp, 413, None, "request_too_large")
+        # Just under the limit still works, both ways.
+        small = {"prompt": "x" * 4000}
+        assert (await _generate(c, small)).status_code == 200
+
+        async def small_chunks() -> AsyncIterator[bytes]:
+            yield json.dumps(small).encode()
+
+        resp = await c.post("/v1/images/generations", content=small_chunks(),
+                            headers={"content-type": "application/json"})
+        assert resp.status_code == 200, resp.text
+    assert backend.servicer.calls and all(len(r.prompt) == 4000 for r, _ in backend.servicer.calls)
+
+
+async def test_huge_chunked_body_is_refused_without_being_read(app: FastAPI, backend: Backend) -> None:
+    limit = RestSettings().max_body_bytes  # the default, 1 MiB
+    assert limit == 1024 * 1024
+    body = ChunkedBody(20 * 1024 * 1024)
+    assert await body.run(app, [(b"transfer-encoding", b"chunked")]) == 413
+    assert body.taken <= limit + body.chunk  # the app stopped reading at the limit, not at 20 MB
+    # With a Content-Length over the limit, not one byte is read.
+    declared = ChunkedBody(20 * 1024 * 1024)
+    assert await declared.run(app, [(b"content-length", str(declared.total).encode())]) == 413
+    assert declared.taken == 0
+    assert backend.servicer.calls == []
+
+
+def test_max_body_bytes_flag() -> None:
+    assert rest_main.settings_from_args(rest_main.parse_args([])).max_body_bytes == 1024 * 1024
+    assert rest_main.settings_from_args(rest_main.parse_args(["--max-body-bytes", "2048"])).max_body_bytes == 2048
+    with pytest.raises(SystemExit):
+        rest_main.parse_args(["--max-body-bytes", "0"])
+
+
 async def test_url_message(client: httpx.AsyncClient) -> None:
     resp = await _generate(client, {"prompt": "x", "response_format": "url"})
     err = _assert_error(resp, 400, "response_format")

@@ -137,8 +137,13 @@ class RestSettings:
     gateway_tls_client_key: Path | None = None
     # Name to check the gateway's certificate against, when it differs from the dialled host.
     gateway_tls_server_name: str | None = None
+    # Largest request body accepted (413 above it): a generation body is a few KiB (prompts are at most 32000
+    # characters), so 1 MiB leaves room without letting a client make the front hold megabytes.
+    max_body_bytes: int = 1024 * 1024
 
     def __post_init__(self) -> None:
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"the body limit must be positive, not {self.max_body_bytes}")
         if (self.gateway_tls_client_cert is None) != (self.gateway_tls_client_key is None):
             raise ValueError("gateway TLS: give the client certificate and its key together, or neither")
         if self.gateway_auth not in GATEWAY_AUTH_MODES:
@@ -227,8 +232,36 @@ class _Gateway:
             state = self.channel.get_state(try_to_connect=True)
 
 
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised by the bounded `receive` once a body passes the limit. An HTTPException, so that FastAPI's body
+    parsing lets it through (it turns other errors into 400) and the app's handler answers it, OpenAI-shaped."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than the limit of {limit} bytes")
+
+    def response(self) -> Response:
+        return error_response(413, str(self.detail), code="request_too_large")
+
+
+def _bounded(receive: Receive, limit: int) -> Receive:
+    """`receive`, counting body bytes as they stream in: past `limit` it raises instead of handing the chunk
+    over, so the app never holds more than `limit` bytes of a body (chunked bodies have no Content-Length)."""
+    seen = 0
+
+    async def bounded_receive() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _BodyTooLarge(limit)
+        return message
+
+    return bounded_receive
+
+
 class _FrontMiddleware:
-    """Request id, API-key auth, metrics and the last-resort 500, as one pure ASGI layer.
+    """Request id, API-key auth, the body checks, metrics and the last-resort 500, as one pure ASGI layer.
 
     Pure ASGI (not BaseHTTPMiddleware) so that `receive` reaches the route untouched and
     disconnect detection keeps working. Auth runs here, before FastAPI parses the body.
@@ -239,6 +272,7 @@ class _FrontMiddleware:
         self.metrics = metrics
         self.router = router
         self.api_keys = tuple(k.encode() for k in settings.api_keys)
+        self.max_body_bytes = settings.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -269,6 +303,9 @@ class _FrontMiddleware:
                     401, "invalid or missing API key", type="authentication_error", code="invalid_api_key"
                 )
                 await resp(scope, receive, send_wrapper)
+            elif _declared_length(headers) > self.max_body_bytes:
+                log.info("%s rejected: Content-Length %s over the limit", rid, headers["content-length"])
+                await _BodyTooLarge(self.max_body_bytes).response()(scope, receive, send_wrapper)
             elif (scope.get("method"), path) in _JSON_BODY_ROUTES and not _json_or_no_body(headers):
                 given = headers.get("content-type", "")[:100]
                 log.info("%s rejected: body content type %r", rid, given)
@@ -277,7 +314,7 @@ class _FrontMiddleware:
                                       code="unsupported_media_type")
                 await resp(scope, receive, send_wrapper)
             else:
-                await self.app(scope, receive, send_wrapper)
+                await self.app(scope, _bounded(receive, self.max_body_bytes), send_wrapper)
         except Exception:
             log.exception("%s unhandled error on %s %s", rid, scope.get("method"), scope.get("path"))
             if not started:
@@ -312,6 +349,12 @@ def _is_json(content_type: str) -> bool:
     """application/json, with or without parameters (charset), or an application/*+json type."""
     media = content_type.partition(";")[0].strip().lower()
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _declared_length(headers: Mapping[str, str]) -> int:
+    """The Content-Length header's value; 0 when absent (the server refuses malformed ones before we see them)."""
+    value = headers.get("content-length", "").strip()
+    return int(value) if value.isdigit() else 0
 
 
 def _json_or_no_body(headers: Mapping[str, str]) -> bool:
@@ -634,11 +677,11 @@ def create_app(settings: RestSettings) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         err_type = "server_error" if exc.status_code >= 500 else "invalid_request_error"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         return error_response(exc.status_code, str(exc.detail), type=err_type, code=code, headers=exc.headers)
 
     error_responses: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse} for status in (400, 401, 404, 415, 429, 499, 500, 503, 504)
+        status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 429, 499, 500, 503, 504)
     }
 
     @app.post(
