@@ -302,6 +302,21 @@ async def test_defaults_request_id_and_extensions(client: httpx.AsyncClient, bac
     assert "authorization" not in metadata
 
 
+async def test_zero_steps_means_the_denoiser_default(client: httpx.AsyncClient, backend: Backend) -> None:
+    # 0 is the denoiser's default all along the stack (gateway and denoiser read it so), whatever quality says;
+    # the schema documents it, and 1001 is refused naming the field.
+    resp = await _generate(client, {"prompt": "x", "quality": "high", "num_inference_steps": 0})
+    assert resp.status_code == 200, resp.text
+    [(req, _)] = backend.servicer.calls
+    assert req.num_inference_steps == 0
+    _assert_error(await _generate(client, {"prompt": "x", "num_inference_steps": 1001}), 400,
+                  "num_inference_steps")
+    doc = (await client.get("/openapi.json")).json()
+    field = doc["components"]["schemas"]["ImageGenerationRequest"]["properties"]["num_inference_steps"]
+    assert "0 means the denoiser's default" in field["description"]
+    assert any(branch.get("minimum") == 0 for branch in field.get("anyOf", [field]))
+
+
 @pytest.mark.parametrize("model", ["glm-image", "gpt-image-1", "dall-e-3", None])
 async def test_model_names_accepted(client: httpx.AsyncClient, model: str | None) -> None:
     resp = await _generate(client, {"prompt": "x", "model": model})
