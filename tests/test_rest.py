@@ -642,6 +642,24 @@ async def test_models(client: httpx.AsyncClient) -> None:
     assert all(m["object"] == "model" for m in body["data"])
 
 
+async def test_retrieve_model_with_the_sdk(app: FastAPI, backend: Backend) -> None:
+    async with _http(app) as http:
+        sdk = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0, http_client=http)
+        for name in ("glm-image", "gpt-image-1", "dall-e-3"):
+            model = await sdk.models.retrieve(name)
+            assert (model.id, model.object, model.owned_by) == (name, "model", "glmimage")
+            assert isinstance(model.created, int)
+        with pytest.raises(openai.NotFoundError) as info:
+            await sdk.models.retrieve("sdxl")
+    assert info.value.code == "model_not_found"
+    assert info.value.body == {"message": info.value.body["message"], "type": "invalid_request_error",
+                               "param": "model", "code": "model_not_found"}
+    async with rest_client(RestSettings(gateway_address=backend.address, served_model="zai-org/GLM-Image")) as c:
+        resp = await c.get("/v1/models/zai-org/GLM-Image")
+        assert resp.status_code == 200 and resp.json()["id"] == "zai-org/GLM-Image"
+        _assert_error(await c.get("/v1/models/glm-image"), 404, "model", "model_not_found")
+
+
 async def test_health_ok(client: httpx.AsyncClient) -> None:
     resp = await client.get("/health")
     assert resp.status_code == 200, resp.text

@@ -43,6 +43,7 @@ from .schemas import (
     ImageGenerationRequest,
     ImageGenPartialImageEvent,
     ImagesResponse,
+    ModelCard,
     ModelList,
 )
 
@@ -737,10 +738,21 @@ def create_app(settings: RestSettings) -> FastAPI:
                  resp.usage.prompt_tokens, resp.usage.completion_tokens)
         return JSONResponse(result)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=created, owned_by="glmimage")
+
     @app.get("/v1/models", response_model=ModelList, summary="List the served model and its aliases")
     async def list_models() -> ModelList:
-        cards = [{"id": name, "created": created, "owned_by": "glmimage"} for name in settings.model_names]
-        return ModelList.model_validate({"data": cards})
+        return ModelList(data=[card(name) for name in settings.model_names])
+
+    # :path, so that a served model named like "zai-org/GLM-Image" can be retrieved too.
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}},
+             summary="The served model or one of its aliases")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id not in settings.model_names:
+            raise APIError(404, f"model {model_id!a} does not exist; available: {', '.join(settings.model_names)}",
+                           param="model", code="model_not_found")
+        return card(model_id)
 
     @app.get("/health", summary="Ready when the gateway serves and has AR and denoiser workers")
     async def health(request: Request) -> Response:
