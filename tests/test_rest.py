@@ -660,6 +660,43 @@ async def test_retrieve_model_with_the_sdk(app: FastAPI, backend: Backend) -> No
         _assert_error(await c.get("/v1/models/glm-image"), 404, "model", "model_not_found")
 
 
+def _preflight(origin: str) -> dict[str, str]:
+    return {"origin": origin, "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type"}
+
+
+async def test_cors_off_by_default(client: httpx.AsyncClient) -> None:
+    origin = "https://app.example.com"
+    resp = await client.options("/v1/images/generations", headers=_preflight(origin))
+    assert "access-control-allow-origin" not in resp.headers
+    resp = await _generate(client, {"prompt": "x"}, headers={"origin": origin})
+    assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
+    assert rest_main.settings_from_args(rest_main.parse_args([])).cors_origins == ()
+
+
+async def test_cors_for_the_given_origins_only(backend: Backend) -> None:
+    allowed = ["https://app.example.com", "http://localhost:3000"]
+    args = rest_main.parse_args(["--gateway-address", backend.address, "--api-key", "k",
+                                 *[a for o in allowed for a in ("--cors-origin", o)]])
+    settings = rest_main.settings_from_args(args)
+    assert settings.cors_origins == tuple(allowed)
+    async with rest_client(settings) as c:
+        for origin in allowed:
+            resp = await c.options("/v1/images/generations", headers=_preflight(origin))  # no key on a preflight
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["access-control-allow-origin"] == origin
+            assert "POST" in resp.headers["access-control-allow-methods"]
+            assert "authorization" in resp.headers["access-control-allow-headers"].lower()
+            resp = await _generate(c, {"prompt": "x"}, headers={"origin": origin, "authorization": "Bearer k"})
+            assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == origin
+            assert "x-request-id" in resp.headers["access-control-expose-headers"]
+        other = "https://evil.example.net"
+        resp = await c.options("/v1/images/generations", headers=_preflight(other))
+        assert resp.status_code == 400 and "access-control-allow-origin" not in resp.headers
+        resp = await _generate(c, {"prompt": "x"}, headers={"origin": other, "authorization": "Bearer k"})
+        assert "access-control-allow-origin" not in resp.headers
+
+
 async def test_health_ok(client: httpx.AsyncClient) -> None:
     resp = await client.get("/health")
     assert resp.status_code == 200, resp.text

@@ -51,6 +51,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens")
     p.add_argument("--request-timeout", type=float, default=_DEFAULTS.request_timeout, help="seconds")
+    p.add_argument("--cors-origin", action="append", default=[],
+                   help="browser origin allowed to call the API, e.g. https://app.example.com (repeatable; "
+                   "default none: CORS off)")
     p.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes,
                    help="largest request body accepted; larger ones get 413, chunked ones as soon as they pass it "
                    f"(default {_DEFAULTS.max_body_bytes}, 1 MiB)")
@@ -85,6 +88,7 @@ def settings_from_args(args: argparse.Namespace) -> RestSettings:
         api_keys=api_keys,
         request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
+        cors_origins=tuple(args.cors_origin),
         enable_cache_report=args.enable_cache_report,
         gateway_tls_ca=args.gateway_tls_ca,
         gateway_tls_client_cert=args.gateway_tls_client_cert,

@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
@@ -141,6 +142,8 @@ class RestSettings:
     # Largest request body accepted (413 above it): a generation body is a few KiB (prompts are at most 32000
     # characters), so 1 MiB leaves room without letting a client make the front hold megabytes.
     max_body_bytes: int = 1024 * 1024
+    # Browser origins allowed to call the API (CORS); empty: CORS off, browsers block cross-origin calls.
+    cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
@@ -664,6 +667,11 @@ def create_app(settings: RestSettings) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.add_middleware(_FrontMiddleware, settings=settings, metrics=metrics, router=app.router)
+    if settings.cors_origins:
+        # Outside the front's layer: preflights carry no API key, and its own answers (401, 413...) get the headers.
+        # Any request header (the SDK adds its x-stainless-* ones); no cookies, the API key is a header.
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER, "retry-after"], max_age=600)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
