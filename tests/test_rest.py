@@ -832,6 +832,25 @@ async def test_client_disconnect_mid_stream_cancels_grpc_call(app: FastAPI, back
     assert b"image_generation" not in b"".join(m.get("body", b"") for m in raw.sent)
 
 
+async def test_stream_cut_by_the_client_counts_as_499(backend: Backend) -> None:
+    # The SSE response started with 200; the client left mid-stream: the metrics count the outcome, 499.
+    app = create_app(RestSettings(gateway_address=backend.address))
+    async with app.router.lifespan_context(app):
+        backend.servicer.block_after_first = True
+        raw = RawClient(app, {"prompt": "slow", "stream": True})
+        await asyncio.wait_for(raw.body_chunk_sent.wait(), 10)
+        assert raw.sent[0]["status"] == 200
+        raw.hang_up()
+        await asyncio.wait_for(backend.servicer.cancelled.wait(), 10)
+        await asyncio.wait_for(raw.task, 10)
+        backend.servicer.reset()
+        async with _http(app) as c:  # a stream that runs to its end still counts as 200
+            assert (await _generate(c, {"prompt": "x", "stream": True})).status_code == 200
+            text = (await c.get("/metrics")).text
+    assert 'glmimage_rest_requests_total{route="/v1/images/generations",status="499"} 1.0' in text
+    assert 'glmimage_rest_requests_total{route="/v1/images/generations",status="200"} 1.0' in text
+
+
 # --- streaming (SSE) ------------------------------------------------------------------------------------
 
 PARTIAL = "image_generation.partial_image"

@@ -51,6 +51,9 @@ from .schemas import (
 log = logging.getLogger("glmimage.rest")
 
 REQUEST_ID_HEADER = "x-request-id"
+# scope["state"] key: the status to count in the metrics instead of the one the response started with (a stream
+# has sent its 200 long before it learns that the client went away).
+OUTCOME_STATUS_KEY = "outcome_status"
 PARTIAL_EVENT = "image_generation.partial_image"
 COMPLETED_EVENT = "image_generation.completed"
 ERROR_EVENT = "error"
@@ -328,6 +331,7 @@ class _FrontMiddleware:
                 await resp(scope, receive, send_wrapper)
         finally:
             label = self._route_label(scope)
+            status = scope["state"].get(OUTCOME_STATUS_KEY, status)
             self.metrics.requests.labels(route=label, status=str(status)).inc()
             self.metrics.duration.labels(route=label).observe(time.perf_counter() - t0)
 
@@ -563,6 +567,7 @@ async def _stream_events(
     gen: _Generation,
     settings: RestSettings,
     metrics: RestMetrics,
+    state: dict[str, Any],
 ) -> AsyncIterator[bytes]:
     """GenerateImagesStream messages -> OpenAI image-generation events. Progress becomes SSE comments
     (OpenAI has no progress event; comments are ignored by clients and keep proxies from timing out)."""
@@ -595,6 +600,7 @@ async def _stream_events(
             msg = await guard.wait(call.read())
         if msg is None:
             log.info("%s client disconnected mid-stream; gateway call cancelled", gen.rid)
+            state[OUTCOME_STATUS_KEY] = 499
             return
         log.warning("%s gateway stream ended without a result", gen.rid)
         yield _error_event(APIError(502, "the gateway stream ended without a result", type="server_error",
@@ -608,7 +614,7 @@ async def _stream_events(
 
 async def _stream(
     gateway: _Gateway, gen: _Generation, partial_images: int, settings: RestSettings, metrics: RestMetrics,
-    receive: Receive,
+    receive: Receive, state: dict[str, Any],
 ) -> Response:
     req = gateway_service_pb2.GenerateImagesStreamRequest(request=gen.request, partial_images=partial_images)
     await gateway.connected()
@@ -629,7 +635,7 @@ async def _stream(
         guard.close()
         raise APIError(502, "the gateway stream ended without a result", type="server_error",
                        code="incomplete_stream")
-    return sse.EventStreamResponse(_stream_events(guard, first, gen, settings, metrics))
+    return sse.EventStreamResponse(_stream_events(guard, first, gen, settings, metrics, state))
 
 
 def create_app(settings: RestSettings) -> FastAPI:
@@ -729,7 +735,8 @@ def create_app(settings: RestSettings) -> FastAPI:
         )
         gateway: _Gateway = request.app.state.gateway
         if body.stream:
-            return await _stream(gateway, gen, body.partial_images or 0, settings, metrics, request.receive)
+            return await _stream(gateway, gen, body.partial_images or 0, settings, metrics, request.receive,
+                                 request.scope["state"])
         resp = await _generate(gateway, gen, settings.request_timeout, request.receive)
         if resp is None:
             log.info("%s client disconnected; gateway call cancelled", rid)
