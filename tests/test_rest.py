@@ -302,6 +302,21 @@ async def test_defaults_request_id_and_extensions(client: httpx.AsyncClient, bac
     assert "authorization" not in metadata
 
 
+async def test_zero_steps_means_the_denoiser_default(client: httpx.AsyncClient, backend: Backend) -> None:
+    # 0 is the denoiser's default all along the stack (gateway and denoiser read it so), whatever quality says;
+    # the schema documents it, and 1001 is refused naming the field.
+    resp = await _generate(client, {"prompt": "x", "quality": "high", "num_inference_steps": 0})
+    assert resp.status_code == 200, resp.text
+    [(req, _)] = backend.servicer.calls
+    assert req.num_inference_steps == 0
+    _assert_error(await _generate(client, {"prompt": "x", "num_inference_steps": 1001}), 400,
+                  "num_inference_steps")
+    doc = (await client.get("/openapi.json")).json()
+    field = doc["components"]["schemas"]["ImageGenerationRequest"]["properties"]["num_inference_steps"]
+    assert "0 means the denoiser's default" in field["description"]
+    assert any(branch.get("minimum") == 0 for branch in field.get("anyOf", [field]))
+
+
 @pytest.mark.parametrize("model", ["glm-image", "gpt-image-1", "dall-e-3", None])
 async def test_model_names_accepted(client: httpx.AsyncClient, model: str | None) -> None:
     resp = await _generate(client, {"prompt": "x", "model": model})
@@ -394,6 +409,117 @@ async def test_raw_bodies_400(
     headers = {"content-type": "application/json"}
     resp = await client.post("/v1/images/generations", content=content, headers=headers)
     _assert_error(resp, 400, param, code)
+
+
+@pytest.mark.parametrize(
+    ("headers", "content"),
+    [
+        ({"content-type": "text/plain"}, b'{"prompt": "x"}'),
+        ({"content-type": "application/x-www-form-urlencoded"}, b"prompt=x"),
+        ({"content-type": "multipart/form-data; boundary=b"}, b"--b\r\n\r\nx\r\n--b--\r\n"),
+        ({}, b"prompt=x"),  # no content type at all
+    ],
+    ids=["text-plain", "form", "multipart", "no-content-type"],
+)
+async def test_body_that_is_not_json_is_415(
+    client: httpx.AsyncClient, backend: Backend, headers: dict[str, str], content: bytes
+) -> None:
+    err = _assert_error(await client.post("/v1/images/generations", content=content, headers=headers), 415, None,
+                        "unsupported_media_type")
+    assert "must be application/json" in err["message"] and err["type"] == "invalid_request_error"
+    assert backend.servicer.calls == []
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON"])
+async def test_json_with_parameters_is_accepted(client: httpx.AsyncClient, content_type: str) -> None:
+    resp = await client.post("/v1/images/generations", content=b'{"prompt": "x"}',
+                             headers={"content-type": content_type})
+    assert resp.status_code == 200, resp.text
+
+
+class ChunkedBody:
+    """An ASGI `receive` that streams `total` bytes of a JSON-looking body in `chunk`-sized pieces, counting what
+    the app took; after the body (or once the app stopped reading) it waits, then reports a disconnect."""
+
+    def __init__(self, total: int, chunk: int = 64 * 1024) -> None:
+        self.total = total
+        self.chunk = chunk
+        self.taken = 0
+        self.sent: list[dict[str, Any]] = []
+
+    async def receive(self) -> dict[str, Any]:
+        if self.taken >= self.total:
+            await asyncio.sleep(3600)
+        size = min(self.chunk, self.total - self.taken)
+        self.taken += size
+        return {"type": "http.request", "body": b" " * size, "more_body": self.taken < self.total}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+    async def run(self, app: FastAPI, headers: list[tuple[bytes, bytes]]) -> int:
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/v1/images/generations", "raw_path": b"/v1/images/generations",
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1234), "server": ("test", 80),
+            "headers": [(b"host", b"test"), (b"content-type", b"application/json"), *headers],
+        }
+        await asyncio.wait_for(app(scope, self.receive, self.send), 10)
+        start = self.sent[0]
+        assert start["type"] == "http.response.start"
+        body = json.loads(b"".join(m.get("body", b"") for m in self.sent[1:]))
+        assert body["error"]["code"] == "request_too_large" and set(body["error"]) == {
+            "message", "type", "param", "code"}
+        return int(start["status"])
+
+
+async def test_body_over_the_limit_is_413(backend: Backend) -> None:
+    limit = 4096
+    big = {"prompt": "x" * 5000}
+    async with rest_client(RestSettings(gateway_address=backend.address, max_body_bytes=limit)) as c:
+        # Content-Length over the limit: refused up front.
+        err = _assert_error(await _generate(c, big), 413, None, "request_too_large")
+        assert str(limit) in err["message"]
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: httpx sends it chunked
+            data = json.dumps(big).encode()
+            for i in range(0, len(data), 1000):
+                yield data[i:i + 1000]
+
+        resp = await c.post("/v1/images/generations", content=chunks(), headers={"content-type": "application/json"})
+        assert "content-length" not in resp.request.headers
+        _assert_error(resp, 413, None, "request_too_large")
+        # Just under the limit still works, both ways.
+        small = {"prompt": "x" * 4000}
+        assert (await _generate(c, small)).status_code == 200
+
+        async def small_chunks() -> AsyncIterator[bytes]:
+            yield json.dumps(small).encode()
+
+        resp = await c.post("/v1/images/generations", content=small_chunks(),
+                            headers={"content-type": "application/json"})
+        assert resp.status_code == 200, resp.text
+    assert backend.servicer.calls and all(len(r.prompt) == 4000 for r, _ in backend.servicer.calls)
+
+
+async def test_huge_chunked_body_is_refused_without_being_read(app: FastAPI, backend: Backend) -> None:
+    limit = RestSettings().max_body_bytes  # the default, 1 MiB
+    assert limit == 1024 * 1024
+    body = ChunkedBody(20 * 1024 * 1024)
+    assert await body.run(app, [(b"transfer-encoding", b"chunked")]) == 413
+    assert body.taken <= limit + body.chunk  # the app stopped reading at the limit, not at 20 MB
+    # With a Content-Length over the limit, not one byte is read.
+    declared = ChunkedBody(20 * 1024 * 1024)
+    assert await declared.run(app, [(b"content-length", str(declared.total).encode())]) == 413
+    assert declared.taken == 0
+    assert backend.servicer.calls == []
+
+
+def test_max_body_bytes_flag() -> None:
+    assert rest_main.settings_from_args(rest_main.parse_args([])).max_body_bytes == 1024 * 1024
+    assert rest_main.settings_from_args(rest_main.parse_args(["--max-body-bytes", "2048"])).max_body_bytes == 2048
+    with pytest.raises(SystemExit):
+        rest_main.parse_args(["--max-body-bytes", "0"])
 
 
 async def test_url_message(client: httpx.AsyncClient) -> None:
@@ -514,6 +640,61 @@ async def test_models(client: httpx.AsyncClient) -> None:
     assert body["object"] == "list"
     assert [m["id"] for m in body["data"]] == ["glm-image", "gpt-image-1", "dall-e-3"]
     assert all(m["object"] == "model" for m in body["data"])
+
+
+async def test_retrieve_model_with_the_sdk(app: FastAPI, backend: Backend) -> None:
+    async with _http(app) as http:
+        sdk = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0, http_client=http)
+        for name in ("glm-image", "gpt-image-1", "dall-e-3"):
+            model = await sdk.models.retrieve(name)
+            assert (model.id, model.object, model.owned_by) == (name, "model", "glmimage")
+            assert isinstance(model.created, int)
+        with pytest.raises(openai.NotFoundError) as info:
+            await sdk.models.retrieve("sdxl")
+    assert info.value.code == "model_not_found"
+    assert info.value.body == {"message": info.value.body["message"], "type": "invalid_request_error",
+                               "param": "model", "code": "model_not_found"}
+    async with rest_client(RestSettings(gateway_address=backend.address, served_model="zai-org/GLM-Image")) as c:
+        resp = await c.get("/v1/models/zai-org/GLM-Image")
+        assert resp.status_code == 200 and resp.json()["id"] == "zai-org/GLM-Image"
+        _assert_error(await c.get("/v1/models/glm-image"), 404, "model", "model_not_found")
+
+
+def _preflight(origin: str) -> dict[str, str]:
+    return {"origin": origin, "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type"}
+
+
+async def test_cors_off_by_default(client: httpx.AsyncClient) -> None:
+    origin = "https://app.example.com"
+    resp = await client.options("/v1/images/generations", headers=_preflight(origin))
+    assert "access-control-allow-origin" not in resp.headers
+    resp = await _generate(client, {"prompt": "x"}, headers={"origin": origin})
+    assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
+    assert rest_main.settings_from_args(rest_main.parse_args([])).cors_origins == ()
+
+
+async def test_cors_for_the_given_origins_only(backend: Backend) -> None:
+    allowed = ["https://app.example.com", "http://localhost:3000"]
+    args = rest_main.parse_args(["--gateway-address", backend.address, "--api-key", "k",
+                                 *[a for o in allowed for a in ("--cors-origin", o)]])
+    settings = rest_main.settings_from_args(args)
+    assert settings.cors_origins == tuple(allowed)
+    async with rest_client(settings) as c:
+        for origin in allowed:
+            resp = await c.options("/v1/images/generations", headers=_preflight(origin))  # no key on a preflight
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["access-control-allow-origin"] == origin
+            assert "POST" in resp.headers["access-control-allow-methods"]
+            assert "authorization" in resp.headers["access-control-allow-headers"].lower()
+            resp = await _generate(c, {"prompt": "x"}, headers={"origin": origin, "authorization": "Bearer k"})
+            assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == origin
+            assert "x-request-id" in resp.headers["access-control-expose-headers"]
+        other = "https://evil.example.net"
+        resp = await c.options("/v1/images/generations", headers=_preflight(other))
+        assert resp.status_code == 400 and "access-control-allow-origin" not in resp.headers
+        resp = await _generate(c, {"prompt": "x"}, headers={"origin": other, "authorization": "Bearer k"})
+        assert "access-control-allow-origin" not in resp.headers
 
 
 async def test_health_ok(client: httpx.AsyncClient) -> None:
@@ -649,6 +830,25 @@ async def test_client_disconnect_mid_stream_cancels_grpc_call(app: FastAPI, back
     await asyncio.wait_for(raw.task, 10)
     assert raw.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
     assert b"image_generation" not in b"".join(m.get("body", b"") for m in raw.sent)
+
+
+async def test_stream_cut_by_the_client_counts_as_499(backend: Backend) -> None:
+    # The SSE response started with 200; the client left mid-stream: the metrics count the outcome, 499.
+    app = create_app(RestSettings(gateway_address=backend.address))
+    async with app.router.lifespan_context(app):
+        backend.servicer.block_after_first = True
+        raw = RawClient(app, {"prompt": "slow", "stream": True})
+        await asyncio.wait_for(raw.body_chunk_sent.wait(), 10)
+        assert raw.sent[0]["status"] == 200
+        raw.hang_up()
+        await asyncio.wait_for(backend.servicer.cancelled.wait(), 10)
+        await asyncio.wait_for(raw.task, 10)
+        backend.servicer.reset()
+        async with _http(app) as c:  # a stream that runs to its end still counts as 200
+            assert (await _generate(c, {"prompt": "x", "stream": True})).status_code == 200
+            text = (await c.get("/metrics")).text
+    assert 'glmimage_rest_requests_total{route="/v1/images/generations",status="499"} 1.0' in text
+    assert 'glmimage_rest_requests_total{route="/v1/images/generations",status="200"} 1.0' in text
 
 
 # --- streaming (SSE) ------------------------------------------------------------------------------------

@@ -51,6 +51,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens")
     p.add_argument("--request-timeout", type=float, default=_DEFAULTS.request_timeout, help="seconds")
+    p.add_argument("--cors-origin", action="append", default=[],
+                   help="browser origin allowed to call the API, e.g. https://app.example.com (repeatable; "
+                   "default none: CORS off)")
+    p.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes,
+                   help="largest request body accepted; larger ones get 413, chunked ones as soon as they pass it "
+                   f"(default {_DEFAULTS.max_body_bytes}, 1 MiB)")
     tls = p.add_argument_group("TLS to the gateway", "any of these turns TLS on for the gateway channel")
     tls.add_argument("--gateway-tls-ca", type=Path, default=None,
                      help="PEM CA bundle that signed the gateway's certificate (default: the system roots)")
@@ -81,6 +87,8 @@ def settings_from_args(args: argparse.Namespace) -> RestSettings:
         default_size=args.default_size,
         api_keys=api_keys,
         request_timeout=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        cors_origins=tuple(args.cors_origin),
         enable_cache_report=args.enable_cache_report,
         gateway_tls_ca=args.gateway_tls_ca,
         gateway_tls_client_cert=args.gateway_tls_client_cert,

@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
@@ -43,12 +44,16 @@ from .schemas import (
     ImageGenerationRequest,
     ImageGenPartialImageEvent,
     ImagesResponse,
+    ModelCard,
     ModelList,
 )
 
 log = logging.getLogger("glmimage.rest")
 
 REQUEST_ID_HEADER = "x-request-id"
+# scope["state"] key: the status to count in the metrics instead of the one the response started with (a stream
+# has sent its 200 long before it learns that the client went away).
+OUTCOME_STATUS_KEY = "outcome_status"
 PARTIAL_EVENT = "image_generation.partial_image"
 COMPLETED_EVENT = "image_generation.completed"
 ERROR_EVENT = "error"
@@ -62,6 +67,8 @@ _CHANNEL_OPTIONS = [
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
 _HEADER_VALUE_RE = re.compile(r"[\x20-\x7e]{1,8192}")
 _SIZE_RE = re.compile(r"([0-9]{1,7})x([0-9]{1,7})")
+# Routes whose body is JSON: anything else there is answered 415 before the body is read.
+_JSON_BODY_ROUTES = frozenset({("POST", "/v1/images/generations")})
 
 _FORMATS: dict[str, common_pb2.ImageFormat.ValueType] = {
     "png": common_pb2.IMAGE_FORMAT_PNG,
@@ -135,8 +142,15 @@ class RestSettings:
     gateway_tls_client_key: Path | None = None
     # Name to check the gateway's certificate against, when it differs from the dialled host.
     gateway_tls_server_name: str | None = None
+    # Largest request body accepted (413 above it): a generation body is a few KiB (prompts are at most 32000
+    # characters), so 1 MiB leaves room without letting a client make the front hold megabytes.
+    max_body_bytes: int = 1024 * 1024
+    # Browser origins allowed to call the API (CORS); empty: CORS off, browsers block cross-origin calls.
+    cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"the body limit must be positive, not {self.max_body_bytes}")
         if (self.gateway_tls_client_cert is None) != (self.gateway_tls_client_key is None):
             raise ValueError("gateway TLS: give the client certificate and its key together, or neither")
         if self.gateway_auth not in GATEWAY_AUTH_MODES:
@@ -225,8 +239,36 @@ class _Gateway:
             state = self.channel.get_state(try_to_connect=True)
 
 
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised by the bounded `receive` once a body passes the limit. An HTTPException, so that FastAPI's body
+    parsing lets it through (it turns other errors into 400) and the app's handler answers it, OpenAI-shaped."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than the limit of {limit} bytes")
+
+    def response(self) -> Response:
+        return error_response(413, str(self.detail), code="request_too_large")
+
+
+def _bounded(receive: Receive, limit: int) -> Receive:
+    """`receive`, counting body bytes as they stream in: past `limit` it raises instead of handing the chunk
+    over, so the app never holds more than `limit` bytes of a body (chunked bodies have no Content-Length)."""
+    seen = 0
+
+    async def bounded_receive() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _BodyTooLarge(limit)
+        return message
+
+    return bounded_receive
+
+
 class _FrontMiddleware:
-    """Request id, API-key auth, metrics and the last-resort 500, as one pure ASGI layer.
+    """Request id, API-key auth, the body checks, metrics and the last-resort 500, as one pure ASGI layer.
 
     Pure ASGI (not BaseHTTPMiddleware) so that `receive` reaches the route untouched and
     disconnect detection keeps working. Auth runs here, before FastAPI parses the body.
@@ -237,6 +279,7 @@ class _FrontMiddleware:
         self.metrics = metrics
         self.router = router
         self.api_keys = tuple(k.encode() for k in settings.api_keys)
+        self.max_body_bytes = settings.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -267,8 +310,18 @@ class _FrontMiddleware:
                     401, "invalid or missing API key", type="authentication_error", code="invalid_api_key"
                 )
                 await resp(scope, receive, send_wrapper)
+            elif _declared_length(headers) > self.max_body_bytes:
+                log.info("%s rejected: Content-Length %s over the limit", rid, headers["content-length"])
+                await _BodyTooLarge(self.max_body_bytes).response()(scope, receive, send_wrapper)
+            elif (scope.get("method"), path) in _JSON_BODY_ROUTES and not _json_or_no_body(headers):
+                given = headers.get("content-type", "")[:100]
+                log.info("%s rejected: body content type %r", rid, given)
+                why = f"Content-Type is {given!a}" if given else "the request has no Content-Type header"
+                resp = error_response(415, f"the request body must be application/json; {why}",
+                                      code="unsupported_media_type")
+                await resp(scope, receive, send_wrapper)
             else:
-                await self.app(scope, receive, send_wrapper)
+                await self.app(scope, _bounded(receive, self.max_body_bytes), send_wrapper)
         except Exception:
             log.exception("%s unhandled error on %s %s", rid, scope.get("method"), scope.get("path"))
             if not started:
@@ -278,6 +331,7 @@ class _FrontMiddleware:
                 await resp(scope, receive, send_wrapper)
         finally:
             label = self._route_label(scope)
+            status = scope["state"].get(OUTCOME_STATUS_KEY, status)
             self.metrics.requests.labels(route=label, status=str(status)).inc()
             self.metrics.duration.labels(route=label).observe(time.perf_counter() - t0)
 
@@ -297,6 +351,25 @@ class _FrontMiddleware:
         presented = token.strip().encode("latin-1", "replace")
         # Compare against every key so timing does not reveal which prefix matched.
         return any([hmac.compare_digest(presented, key) for key in self.api_keys])
+
+
+def _is_json(content_type: str) -> bool:
+    """application/json, with or without parameters (charset), or an application/*+json type."""
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _declared_length(headers: Mapping[str, str]) -> int:
+    """The Content-Length header's value; 0 when absent (the server refuses malformed ones before we see them)."""
+    value = headers.get("content-length", "").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def _json_or_no_body(headers: Mapping[str, str]) -> bool:
+    """A JSON body, or none at all (left to the route, which answers "request body is required")."""
+    if "content-type" in headers:
+        return _is_json(headers["content-type"])
+    return headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -494,6 +567,7 @@ async def _stream_events(
     gen: _Generation,
     settings: RestSettings,
     metrics: RestMetrics,
+    state: dict[str, Any],
 ) -> AsyncIterator[bytes]:
     """GenerateImagesStream messages -> OpenAI image-generation events. Progress becomes SSE comments
     (OpenAI has no progress event; comments are ignored by clients and keep proxies from timing out)."""
@@ -526,6 +600,7 @@ async def _stream_events(
             msg = await guard.wait(call.read())
         if msg is None:
             log.info("%s client disconnected mid-stream; gateway call cancelled", gen.rid)
+            state[OUTCOME_STATUS_KEY] = 499
             return
         log.warning("%s gateway stream ended without a result", gen.rid)
         yield _error_event(APIError(502, "the gateway stream ended without a result", type="server_error",
@@ -539,7 +614,7 @@ async def _stream_events(
 
 async def _stream(
     gateway: _Gateway, gen: _Generation, partial_images: int, settings: RestSettings, metrics: RestMetrics,
-    receive: Receive,
+    receive: Receive, state: dict[str, Any],
 ) -> Response:
     req = gateway_service_pb2.GenerateImagesStreamRequest(request=gen.request, partial_images=partial_images)
     await gateway.connected()
@@ -560,7 +635,7 @@ async def _stream(
         guard.close()
         raise APIError(502, "the gateway stream ended without a result", type="server_error",
                        code="incomplete_stream")
-    return sse.EventStreamResponse(_stream_events(guard, first, gen, settings, metrics))
+    return sse.EventStreamResponse(_stream_events(guard, first, gen, settings, metrics, state))
 
 
 def create_app(settings: RestSettings) -> FastAPI:
@@ -598,6 +673,11 @@ def create_app(settings: RestSettings) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.add_middleware(_FrontMiddleware, settings=settings, metrics=metrics, router=app.router)
+    if settings.cors_origins:
+        # Outside the front's layer: preflights carry no API key, and its own answers (401, 413...) get the headers.
+        # Any request header (the SDK adds its x-stainless-* ones); no cookies, the API key is a header.
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER, "retry-after"], max_age=600)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -612,11 +692,11 @@ def create_app(settings: RestSettings) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         err_type = "server_error" if exc.status_code >= 500 else "invalid_request_error"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         return error_response(exc.status_code, str(exc.detail), type=err_type, code=code, headers=exc.headers)
 
     error_responses: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 499, 500, 503, 504)
+        status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 429, 499, 500, 503, 504)
     }
 
     @app.post(
@@ -655,7 +735,8 @@ def create_app(settings: RestSettings) -> FastAPI:
         )
         gateway: _Gateway = request.app.state.gateway
         if body.stream:
-            return await _stream(gateway, gen, body.partial_images or 0, settings, metrics, request.receive)
+            return await _stream(gateway, gen, body.partial_images or 0, settings, metrics, request.receive,
+                                 request.scope["state"])
         resp = await _generate(gateway, gen, settings.request_timeout, request.receive)
         if resp is None:
             log.info("%s client disconnected; gateway call cancelled", rid)
@@ -672,10 +753,21 @@ def create_app(settings: RestSettings) -> FastAPI:
                  resp.usage.prompt_tokens, resp.usage.completion_tokens)
         return JSONResponse(result)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=created, owned_by="glmimage")
+
     @app.get("/v1/models", response_model=ModelList, summary="List the served model and its aliases")
     async def list_models() -> ModelList:
-        cards = [{"id": name, "created": created, "owned_by": "glmimage"} for name in settings.model_names]
-        return ModelList.model_validate({"data": cards})
+        return ModelList(data=[card(name) for name in settings.model_names])
+
+    # :path, so that a served model named like "zai-org/GLM-Image" can be retrieved too.
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}},
+             summary="The served model or one of its aliases")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id not in settings.model_names:
+            raise APIError(404, f"model {model_id!a} does not exist; available: {', '.join(settings.model_names)}",
+                           param="model", code="model_not_found")
+        return card(model_id)
 
     @app.get("/health", summary="Ready when the gateway serves and has AR and denoiser workers")
     async def health(request: Request) -> Response:

@@ -69,7 +69,8 @@ class ImageGenerationRequest(BaseModel):
         None,
         ge=0,
         le=1000,
-        description="Extension: denoising steps, overrides `quality`. 0 means the denoiser default.",
+        description="Extension: denoising steps, up to 1000; overrides `quality`. 0 means the denoiser's default "
+        "step count (what `quality: auto` gives), whatever `quality` says.",
     )
     guidance_scale: float | None = Field(
         None, ge=0.0, le=30.0, description="Extension: classifier-free guidance scale, 0 to 30."
