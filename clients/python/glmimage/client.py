@@ -212,6 +212,8 @@ class WorkerInfo:
     state: str  # "available", "busy", "unhealthy", "draining"
     inflight: int
     current_job: str
+    health: str = ""  # why it is (not) usable: "serving", "unreachable", "not answering health checks (hung)", ...
+    stuck: bool = False  # connected but making no progress (hung, or a call to it timed out), not gone
 
 
 @dataclass(frozen=True)
@@ -226,7 +228,8 @@ class Status:
     def from_proto(cls, s: gateway_service_pb2.GetStatusResponse) -> Status:
         return cls(s.pending_ar_requests, s.pending_ar_outputs, s.pending_denoise_outputs, s.active_requests,
                    [WorkerInfo(w.address, _ROLE_NAMES.get(w.role, "unspecified"),
-                               _STATE_NAMES.get(w.state, "unspecified"), w.inflight, w.current_job)
+                               _STATE_NAMES.get(w.state, "unspecified"), w.inflight, w.current_job, w.health,
+                               w.stuck)
                     for w in s.workers])
 
 
@@ -280,6 +283,18 @@ def build_request(prompt: str, *, n: int = 1, size: str | Sequence[int] | None =
     if guidance is not None:
         req.guidance_scale = guidance
     return req
+
+
+def build_stream_request(prompt: str, *, partial_images: int = 0, **fields: Any
+                         ) -> gateway_service_pb2.GenerateImagesStreamRequest:
+    return gateway_service_pb2.GenerateImagesStreamRequest(request=build_request(prompt, **fields),
+                                                           partial_images=partial_images)
+
+
+def build_add_worker(address: str, role: str) -> gateway_service_pb2.AddWorkerRequest:
+    if role not in _ROLES:
+        raise ValueError(f"role must be one of {sorted(_ROLES)}, got {role!r}")
+    return gateway_service_pb2.AddWorkerRequest(address=address, role=_ROLES[role])
 
 
 class _Base:
@@ -394,10 +409,8 @@ class Client(_Base):
         A failure is retried only before the first event arrives: after that the caller has seen part of the
         stream and a silent restart would replay it.
         """
-        req = gateway_service_pb2.GenerateImagesStreamRequest(
-            request=build_request(prompt, n=n, size=size, output_format=output_format,
-                                  output_compression=output_compression, seed=seed, steps=steps, guidance=guidance),
-            partial_images=partial_images)
+        req = build_stream_request(prompt, partial_images=partial_images, n=n, size=size, output_format=output_format,
+                                   output_compression=output_compression, seed=seed, steps=steps, guidance=guidance)
         deadline = self._deadline(timeout)
         metadata = self._metadata(request_id)
         attempt = 0
@@ -428,7 +441,7 @@ class Client(_Base):
 
     def add_worker(self, address: str, role: str, *, timeout: float | None = None) -> None:
         """Add an ``"ar"`` or ``"denoiser"`` worker at run time."""
-        req = gateway_service_pb2.AddWorkerRequest(address=address, role=_ROLES[role])
+        req = build_add_worker(address, role)
         self._call("AddWorker", self._stub.AddWorker, req, timeout, None)
 
     def remove_worker(self, address: str, *, timeout: float | None = None) -> None:
@@ -488,10 +501,8 @@ class AsyncClient(_Base):
                               steps: int | None = None, guidance: float | None = None, timeout: float | None = None,
                               request_id: str | None = None) -> AsyncIterator[StreamEvent]:
         """As `Client.generate_stream`, as an async iterator."""
-        req = gateway_service_pb2.GenerateImagesStreamRequest(
-            request=build_request(prompt, n=n, size=size, output_format=output_format,
-                                  output_compression=output_compression, seed=seed, steps=steps, guidance=guidance),
-            partial_images=partial_images)
+        req = build_stream_request(prompt, partial_images=partial_images, n=n, size=size, output_format=output_format,
+                                   output_compression=output_compression, seed=seed, steps=steps, guidance=guidance)
         deadline = self._deadline(timeout)
         metadata = self._metadata(request_id)
         attempt = 0
@@ -522,7 +533,7 @@ class AsyncClient(_Base):
         return Status.from_proto(resp)
 
     async def add_worker(self, address: str, role: str, *, timeout: float | None = None) -> None:
-        req = gateway_service_pb2.AddWorkerRequest(address=address, role=_ROLES[role])
+        req = build_add_worker(address, role)
         await self._call("AddWorker", self._stub.AddWorker, req, timeout, None)
 
     async def remove_worker(self, address: str, *, timeout: float | None = None) -> None:
