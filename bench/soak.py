@@ -26,7 +26,7 @@ from bench.common import write_result
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
 from services.model.tiny import ensure_tiny_checkpoint
-from tests.cluster import Cluster
+from tests.support.cluster import Cluster
 
 DENOISERS = 3
 AFTER_GAP_S = 5.0  # requests started this soon after an idle gap are "right after" it

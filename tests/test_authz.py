@@ -32,7 +32,7 @@ from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
 from services.runtime.auth import ENV_INTERNAL_TOKEN, check_token, internal_token_from
-from tests.cluster import Cluster, running_stack
+from tests.support.cluster import Cluster, running_stack
 from tests.test_gateway_control import (
     ADMIN,
     ADMIN_KEY,

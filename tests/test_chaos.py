@@ -17,7 +17,7 @@ import pytest
 
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
-from tests.cluster import Cluster
+from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.chaos
 

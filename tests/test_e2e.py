@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc
-from tests.cluster import running_stack
+from tests.support.cluster import running_stack
 
 pytestmark = pytest.mark.e2e
 

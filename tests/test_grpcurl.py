@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import running_stack
+from tests.support.cluster import running_stack
 
 pytestmark = pytest.mark.e2e
 

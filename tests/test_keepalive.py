@@ -23,7 +23,7 @@ import pytest
 from glmimage import Client, GlmImageError, RetryPolicy
 from glmimage import _keepalive as sdk_keepalive
 from services.runtime import keepalive
-from tests.cluster import Cluster, wait_serving
+from tests.support.cluster import Cluster, wait_serving
 
 PROMPT = 'idle "then" busy'
 SIZE = "64x64"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from glmimage import Client
-from tests.cluster import running_stack
+from tests.support.cluster import running_stack
 
 pytestmark = pytest.mark.e2e
 

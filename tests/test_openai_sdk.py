@@ -11,7 +11,7 @@ import pytest
 from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
 from PIL import Image
 
-from tests.cluster import running_stack
+from tests.support.cluster import running_stack
 
 pytestmark = pytest.mark.e2e
 

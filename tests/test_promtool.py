@@ -6,7 +6,6 @@ promtool comes from the `prometheus` Debian package; this test installs nothing 
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,15 +20,11 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support.net import free_port
+
 pytestmark = pytest.mark.e2e
 
 STARTUP_TIMEOUT = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster import SERVICES, wait_serving
+from tests.support.cluster import SERVICES, wait_serving
 
 pytestmark = pytest.mark.e2e
 

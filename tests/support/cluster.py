@@ -21,6 +21,8 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support.net import free_port
+
 SERVICES = {"ar": "glmimage.v1.ArService", "denoiser": "glmimage.v1.DenoiserService",
             "gateway": "glmimage.v1.GatewayService"}
 MODULES = {"ar": "services.ar", "denoiser": "services.denoiser", "gateway": "gateway", "rest": "gateway.rest"}
@@ -48,14 +50,6 @@ class Proc:
 
     def rss(self) -> int:
         return psutil.Process(self.pid).memory_info().rss
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:

@@ -1,0 +1,311 @@
+"""The scheduler's exchange types: events in, actions out, and what it is configured and observed with.
+
+gateway/scheduler.py holds the state machine that consumes these (``Scheduler.handle(event) -> list[Action]``)
+and re-exports every name here, so ``from gateway import scheduler as sch; sch.DispatchArBatch`` keeps working.
+Like the scheduler, this module imports only the standard library and services.runtime.errors.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+# Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
+from services.runtime.errors import ErrorKind
+
+__all__ = [
+    "Action",
+    "ArBatchFailed",
+    "ArBatchSucceeded",
+    "CancelArBatch",
+    "CancelDenoise",
+    "CompleteRequest",
+    "Counters",
+    "DenoiseFailed",
+    "DenoiseSucceeded",
+    "DispatchArBatch",
+    "DispatchDenoise",
+    "Event",
+    "FailRequest",
+    "JobId",
+    "RequestArrived",
+    "RequestCancelled",
+    "SchedulerConfig",
+    "Snapshot",
+    "Tick",
+    "WorkerAdded",
+    "WorkerHealthy",
+    "WorkerNotServing",
+    "WorkerRemoved",
+    "WorkerRole",
+    "WorkerSnapshot",
+    "WorkerState",
+    "WorkerUnhealthy",
+]
+
+
+class WorkerRole(enum.Enum):
+    AR = "AR"
+    DENOISER = "DENOISER"
+
+
+class WorkerState(enum.Enum):
+    """Externally visible worker state (snapshots only; internally health and draining are separate flags)."""
+
+    AVAILABLE = "AVAILABLE"  # healthy, not draining, has room for work
+    BUSY = "BUSY"  # healthy, not draining, no room
+    UNHEALTHY = "UNHEALTHY"
+    DRAINING = "DRAINING"  # removed while busy, or said NOT_SERVING: finishes what it holds, takes nothing new
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Admission bound in output slots, over both queues: outputs waiting for an AR batch plus outputs waiting for
+    # a denoiser (work in flight is not queued). Bounding the AR queue alone let the denoise backlog grow unchecked.
+    max_queued_outputs: int = 256
+    ar_batch_max_outputs: int = 8  # AR batch capacity in output slots
+    ar_batch_delay: float = 0.005  # a batch leaves when full or when its oldest member waited this long
+    ar_max_inflight_batches: int = 1  # per AR worker
+    # Extra tries of a failed AR batch before its requests fail: one, so a batch whose AR died or hung goes to another
+    # AR server (with no other, fail-fast answers 503 at once all the same).
+    ar_retries: int = 1
+    max_attempts: int = 3  # per denoise output (the first try counts)
+    # Fail fast with UNAVAILABLE when a stage has no ready worker, instead of holding requests until their deadline:
+    # new requests are refused at admission, and requests waiting for the AR fail when the last AR worker goes.
+    fail_fast_without_workers: bool = False
+    # The reference deployment's policy, kept as the benchmark baseline: a request's outputs run one after
+    # another instead of fanning out (the next output starts when the previous one is done).
+    serial_outputs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_queued_outputs < 1:
+            raise ValueError("max_queued_outputs must be >= 1")
+        if self.ar_batch_max_outputs < 1:
+            raise ValueError("ar_batch_max_outputs must be >= 1")
+        if self.ar_batch_delay < 0:
+            raise ValueError("ar_batch_delay must be >= 0")
+        if self.ar_max_inflight_batches < 1:
+            raise ValueError("ar_max_inflight_batches must be >= 1")
+        if self.ar_retries < 0:
+            raise ValueError("ar_retries must be >= 0")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+
+
+@dataclass(frozen=True, order=True)
+class JobId:
+    """Fencing token for one denoise dispatch: a result is accepted only for the current attempt."""
+
+    request_id: str
+    index: int  # output index within the request
+    attempt: int  # 1, 2, ... (continues above an earlier request with the same id, see Scheduler)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Events (inputs). Every event carries ``now``, so the core never reads a clock.
+
+
+@dataclass(frozen=True)
+class RequestArrived:
+    now: float
+    request_id: str
+    n: int
+    height: int
+    width: int
+    deadline: float | None = None  # absolute, same monotonic clock as ``now``
+
+
+@dataclass(frozen=True)
+class ArBatchSucceeded:
+    now: float
+    batch_id: int
+    outputs: dict[str, list[object]]  # request_id -> n opaque per-output AR results, in index order
+
+
+@dataclass(frozen=True)
+class ArBatchFailed:
+    now: float
+    batch_id: int
+    message: str
+    # INVALID_ARGUMENT: the AR refused the batch's input; INTERNAL: the gateway itself failed handling it. Neither
+    # is the worker's fault nor worth a retry as is: a lone request fails with the message; a shared batch is split
+    # so only the request at fault fails.
+    code: ErrorKind = ErrorKind.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class DenoiseSucceeded:
+    now: float
+    job: JobId
+    worker: str
+    result: object
+
+
+@dataclass(frozen=True)
+class DenoiseFailed:
+    now: float
+    job: JobId
+    worker: str
+    message: str
+    retryable: bool
+    # For a non-retryable failure: the status the request fails with (the worker's own verdict, e.g. bad input).
+    code: ErrorKind = ErrorKind.INTERNAL
+
+
+@dataclass(frozen=True)
+class WorkerAdded:
+    now: float
+    worker: str
+    role: WorkerRole
+
+
+@dataclass(frozen=True)
+class WorkerRemoved:
+    now: float
+    worker: str
+
+
+@dataclass(frozen=True)
+class WorkerHealthy:
+    now: float
+    worker: str
+
+
+@dataclass(frozen=True)
+class WorkerUnhealthy:
+    now: float
+    worker: str
+
+
+@dataclass(frozen=True)
+class WorkerNotServing:
+    """The worker answers health checks with NOT_SERVING: it is draining (SIGTERM, rolling update). It gets no
+    new work, and the work it holds is left to finish; if it then goes away, WorkerUnhealthy follows."""
+
+    now: float
+    worker: str
+
+
+@dataclass(frozen=True)
+class RequestCancelled:
+    now: float
+    request_id: str
+    message: str = "cancelled by client"
+
+
+@dataclass(frozen=True)
+class Tick:
+    now: float
+
+
+Event = (
+    RequestArrived
+    | ArBatchSucceeded
+    | ArBatchFailed
+    | DenoiseSucceeded
+    | DenoiseFailed
+    | WorkerAdded
+    | WorkerRemoved
+    | WorkerHealthy
+    | WorkerUnhealthy
+    | WorkerNotServing
+    | RequestCancelled
+    | Tick
+)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Actions (outputs), performed by the driver in list order.
+
+
+@dataclass(frozen=True)
+class DispatchArBatch:
+    batch_id: int
+    worker: str
+    height: int
+    width: int
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CancelArBatch:
+    """Stop an AR batch. Either its worker went unhealthy (the slot is already free and a late result is fenced),
+    or ``abandoned``: every request in it has ended, so nobody waits for it; the slot stays held until the driver
+    reports the RPC's end (ArBatchFailed), so the AR is never handed more than it can run."""
+
+    batch_id: int
+    worker: str
+    abandoned: bool = False
+
+
+@dataclass(frozen=True)
+class DispatchDenoise:
+    job: JobId
+    worker: str
+    ar_output: object
+
+
+@dataclass(frozen=True)
+class CancelDenoise:
+    """Cancel the RPC. The worker slot stays held until a result for ``job`` arrives or the worker goes
+    unhealthy/removed, so a denoiser that is still computing is never handed a second job."""
+
+    job: JobId
+    worker: str
+
+
+@dataclass(frozen=True)
+class CompleteRequest:
+    request_id: str
+    results: tuple[object, ...]  # index order
+    ar_outputs: tuple[object, ...]  # index order
+
+
+@dataclass(frozen=True)
+class FailRequest:
+    request_id: str
+    code: ErrorKind
+    message: str
+
+
+Action = DispatchArBatch | CancelArBatch | DispatchDenoise | CancelDenoise | CompleteRequest | FailRequest
+
+# ---------------------------------------------------------------------------------------------------------------
+# Observability
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    address: str
+    role: WorkerRole
+    state: WorkerState
+    inflight: int  # AR: batches in flight; denoiser: 0 or 1
+    current_job: JobId | None  # denoisers only
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    pending_ar_requests: int
+    pending_ar_outputs: int
+    pending_denoise_outputs: int
+    pending_denoise_requests: int  # requests with at least one output waiting for a denoiser
+    active_requests: int
+    workers: tuple[WorkerSnapshot, ...]
+
+
+REQUEUE_REASONS: tuple[str, ...] = ("worker_unhealthy", "denoise_failed", "ar_failed", "ar_batch_split")
+
+
+@dataclass
+class Counters:
+    """Monotonic counters for the driver's Prometheus metrics.
+
+    ``admitted`` = ``completed`` + sum(``failed``) + active requests. Admission rejections are only in
+    ``rejected``. ``requeues`` counts AR requeues per request and denoise requeues per output.
+    """
+
+    admitted: int = 0
+    rejected: int = 0
+    completed: int = 0
+    failed: dict[ErrorKind, int] = field(default_factory=lambda: {c: 0 for c in ErrorKind})
+    requeues: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REQUEUE_REASONS})
+    fenced_results: int = 0
