@@ -48,7 +48,7 @@ SDK_NO_RETRY = RetryPolicy(max_attempts=1)  # a failure must show, not be retrie
 # ---- fast checks on the settings themselves -----------------------------------------------------------------------
 
 def _hops() -> dict[str, dict[str, int]]:
-    from gateway.rest.app import _CHANNEL_OPTIONS
+    from gateway.rest.upstream import CHANNEL_OPTIONS as _CHANNEL_OPTIONS
     from gateway.workers import CHANNEL_OPTIONS
 
     sdk = Client("127.0.0.1:1")  # what the SDK really passes to its channel

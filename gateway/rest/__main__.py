@@ -13,7 +13,8 @@ from pathlib import Path
 
 import uvicorn
 
-from .app import GATEWAY_AUTH_MODES, RestSettings, create_app
+from .app import create_app
+from .settings import GATEWAY_AUTH_MODES, RestSettings
 
 _DEFAULTS = RestSettings()
 

@@ -1,7 +1,7 @@
 """Keepalive and connection settings for every gRPC hop of the suite, in one place so both ends of a hop agree.
 
 The hops: gateway -> AR and denoisers (``gateway.driver.CHANNEL_OPTIONS``), REST front -> gateway
-(``gateway.rest.app``), Python SDK -> gateway (``glmimage._keepalive``: a copy, since the SDK must not import
+(``gateway.rest.upstream``), Python SDK -> gateway (``glmimage._keepalive``: a copy, since the SDK must not import
 ``services``; tests/test_keepalive.py checks that it agrees), and what every server accepts
 (``services.runtime.server.start_server``). Torch-free and grpc-free: plain channel arguments.
 

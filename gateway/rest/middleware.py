@@ -1,0 +1,172 @@
+"""The front layer, one pure ASGI middleware: request ids, API-key auth, body-size and content-type checks,
+metrics and the last-resort 500. It runs before FastAPI parses a body."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import time
+import uuid
+from collections.abc import Mapping
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import error_response
+from .metrics import RestMetrics
+from .settings import RestSettings
+
+log = logging.getLogger("glmimage.rest")
+
+REQUEST_ID_HEADER = "x-request-id"
+# scope["state"] key: the status to count in the metrics instead of the one the response started with (a stream
+# has sent its 200 long before it learns that the client went away).
+OUTCOME_STATUS_KEY = "outcome_status"
+# Client-supplied ids end up in gRPC metadata and logs: printable ASCII only.
+_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
+# Routes whose body is JSON: anything else there is answered 415 before the body is read.
+_JSON_BODY_ROUTES = frozenset({("POST", "/v1/images/generations")})
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised by the bounded `receive` once a body passes the limit. An HTTPException, so that FastAPI's body
+    parsing lets it through (it turns other errors into 400) and the app's handler answers it, OpenAI-shaped."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than the limit of {limit} bytes")
+
+    def response(self) -> Response:
+        return error_response(413, str(self.detail), code="request_too_large")
+
+
+def _bounded(receive: Receive, limit: int) -> Receive:
+    """`receive`, counting body bytes as they stream in: past `limit` it raises instead of handing the chunk
+    over, so the app never holds more than `limit` bytes of a body (chunked bodies have no Content-Length)."""
+    seen = 0
+
+    async def bounded_receive() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _BodyTooLarge(limit)
+        return message
+
+    return bounded_receive
+
+
+class FrontMiddleware:
+    """Request id, API-key auth, the body checks, metrics and the last-resort 500, as one pure ASGI layer.
+
+    Pure ASGI (not BaseHTTPMiddleware) so that `receive` reaches the route untouched and
+    disconnect detection keeps working. Auth runs here, before FastAPI parses the body.
+    """
+
+    def __init__(self, app: ASGIApp, settings: RestSettings, metrics: RestMetrics, router: APIRouter) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.router = router
+        self.api_keys = tuple(k.encode() for k in settings.api_keys)
+        self.max_body_bytes = settings.max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = _headers(scope)
+        rid = headers.get(REQUEST_ID_HEADER, "")
+        if not _REQUEST_ID_RE.fullmatch(rid):
+            rid = f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = rid
+        status = 500
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                started = True
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        t0 = time.perf_counter()
+        try:
+            path: str = scope["path"]
+            if self.api_keys and path.startswith("/v1/") and not self._authorized(headers):
+                log.info("%s rejected: missing or invalid API key", rid)
+                resp = error_response(
+                    401, "invalid or missing API key", type="authentication_error", code="invalid_api_key"
+                )
+                await resp(scope, receive, send_wrapper)
+            elif _declared_length(headers) > self.max_body_bytes:
+                log.info("%s rejected: Content-Length %s over the limit", rid, headers["content-length"])
+                await _BodyTooLarge(self.max_body_bytes).response()(scope, receive, send_wrapper)
+            elif (scope.get("method"), path) in _JSON_BODY_ROUTES and not _json_or_no_body(headers):
+                given = headers.get("content-type", "")[:100]
+                log.info("%s rejected: body content type %r", rid, given)
+                why = f"Content-Type is {given!a}" if given else "the request has no Content-Type header"
+                resp = error_response(415, f"the request body must be application/json; {why}",
+                                      code="unsupported_media_type")
+                await resp(scope, receive, send_wrapper)
+            else:
+                await self.app(scope, _bounded(receive, self.max_body_bytes), send_wrapper)
+        except Exception:
+            log.exception("%s unhandled error on %s %s", rid, scope.get("method"), scope.get("path"))
+            if not started:
+                resp = error_response(
+                    500, "internal server error", type="server_error", code="internal_error"
+                )
+                await resp(scope, receive, send_wrapper)
+        finally:
+            label = self._route_label(scope)
+            status = scope["state"].get(OUTCOME_STATUS_KEY, status)
+            self.metrics.requests.labels(route=label, status=str(status)).inc()
+            self.metrics.duration.labels(route=label).observe(time.perf_counter() - t0)
+
+    def _route_label(self, scope: Scope) -> str:
+        # The matched route template keeps label cardinality bounded; requests rejected
+        # before routing (auth) still get their route if the path is a known one.
+        route = scope.get("route")
+        if route is not None:
+            return str(getattr(route, "path", "unmatched"))
+        known = {getattr(r, "path", None) for r in self.router.routes}
+        return scope["path"] if scope["path"] in known else "unmatched"
+
+    def _authorized(self, headers: Mapping[str, str]) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return False
+        presented = token.strip().encode("latin-1", "replace")
+        # Compare against every key so timing does not reveal which prefix matched.
+        return any([hmac.compare_digest(presented, key) for key in self.api_keys])
+
+
+def _is_json(content_type: str) -> bool:
+    """application/json, with or without parameters (charset), or an application/*+json type."""
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _declared_length(headers: Mapping[str, str]) -> int:
+    """The Content-Length header's value; 0 when absent (the server refuses malformed ones before we see them)."""
+    value = headers.get("content-length", "").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def _json_or_no_body(headers: Mapping[str, str]) -> bool:
+    """A JSON body, or none at all (left to the route, which answers "request body is required")."""
+    if "content-type" in headers:
+        return _is_json(headers["content-type"])
+    return headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+
+
+def request_id(request: Request) -> str:
+    return str(request.scope.get("state", {}).get("request_id") or f"req-{uuid.uuid4().hex}")

@@ -1,0 +1,72 @@
+"""The REST front's settings (RestSettings) and their start-up checks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _default_quality_steps() -> dict[str, int]:
+    # 0 means "let the denoiser pick its default".
+    return {"low": 10, "medium": 30, "high": 50, "auto": 0}
+
+
+# How generation calls authenticate to the gateway. forward: with the client's own Authorization header (the
+# gateway checks every caller; both sides share the keys). own: with this front's --gateway-api-key, after the
+# front has checked the client against its own --api-key list (separate key sets per hop).
+GATEWAY_AUTH_MODES = ("forward", "own")
+
+
+@dataclass(frozen=True)
+class RestSettings:
+    gateway_address: str = "127.0.0.1:50050"
+    served_model: str = "glm-image"
+    model_aliases: tuple[str, ...] = ("gpt-image-1", "dall-e-3")
+    default_size: tuple[int, int] = (256, 256)  # (width, height)
+    max_pixels: int = 2048 * 2048
+    quality_steps: Mapping[str, int] = field(default_factory=_default_quality_steps)
+    api_keys: tuple[str, ...] = ()  # empty: auth off
+    request_timeout: float = 300.0
+    enable_cache_report: bool = False
+    health_timeout: float = 5.0
+    # Bearer key for REST's own gateway calls (GetStatus behind /health) when the gateway checks keys.
+    # With gateway_auth "forward", generation calls carry the client's own Authorization header instead, so the
+    # gateway checks the caller; with "own", they carry this key and the client's header stays here.
+    gateway_api_key: str | None = None
+    gateway_auth: str = "forward"  # "forward" or "own", see GATEWAY_AUTH_MODES
+    # TLS to the gateway: on when any is set. CA: PEM roots to verify the gateway (None: system roots);
+    # client cert and key (PEM, both or neither): mutual TLS.
+    gateway_tls_ca: Path | None = None
+    gateway_tls_client_cert: Path | None = None
+    gateway_tls_client_key: Path | None = None
+    # Name to check the gateway's certificate against, when it differs from the dialled host.
+    gateway_tls_server_name: str | None = None
+    # Largest request body accepted (413 above it): a generation body is a few KiB (prompts are at most 32000
+    # characters), so 1 MiB leaves room without letting a client make the front hold megabytes.
+    max_body_bytes: int = 1024 * 1024
+    # Browser origins allowed to call the API (CORS); empty: CORS off, browsers block cross-origin calls.
+    cors_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"the body limit must be positive, not {self.max_body_bytes}")
+        if (self.gateway_tls_client_cert is None) != (self.gateway_tls_client_key is None):
+            raise ValueError("gateway TLS: give the client certificate and its key together, or neither")
+        if self.gateway_auth not in GATEWAY_AUTH_MODES:
+            raise ValueError(f"gateway auth must be one of {', '.join(GATEWAY_AUTH_MODES)}, not {self.gateway_auth!r}")
+        if self.gateway_auth == "own" and not self.gateway_api_key:
+            raise ValueError("--gateway-auth own needs --gateway-api-key (or GLMIMAGE_GATEWAY_API_KEY): the key this "
+                             "front presents to the gateway on every call")
+        if self.gateway_auth == "own" and not self.api_keys:
+            raise ValueError("--gateway-auth own needs --api-key (or GLMIMAGE_API_KEYS) too: a front with no keys "
+                             "of its own would let anyone generate with its gateway key")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model, *self.model_aliases)
+
+    @property
+    def gateway_tls(self) -> bool:
+        return any(p is not None for p in (self.gateway_tls_ca, self.gateway_tls_client_cert,
+                                           self.gateway_tls_client_key, self.gateway_tls_server_name))

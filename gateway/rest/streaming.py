@@ -1,0 +1,137 @@
+"""`stream: true`: GenerateImagesStream messages -> OpenAI image-generation server-sent events."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from fastapi.responses import Response
+from starlette.types import Receive
+
+from glmimage.v1 import common_pb2, gateway_service_pb2
+
+from . import sse
+from .errors import APIError
+from .metrics import RestMetrics
+from .middleware import OUTCOME_STATUS_KEY
+from .settings import RestSettings
+from .translate import FORMAT_NAMES, Generation, usage_json
+from .upstream import CallGuard, Gateway
+
+log = logging.getLogger("glmimage.rest")
+
+PARTIAL_EVENT = "image_generation.partial_image"
+COMPLETED_EVENT = "image_generation.completed"
+ERROR_EVENT = "error"
+
+
+def _completed_events(
+    resp: gateway_service_pb2.GenerateImagesResponse, gen: Generation, settings: RestSettings
+) -> list[bytes]:
+    """One completed event per image, each with that image's usage, so the events add up to the request's."""
+    size = f"{resp.width or gen.request.width}x{resp.height or gen.request.height}"
+    echo = gen.echo(size, FORMAT_NAMES.get(resp.output_format, gen.output_format))
+    per_image = all(img.HasField("usage") for img in resp.images)
+    events = []
+    for i, img in enumerate(resp.images):
+        if per_image:
+            usage = usage_json(img.usage, 1, settings)
+        else:  # a gateway without per-image usage: the whole bill on the last event keeps the sum right
+            last = i == len(resp.images) - 1
+            usage = usage_json(resp.usage if last else common_pb2.Usage(), len(resp.images) if last else 0, settings)
+        events.append(sse.event(COMPLETED_EVENT, {
+            "type": COMPLETED_EVENT,
+            "b64_json": base64.b64encode(img.image).decode("ascii"),
+            "created_at": int(time.time()),
+            **echo,
+            "usage": usage,
+            "image_index": img.index,  # extension: which of the n images this is
+        }))
+    return events
+
+
+def _error_event(err: APIError) -> bytes:
+    # The openai SDK raises APIError for any event whose data has an "error" object.
+    body = {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+    return sse.event(ERROR_EVENT, {"type": ERROR_EVENT, "error": body})
+
+
+async def _stream_events(
+    guard: CallGuard,
+    first: gateway_service_pb2.GenerateImagesStreamResponse,
+    gen: Generation,
+    settings: RestSettings,
+    metrics: RestMetrics,
+    state: dict[str, Any],
+) -> AsyncIterator[bytes]:
+    """GenerateImagesStream messages -> OpenAI image-generation events. Progress becomes SSE comments
+    (OpenAI has no progress event; comments are ignored by clients and keep proxies from timing out)."""
+    call: grpc.aio.UnaryStreamCall = guard.call  # type: ignore[assignment]
+    partial_echo = gen.echo(f"{gen.request.width}x{gen.request.height}", gen.output_format)
+    msg: Any = first
+    try:
+        while msg is not None and msg is not grpc.aio.EOF:
+            kind = msg.WhichOneof("event")
+            if kind == "progress":
+                p = msg.progress
+                yield sse.comment(f"progress image={p.image_index} step={p.step}/{p.total_steps}")
+            elif kind == "partial_image":
+                part = msg.partial_image
+                yield sse.event(PARTIAL_EVENT, {
+                    "type": PARTIAL_EVENT,
+                    "b64_json": base64.b64encode(part.image).decode("ascii"),
+                    "created_at": int(time.time()),
+                    **partial_echo,
+                    "partial_image_index": part.partial_image_index,
+                    "image_index": part.image_index,  # extension, as on the completed event
+                })
+            elif kind == "completed":
+                metrics.images.inc(len(msg.completed.images))
+                for chunk in _completed_events(msg.completed, gen, settings):
+                    yield chunk
+                log.info("%s stream done: %d image(s), %d+%d tokens", gen.rid, len(msg.completed.images),
+                         msg.completed.usage.prompt_tokens, msg.completed.usage.completion_tokens)
+                return
+            msg = await guard.wait(call.read())
+        if msg is None:
+            log.info("%s client disconnected mid-stream; gateway call cancelled", gen.rid)
+            state[OUTCOME_STATUS_KEY] = 499
+            return
+        log.warning("%s gateway stream ended without a result", gen.rid)
+        yield _error_event(APIError(502, "the gateway stream ended without a result", type="server_error",
+                                    code="incomplete_stream"))
+    except APIError as err:
+        log.info("%s stream failed: %d %s", gen.rid, err.status, err.message)
+        yield _error_event(err)
+    finally:
+        guard.close()
+
+
+async def stream(
+    gateway: Gateway, gen: Generation, partial_images: int, settings: RestSettings, metrics: RestMetrics,
+    receive: Receive, state: dict[str, Any],
+) -> Response:
+    req = gateway_service_pb2.GenerateImagesStreamRequest(request=gen.request, partial_images=partial_images)
+    await gateway.connected()
+    call = gateway.stub.GenerateImagesStream(req, metadata=gen.metadata, timeout=settings.request_timeout)
+    guard = CallGuard(call, receive, gen.rid)
+    try:
+        # Wait for the first message before committing to a 200, so that errors the gateway reports at once
+        # (bad input, queue full, bad key, no streaming support) keep their HTTP status.
+        first = await guard.wait(call.read())
+    except BaseException:
+        guard.close()
+        raise
+    if first is None:
+        guard.close()
+        log.info("%s client disconnected; gateway call cancelled", gen.rid)
+        return Response(status_code=499)
+    if first is grpc.aio.EOF:
+        guard.close()
+        raise APIError(502, "the gateway stream ended without a result", type="server_error",
+                       code="incomplete_stream")
+    return sse.EventStreamResponse(_stream_events(guard, first, gen, settings, metrics, state))
