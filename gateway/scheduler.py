@@ -150,6 +150,8 @@ class ArBatchFailed:
     # is the worker's fault nor worth a retry as is: a lone request fails with the message; a shared batch is split
     # so only the request at fault fails.
     code: ErrorKind = ErrorKind.UNAVAILABLE
+    # For INVALID_ARGUMENT: the request field the AR refused (as the client names it, no batch index), if it said.
+    field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,8 @@ class DenoiseFailed:
     retryable: bool
     # For a non-retryable failure: the status the request fails with (the worker's own verdict, e.g. bad input).
     code: ErrorKind = ErrorKind.INTERNAL
+    # For INVALID_ARGUMENT: the request field the denoiser refused, if it said.
+    field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -284,6 +288,8 @@ class FailRequest:
     request_id: str
     code: ErrorKind
     message: str
+    # For INVALID_ARGUMENT relayed from a worker: the request field at fault (the message names it too).
+    field: str | None = None
 
 
 _EVENT_TYPES: tuple[type, ...] = get_args(Event)
@@ -605,7 +611,7 @@ class Scheduler:
         # gateway itself): not worth a retry as is, and nobody else's fault.
         live = self._waiting_for(batch)
         if len(live) == 1:  # the message is meant for this client (the AR's names the field): relay it unchanged
-            self._fail(live[0], ev.code, ev.message, actions)
+            self._fail(live[0], ev.code, ev.message, actions, field=ev.field)
             return
         # One of them is bad and the others must not pay for it: each goes again alone, at the front, with no
         # retry charged. The bad one then fails by itself.
@@ -645,7 +651,7 @@ class Scheduler:
         else:
             # Bad input is the client's to fix: relay the worker's message (it names the field) unchanged.
             message = ev.message if ev.code is ErrorKind.INVALID_ARGUMENT else f"denoise failed: {ev.message}"
-            self._fail(req, ev.code, message, actions)
+            self._fail(req, ev.code, message, actions, field=ev.field)
 
     def _on_worker_added(self, ev: WorkerAdded) -> None:
         w = self._workers.get(ev.worker)
@@ -738,10 +744,11 @@ class Scheduler:
         for req in sorted(stranded, key=lambda r: r.seq):
             self._fail(req, ErrorKind.UNAVAILABLE, "no denoiser is available (it went away); retry later", actions)
 
-    def _fail(self, req: _Request, code: ErrorKind, message: str, actions: list[Action]) -> None:
+    def _fail(self, req: _Request, code: ErrorKind, message: str, actions: list[Action], *,
+              field: str | None = None) -> None:
         self._end(req, actions)
         self.counters.failed[code] += 1
-        actions.append(FailRequest(req.request_id, code, message))
+        actions.append(FailRequest(req.request_id, code, message, field))
 
     def _end(self, req: _Request, actions: list[Action]) -> None:
         """Remove an active request from every queue and cancel its in-flight denoise jobs."""
