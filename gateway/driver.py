@@ -32,6 +32,7 @@ from glmimage.v1 import (
     gateway_service_pb2,
 )
 from services.model.checks import round_up
+from services.runtime.server import field_violation
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +71,26 @@ def client_message(role: str, err: grpc.aio.AioRpcError) -> str:
     return f"the {role} {_CLIENT_TEXT.get(err.code(), 'failed')}"
 
 
+def refused_field(err: grpc.aio.AioRpcError) -> tuple[str | None, str]:
+    """(field, message) of a worker's refusal of the client's input, the field read from the status' BadRequest
+    details. A batch member's field ("requests[1].prompt") is named as the client sent it ("prompt"), and the
+    message leads with that name; without details the worker's text goes as is."""
+    violation = field_violation(err)
+    if violation is None or not violation[0]:
+        return None, err.details() or "invalid request"
+    field = _BATCH_FIELD.sub("", violation[0])
+    return field, f"{field}: {violation[1]}"
+
+
 # Called with (image index, DenoiseStreamResponse carrying progress or partial_image).
 Relay = Callable[[int, denoiser_service_pb2.DenoiseStreamResponse], None]
 
 
 class RequestFailed(Exception):
-    def __init__(self, code: sch.ErrorKind, message: str) -> None:
+    def __init__(self, code: sch.ErrorKind, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.field = field
         self.message = message
 
 
@@ -309,7 +322,7 @@ class Driver:
                     self.metrics.requests.labels(action.code.value).inc()
                 pending = self._pending.get(action.request_id)
                 if pending and not pending.future.done():
-                    pending.future.set_exception(RequestFailed(action.code, action.message))
+                    pending.future.set_exception(RequestFailed(action.code, action.message, action.field))
                 log.info("request %s failed: %s: %s", action.request_id, action.code.name, action.message)
             case _:
                 raise TypeError(f"unknown scheduler action {action!r}")
@@ -382,11 +395,12 @@ class Driver:
             if err.code() in SUSPECT_CODES:
                 self._sideline(worker, err.code())
             kind = ERROR_CODE_OF.get(err.code(), sch.ErrorKind.UNAVAILABLE)
-            # The AR names the field within its batch ("requests[1].prompt: ..."); the client sent one request.
-            message = client_message("AR server", err)
+            # The AR names the field within its batch ("requests[1].prompt"); the client sent one request.
+            field, message = None, client_message("AR server", err)
             if kind is sch.ErrorKind.INVALID_ARGUMENT:
-                message = _BATCH_FIELD.sub("", message)
-            return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id, message=message, code=kind)
+                field, message = refused_field(err)
+            return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id, message=message, code=kind,
+                                     field=field)
         now = time.monotonic()
         self.ar_timeouts.observe(action.height, action.width, now - started)
         if self.metrics is not None:
@@ -453,9 +467,12 @@ class Driver:
                 # No answer in time, or the connection broke: take the worker out *before* the job is requeued,
                 # so the retry goes elsewhere, and let it back only once a health check answers again.
                 self._sideline(worker, code)
-            return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
-                                     message=client_message("denoiser", err), retryable=code in RETRYABLE_CODES,
-                                     code=ERROR_CODE_OF.get(code, sch.ErrorKind.INTERNAL))
+            kind = ERROR_CODE_OF.get(code, sch.ErrorKind.INTERNAL)
+            field, message = None, client_message("denoiser", err)
+            if kind is sch.ErrorKind.INVALID_ARGUMENT:
+                field, message = refused_field(err)
+            return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address, message=message,
+                                     retryable=code in RETRYABLE_CODES, code=kind, field=field)
         if response is None:
             return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
                                      message="the denoise stream ended without a result", retryable=True)

@@ -369,7 +369,7 @@ class Scheduler:
         # gateway itself): not worth a retry as is, and nobody else's fault.
         live = self._waiting_for(batch)
         if len(live) == 1:  # the message is meant for this client (the AR's names the field): relay it unchanged
-            self._fail(live[0], ev.code, ev.message, actions)
+            self._fail(live[0], ev.code, ev.message, actions, field=ev.field)
             return
         # One of them is bad and the others must not pay for it: each goes again alone, at the front, with no
         # retry charged. The bad one then fails by itself.
@@ -409,7 +409,7 @@ class Scheduler:
         else:
             # Bad input is the client's to fix: relay the worker's message (it names the field) unchanged.
             message = ev.message if ev.code is ErrorKind.INVALID_ARGUMENT else f"denoise failed: {ev.message}"
-            self._fail(req, ev.code, message, actions)
+            self._fail(req, ev.code, message, actions, field=ev.field)
 
     def _on_worker_added(self, ev: WorkerAdded) -> None:
         w = self._workers.get(ev.worker)
@@ -502,10 +502,11 @@ class Scheduler:
         for req in sorted(stranded, key=lambda r: r.seq):
             self._fail(req, ErrorKind.UNAVAILABLE, "no denoiser is available (it went away); retry later", actions)
 
-    def _fail(self, req: _Request, code: ErrorKind, message: str, actions: list[Action]) -> None:
+    def _fail(self, req: _Request, code: ErrorKind, message: str, actions: list[Action], *,
+              field: str | None = None) -> None:
         self._end(req, actions)
         self.counters.failed[code] += 1
-        actions.append(FailRequest(req.request_id, code, message))
+        actions.append(FailRequest(req.request_id, code, message, field))
 
     def _end(self, req: _Request, actions: list[Action]) -> None:
         """Remove an active request from every queue and cancel its in-flight denoise jobs."""

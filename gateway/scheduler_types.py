@@ -131,6 +131,8 @@ class ArBatchFailed:
     # is the worker's fault nor worth a retry as is: a lone request fails with the message; a shared batch is split
     # so only the request at fault fails.
     code: ErrorKind = ErrorKind.UNAVAILABLE
+    # For INVALID_ARGUMENT: the request field the AR refused (as the client names it, no batch index), if it said.
+    field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,8 @@ class DenoiseFailed:
     retryable: bool
     # For a non-retryable failure: the status the request fails with (the worker's own verdict, e.g. bad input).
     code: ErrorKind = ErrorKind.INTERNAL
+    # For INVALID_ARGUMENT: the request field the denoiser refused, if it said.
+    field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -265,6 +269,8 @@ class FailRequest:
     request_id: str
     code: ErrorKind
     message: str
+    # For INVALID_ARGUMENT relayed from a worker: the request field at fault (the message names it too).
+    field: str | None = None
 
 
 Action = DispatchArBatch | CancelArBatch | DispatchDenoise | CancelDenoise | CompleteRequest | FailRequest

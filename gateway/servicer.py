@@ -88,7 +88,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             outcome = await self.driver.generate(request_id_var.get(), request, height, width, n,
                                                  self._timeout(context))
         except RequestFailed as exc:
-            raise error_for(exc.code, exc.message) from None
+            raise error_for(exc.code, exc.message, exc.field) from None
         except asyncio.CancelledError:
             log.info("client went away; request cancelled downstream")
             raise
@@ -135,7 +135,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
                 yield event
             outcome = task.result()
         except RequestFailed as exc:
-            raise error_for(exc.code, exc.message) from None
+            raise error_for(exc.code, exc.message, exc.field) from None
         except asyncio.CancelledError:
             log.info("client went away; request cancelled downstream")
             raise

@@ -7,6 +7,8 @@ import io
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from PIL import Image
 
 from gateway.config import GatewayConfig
@@ -18,6 +20,18 @@ from glmimage.v1 import gateway_service_pb2 as pb
 from services.runtime.server import start_server
 
 PROMPT = 'a blue "OPEN" sign'
+
+
+def _violations(err: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
+    """The google.rpc.BadRequest field violations in the status' rich details, as (field, description)."""
+    status = rpc_status.from_call(err)
+    assert status is not None, "no rich status details"
+    found = []
+    for detail in status.details:
+        bad_request = error_details_pb2.BadRequest()
+        assert detail.Unpack(bad_request), detail.type_url
+        found += [(v.field, v.description) for v in bad_request.field_violations]
+    return found
 
 
 @contextlib.asynccontextmanager
@@ -102,6 +116,8 @@ async def test_invalid_requests_name_the_field(gateway, request_, field) -> None
         await stub.GenerateImages(request_)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(f"{field}:")
+    # The same field, structured: the text after it is the violation's description.
+    assert _violations(err.value) == [(field, err.value.details().removeprefix(f"{field}: "))]
     assert driver.scheduler.snapshot().active_requests == 0  # refused before admission
 
 
@@ -114,6 +130,7 @@ async def test_service_errors_pass_through_with_their_status(ar_server, denoiser
                                                                num_inference_steps=201))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("num_inference_steps:")
+    assert [f for f, _ in _violations(err.value)] == ["num_inference_steps"]  # the denoiser's field, relayed
 
 
 def _no_slot_held(status: pb.GetStatusResponse) -> bool:
@@ -176,6 +193,8 @@ async def test_a_request_the_ar_refuses_does_not_fail_its_batch_mates(ar_server,
                                                 return_exceptions=True)
         assert isinstance(bad, grpc.aio.AioRpcError) and bad.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert bad.details().startswith("prompt:"), bad.details()
+        # The AR named it requests[0].prompt in its batch; the client sent one request and reads its own name.
+        assert _violations(bad) == [("prompt", bad.details().removeprefix("prompt: "))]
         assert [img.seed for img in good.images] == [1] and [img.seed for img in good2.images] == [3]
         assert driver.scheduler.counters.requeues["ar_batch_split"] == 3
 

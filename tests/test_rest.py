@@ -43,7 +43,8 @@ from gateway.rest.schemas import (
 from glmimage.v1 import common_pb2
 from glmimage.v1 import gateway_service_pb2 as gw
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
-from services.runtime.server import OWN_ERROR_KEY
+from services.runtime.errors import InvalidArgument, ServiceError
+from services.runtime.server import OWN_ERROR_KEY, rich_status
 
 try:
     import schemathesis
@@ -175,6 +176,8 @@ async def _abort(context: grpc.aio.ServicerContext, abort: tuple) -> None:
     """Abort as the real gateway does: it marks the statuses it composed. ``(code, text, False)`` leaves the mark
     off, as on a status gRPC made up itself (connection refused...)."""
     code, text, *own = abort
+    if isinstance(code, ServiceError):  # a domain error: the real gateway's rich status (details and mark)
+        await context.abort_with_status(rich_status(code))
     await context.abort(code, text, trailing_metadata=((OWN_ERROR_KEY, "1"),) if not own or own[0] else ())
 
 
@@ -571,6 +574,26 @@ async def test_grpc_status_mapping(
     if http_status == 429:
         assert err["type"] == "rate_limit_error"
         assert int(resp.headers["retry-after"]) >= 1
+
+
+@pytest.mark.parametrize(("field", "param"), [
+    ("height", "size"), ("width", "size"), ("prompt", "prompt"), ("guidance_scale", "guidance_scale"),
+    ("sampling.top_p", "sampling.top_p"), ("address", None),  # a field no REST parameter stands for
+])
+async def test_a_refused_field_is_named_as_param(
+    client: httpx.AsyncClient, backend: Backend, field: str, param: str | None
+) -> None:
+    # The gateway's INVALID_ARGUMENT carries the field as a google.rpc.BadRequest violation; REST names its own.
+    error = InvalidArgument(field, "must be a multiple of 32")
+    backend.servicer.abort = (error, "")
+    err = _assert_error(await _generate(client, {"prompt": "x"}), 400, param, "invalid_argument")
+    assert err["message"] == f"{field}: must be a multiple of 32"
+
+
+async def test_a_refusal_without_details_has_no_param(client: httpx.AsyncClient, backend: Backend) -> None:
+    # An older gateway sends the field only in its text: REST does not guess it back out of the message.
+    backend.servicer.abort = (grpc.StatusCode.INVALID_ARGUMENT, "height: must be a multiple of 32")
+    _assert_error(await _generate(client, {"prompt": "x"}), 400, None, "invalid_argument")
 
 
 async def test_gateway_down_is_503(backend: Backend) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from fastapi.responses import JSONResponse
 
-from services.runtime.server import OWN_ERROR_KEY
+from services.runtime.server import OWN_ERROR_KEY, field_violation
 
 log = logging.getLogger("glmimage.rest")
 
@@ -102,6 +102,22 @@ def client_text(err: grpc.aio.AioRpcError) -> str:
     return _OWN_WORDS.get(code, "internal error in the image service")
 
 
+# A gateway request field (from an INVALID_ARGUMENT's google.rpc.BadRequest) -> the REST parameter a client sent.
+# height and width come from `size`; `sampling.*` (no REST parameter of its own) is named as is.
+_REST_PARAM = {"height": "size", "width": "size", "prompt": "prompt", "n": "n", "seed": "seed",
+               "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale",
+               "output_format": "output_format", "output_compression": "output_compression",
+               "partial_images": "partial_images"}
+
+
+def rest_param(err: grpc.aio.AioRpcError) -> str | None:
+    """OpenAI's `param` for a refused request: the field of the status' BadRequest violation, in REST terms."""
+    if err.code() is not grpc.StatusCode.INVALID_ARGUMENT or (violation := field_violation(err)) is None:
+        return None
+    field = violation[0]
+    return field if field.startswith("sampling.") else _REST_PARAM.get(field)
+
+
 def from_rpc_error(err: grpc.aio.AioRpcError, request_id: str = "") -> APIError:
     code = err.code()
     status, err_type = GRPC_TO_HTTP.get(code, (500, "server_error"))
@@ -111,7 +127,7 @@ def from_rpc_error(err: grpc.aio.AioRpcError, request_id: str = "") -> APIError:
     message = client_text(err)
     if message != err.details():  # the original goes to the log, with the request id, never to the client
         log.warning("%s gateway call failed: %s: %s", request_id or "-", code.name, err.details())
-    return APIError(status, message, type=err_type, code=code.name.lower(), headers=headers)
+    return APIError(status, message, type=err_type, param=rest_param(err), code=code.name.lower(), headers=headers)
 
 
 def _retry_after(err: grpc.aio.AioRpcError) -> str:

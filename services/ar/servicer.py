@@ -82,7 +82,7 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
             except InvalidArgument as exc:
                 if single:
                     raise
-                raise InvalidArgument(f"requests[{i}].{exc.field}", exc.message.split(": ", 1)[-1]) from None
+                raise InvalidArgument(f"requests[{i}].{exc.field}", exc.description) from None
         check_batch(reqs, self.engine.limits, single=single)
         return reqs
 

@@ -31,8 +31,10 @@ class InvalidArgument(ServiceError):
     kind = ErrorKind.INVALID_ARGUMENT
 
     def __init__(self, field: str, message: str) -> None:
-        # The field leads the message so grpcurl users and REST mappers can see what to fix.
+        # The field leads the message so grpcurl users can see what to fix; the gRPC edge also sends it as a
+        # google.rpc.BadRequest field violation (field, description) for clients that read structured details.
         super().__init__(f"{field}: {message}", field=field)
+        self.description = message
 
 
 class ResourceExhausted(ServiceError):
@@ -51,8 +53,10 @@ class DeadlineExceeded(ServiceError):
     kind = ErrorKind.DEADLINE_EXCEEDED
 
 
-def error_for(kind: ErrorKind, message: str) -> ServiceError:
-    """A ServiceError of the given kind whose message is shown as is (e.g. relayed from another service)."""
-    error = ServiceError(message)
+def error_for(kind: ErrorKind, message: str, field: str | None = None) -> ServiceError:
+    """A ServiceError of the given kind whose message is shown as is (e.g. relayed from another service).
+
+    ``field``, for INVALID_ARGUMENT, is the request field the message is about (it still leads the message)."""
+    error = ServiceError(message, field=field)
     error.kind = kind
     return error

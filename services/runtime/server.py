@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
 
 from services.runtime import keepalive
 from services.runtime.errors import ErrorKind, ServiceError
@@ -80,6 +83,34 @@ _OWN = ((OWN_ERROR_KEY, "1"),)
 _INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
 
+def rich_status(exc: ServiceError) -> grpc.Status:
+    """The status for a domain error: its code and message, for INVALID_ARGUMENT with a field a google.rpc.BadRequest
+    field violation in the details (the description is the message without its "field: " lead), and our mark."""
+    code = STATUS_OF[exc.kind]
+    status = status_pb2.Status(code=code.value[0], message=exc.message)
+    if exc.kind is ErrorKind.INVALID_ARGUMENT and exc.field:
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=exc.field, description=exc.message.removeprefix(f"{exc.field}: "))
+        status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+    composed = rpc_status.to_status(status)
+    # abort_with_status replaces all trailing metadata with the status' own: the mark rides along in it.
+    return composed._replace(trailing_metadata=(*composed.trailing_metadata, *_OWN))
+
+
+def field_violation(err: grpc.RpcError) -> tuple[str, str] | None:
+    """The first google.rpc.BadRequest field violation (field, description) in a failed call's rich status."""
+    try:
+        status = rpc_status.from_call(err)
+    except (ValueError, DecodeError):  # details that contradict the status, or are not a Status: not ours to trust
+        return None
+    for detail in status.details if status is not None else ():
+        bad_request = error_details_pb2.BadRequest()
+        if detail.Unpack(bad_request) and bad_request.field_violations:
+            violation = bad_request.field_violations[0]
+            return violation.field, violation.description
+    return None
+
+
 class InflightWork:
     """Counts application RPCs in progress, so a drain can wait for exactly those and then stop at once."""
 
@@ -139,7 +170,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented by this server")
             if isinstance(exc, ServiceError):
                 log.info("%s failed: %s: %s", method, exc.kind.value, exc.message)
-                await context.abort(STATUS_OF[exc.kind], exc.message, trailing_metadata=_OWN)
+                await context.abort_with_status(rich_status(exc))
             log.exception("%s: unexpected error", method)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {rid})",
                                 trailing_metadata=_OWN)
