@@ -19,14 +19,32 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
 from glmimage._keepalive import CHANNEL_OPTIONS
+from glmimage.results import (
+    FORMATS,
+    ROLES,
+    Completed,
+    GenerationResult,
+    PartialImage,
+    Progress,
+    Status,
+    StreamEvent,
+    Usage,
+    WorkerInfo,
+    event_from_proto,
+)
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
+
+# The result types live in glmimage.results; they are re-exported here, where callers have always found them.
+__all__ = ["DEFAULT_ADDRESS", "DEFAULT_RETRY", "FORMATS", "NO_RETRY", "AsyncClient", "Client", "Completed",
+           "GenerationResult", "GlmImageError", "PartialImage", "Progress", "RetryPolicy", "Status", "StreamEvent",
+           "TlsConfig", "Usage", "WorkerInfo", "build_request", "build_stream_request", "parse_size"]
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +52,6 @@ DEFAULT_ADDRESS = "127.0.0.1:50050"
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 # Ten large PNGs in one reply exceed grpc's 4 MiB default by far.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-FORMATS = {"png": common_pb2.IMAGE_FORMAT_PNG, "jpeg": common_pb2.IMAGE_FORMAT_JPEG,
-           "webp": common_pb2.IMAGE_FORMAT_WEBP}
-_FORMAT_NAMES = {v: k for k, v in FORMATS.items()} | {common_pb2.IMAGE_FORMAT_UNSPECIFIED: "png"}
-_EXTENSIONS = {"png": "png", "jpeg": "jpg", "webp": "webp"}
-_ROLE_NAMES = {gateway_service_pb2.WORKER_ROLE_AR: "ar", gateway_service_pb2.WORKER_ROLE_DENOISER: "denoiser"}
-_ROLES = {v: k for k, v in _ROLE_NAMES.items()}
-_STATE_NAMES = {gateway_service_pb2.WORKER_STATE_AVAILABLE: "available", gateway_service_pb2.WORKER_STATE_BUSY: "busy",
-                gateway_service_pb2.WORKER_STATE_UNHEALTHY: "unhealthy",
-                gateway_service_pb2.WORKER_STATE_DRAINING: "draining"}
 
 T = TypeVar("T")
 
@@ -119,133 +127,6 @@ class TlsConfig:
         return grpc.ssl_channel_credentials(self.root_ca, self.client_key, self.client_cert)
 
 
-# --- results -------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    reasoning_tokens: int = 0
-    cached_tokens: int = 0
-
-    @classmethod
-    def from_proto(cls, u: common_pb2.Usage) -> Usage:
-        return cls(u.prompt_tokens, u.completion_tokens, u.total_tokens, u.reasoning_tokens, u.cached_tokens)
-
-    def as_dict(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens, "reasoning_tokens": self.reasoning_tokens,
-                "cached_tokens": self.cached_tokens}
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """Images in output order (encoded bytes), the seed of each, per-image and summed usage."""
-
-    images: list[bytes]
-    seeds: list[int]
-    usage: Usage
-    image_usages: list[Usage]
-    width: int
-    height: int
-    output_format: str
-    request_id: str = ""
-
-    @classmethod
-    def from_proto(cls, r: gateway_service_pb2.GenerateImagesResponse) -> GenerationResult:
-        ordered = sorted(r.images, key=lambda im: im.index)
-        return cls(images=[im.image for im in ordered], seeds=[im.seed for im in ordered],
-                   usage=Usage.from_proto(r.usage), image_usages=[Usage.from_proto(im.usage) for im in ordered],
-                   width=r.width, height=r.height, output_format=_FORMAT_NAMES.get(r.output_format, "png"),
-                   request_id=r.request_id)
-
-    @property
-    def extension(self) -> str:
-        return _EXTENSIONS.get(self.output_format, self.output_format)
-
-    def save(self, directory: str | Path, stem: str = "image") -> list[Path]:
-        """Write ``<stem>-<i>.<ext>`` into ``directory`` (created if missing); returns the paths."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for i, data in enumerate(self.images):
-            path = out / f"{stem}-{i}.{self.extension}"
-            path.write_bytes(data)
-            paths.append(path)
-        return paths
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A denoising step finished for one image."""
-
-    image_index: int
-    step: int
-    total_steps: int
-
-
-@dataclass(frozen=True)
-class PartialImage:
-    """A preview of one image part-way through denoising."""
-
-    image_index: int
-    partial_image_index: int
-    image: bytes
-
-
-@dataclass(frozen=True)
-class Completed:
-    """The last event of a successful stream."""
-
-    result: GenerationResult
-
-
-StreamEvent = Progress | PartialImage | Completed
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    address: str
-    role: str  # "ar" or "denoiser"
-    state: str  # "available", "busy", "unhealthy", "draining"
-    inflight: int
-    current_job: str
-    health: str = ""  # why it is (not) usable: "serving", "unreachable", "not answering health checks (hung)", ...
-    stuck: bool = False  # connected but making no progress (hung, or a call to it timed out), not gone
-
-
-@dataclass(frozen=True)
-class Status:
-    pending_ar_requests: int
-    pending_ar_outputs: int
-    pending_denoise_outputs: int
-    active_requests: int
-    workers: list[WorkerInfo] = field(default_factory=list)
-
-    @classmethod
-    def from_proto(cls, s: gateway_service_pb2.GetStatusResponse) -> Status:
-        return cls(s.pending_ar_requests, s.pending_ar_outputs, s.pending_denoise_outputs, s.active_requests,
-                   [WorkerInfo(w.address, _ROLE_NAMES.get(w.role, "unspecified"),
-                               _STATE_NAMES.get(w.state, "unspecified"), w.inflight, w.current_job, w.health,
-                               w.stuck)
-                    for w in s.workers])
-
-
-def _event(msg: gateway_service_pb2.GenerateImagesStreamResponse) -> StreamEvent | None:
-    kind = msg.WhichOneof("event")
-    if kind == "progress":
-        p = msg.progress
-        return Progress(p.image_index, p.step, p.total_steps)
-    if kind == "partial_image":
-        p = msg.partial_image
-        return PartialImage(p.image_index, p.partial_image_index, p.image)
-    if kind == "completed":
-        return Completed(GenerationResult.from_proto(msg.completed))
-    return None  # an event kind newer than this client: skip it rather than fail
-
-
 # --- request building ----------------------------------------------------------------------------------------------
 
 
@@ -292,9 +173,9 @@ def build_stream_request(prompt: str, *, partial_images: int = 0, **fields: Any
 
 
 def build_add_worker(address: str, role: str) -> gateway_service_pb2.AddWorkerRequest:
-    if role not in _ROLES:
-        raise ValueError(f"role must be one of {sorted(_ROLES)}, got {role!r}")
-    return gateway_service_pb2.AddWorkerRequest(address=address, role=_ROLES[role])
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+    return gateway_service_pb2.AddWorkerRequest(address=address, role=ROLES[role])
 
 
 class _Base:
@@ -421,7 +302,7 @@ class Client(_Base):
             try:
                 for msg in call:
                     received = True
-                    event = _event(msg)
+                    event = event_from_proto(msg)
                     if event is not None:
                         yield event
                     if isinstance(event, Completed):
@@ -513,7 +394,7 @@ class AsyncClient(_Base):
             try:
                 async for msg in call:
                     received = True
-                    event = _event(msg)
+                    event = event_from_proto(msg)
                     if event is not None:
                         yield event
                     if isinstance(event, Completed):

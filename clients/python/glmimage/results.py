@@ -1,0 +1,149 @@
+"""What the clients hand back: results, stream events and status, built from the gateway's protobuf replies.
+
+Shared by `Client` and `AsyncClient` (glmimage.client), so both parse every reply the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glmimage.v1 import common_pb2, gateway_service_pb2
+
+FORMATS = {"png": common_pb2.IMAGE_FORMAT_PNG, "jpeg": common_pb2.IMAGE_FORMAT_JPEG,
+           "webp": common_pb2.IMAGE_FORMAT_WEBP}
+_FORMAT_NAMES = {v: k for k, v in FORMATS.items()} | {common_pb2.IMAGE_FORMAT_UNSPECIFIED: "png"}
+_EXTENSIONS = {"png": "png", "jpeg": "jpg", "webp": "webp"}
+_ROLE_NAMES = {gateway_service_pb2.WORKER_ROLE_AR: "ar", gateway_service_pb2.WORKER_ROLE_DENOISER: "denoiser"}
+ROLES = {v: k for k, v in _ROLE_NAMES.items()}
+_STATE_NAMES = {gateway_service_pb2.WORKER_STATE_AVAILABLE: "available", gateway_service_pb2.WORKER_STATE_BUSY: "busy",
+                gateway_service_pb2.WORKER_STATE_UNHEALTHY: "unhealthy",
+                gateway_service_pb2.WORKER_STATE_DRAINING: "draining"}
+
+
+# --- results -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def from_proto(cls, u: common_pb2.Usage) -> Usage:
+        return cls(u.prompt_tokens, u.completion_tokens, u.total_tokens, u.reasoning_tokens, u.cached_tokens)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens, "reasoning_tokens": self.reasoning_tokens,
+                "cached_tokens": self.cached_tokens}
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """Images in output order (encoded bytes), the seed of each, per-image and summed usage."""
+
+    images: list[bytes]
+    seeds: list[int]
+    usage: Usage
+    image_usages: list[Usage]
+    width: int
+    height: int
+    output_format: str
+    request_id: str = ""
+
+    @classmethod
+    def from_proto(cls, r: gateway_service_pb2.GenerateImagesResponse) -> GenerationResult:
+        ordered = sorted(r.images, key=lambda im: im.index)
+        return cls(images=[im.image for im in ordered], seeds=[im.seed for im in ordered],
+                   usage=Usage.from_proto(r.usage), image_usages=[Usage.from_proto(im.usage) for im in ordered],
+                   width=r.width, height=r.height, output_format=_FORMAT_NAMES.get(r.output_format, "png"),
+                   request_id=r.request_id)
+
+    @property
+    def extension(self) -> str:
+        return _EXTENSIONS.get(self.output_format, self.output_format)
+
+    def save(self, directory: str | Path, stem: str = "image") -> list[Path]:
+        """Write ``<stem>-<i>.<ext>`` into ``directory`` (created if missing); returns the paths."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for i, data in enumerate(self.images):
+            path = out / f"{stem}-{i}.{self.extension}"
+            path.write_bytes(data)
+            paths.append(path)
+        return paths
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A denoising step finished for one image."""
+
+    image_index: int
+    step: int
+    total_steps: int
+
+
+@dataclass(frozen=True)
+class PartialImage:
+    """A preview of one image part-way through denoising."""
+
+    image_index: int
+    partial_image_index: int
+    image: bytes
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The last event of a successful stream."""
+
+    result: GenerationResult
+
+
+StreamEvent = Progress | PartialImage | Completed
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    address: str
+    role: str  # "ar" or "denoiser"
+    state: str  # "available", "busy", "unhealthy", "draining"
+    inflight: int
+    current_job: str
+    health: str = ""  # why it is (not) usable: "serving", "unreachable", "not answering health checks (hung)", ...
+    stuck: bool = False  # connected but making no progress (hung, or a call to it timed out), not gone
+
+
+@dataclass(frozen=True)
+class Status:
+    pending_ar_requests: int
+    pending_ar_outputs: int
+    pending_denoise_outputs: int
+    active_requests: int
+    workers: list[WorkerInfo] = field(default_factory=list)
+
+    @classmethod
+    def from_proto(cls, s: gateway_service_pb2.GetStatusResponse) -> Status:
+        return cls(s.pending_ar_requests, s.pending_ar_outputs, s.pending_denoise_outputs, s.active_requests,
+                   [WorkerInfo(w.address, _ROLE_NAMES.get(w.role, "unspecified"),
+                               _STATE_NAMES.get(w.state, "unspecified"), w.inflight, w.current_job, w.health,
+                               w.stuck)
+                    for w in s.workers])
+
+
+def event_from_proto(msg: gateway_service_pb2.GenerateImagesStreamResponse) -> StreamEvent | None:
+    kind = msg.WhichOneof("event")
+    if kind == "progress":
+        p = msg.progress
+        return Progress(p.image_index, p.step, p.total_steps)
+    if kind == "partial_image":
+        p = msg.partial_image
+        return PartialImage(p.image_index, p.partial_image_index, p.image)
+    if kind == "completed":
+        return Completed(GenerationResult.from_proto(msg.completed))
+    return None  # an event kind newer than this client: skip it rather than fail
+
+
