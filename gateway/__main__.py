@@ -15,6 +15,7 @@ from gateway.servicer import GatewayServicer
 from gateway.timeouts import TimeoutPolicy
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.auth import add_internal_token_args, bearer_metadata, internal_token_from_args
+from services.runtime.limits import FIELDS, add_limit_args, limits_from_args
 from services.runtime.logs import configure_logging
 from services.runtime.metrics import serve_metrics
 from services.runtime.server import announce, common_server_args, run_until_signalled, start_server
@@ -124,12 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a worker has to answer a health probe")
     p.add_argument("--health-probe-failures", type=int, default=g.health_probe_failures,
                    help="probes in a row a worker may miss before it is sidelined as hung")
-    p.add_argument("--max-prompt-chars", type=int, default=g.max_prompt_chars,
-                   help="refused at the edge above this (keep it at or below the workers' --max-prompt-chars)")
-    p.add_argument("--max-pixels", type=int, default=g.max_pixels,
-                   help="refused at the edge above this after rounding up to multiples of 32 (the workers' limit)")
-    p.add_argument("--max-steps", type=int, default=g.max_steps,
-                   help="num_inference_steps refused at the edge above this (the denoisers' --max-steps)")
+    # Admission refuses past the tightest of these and of what every worker advertises over GetLimits.
+    add_limit_args(p, FIELDS, follow_workers=True)
     p.add_argument("--queue-without-workers", action="store_true",
                    help="hold requests until their deadline when a stage has no ready worker, instead of failing "
                         "them at once with UNAVAILABLE (503)")
@@ -168,7 +165,7 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
         default_height=height, default_width=width, request_timeout=args.request_timeout,
         ar_timeout=ar_timeout, denoise_timeout=denoise_timeout, health_probe_timeout=args.health_probe_timeout,
         health_probe_interval=args.health_probe_interval, health_probe_failures=args.health_probe_failures,
-        max_prompt_chars=args.max_prompt_chars, max_pixels=args.max_pixels, max_steps=args.max_steps,
+        own_limits=tuple(limits_from_args(args, FIELDS).items()),
         ar_dns=tuple(args.ar_dns), denoiser_dns=tuple(args.denoiser_dns), dns_interval=args.dns_interval,
         client_tls=client_tls_from_args(args), api_keys=api_keys, admin_keys=admin_keys,
         worker_allow=tuple(args.worker_allow), max_workers=args.max_workers,

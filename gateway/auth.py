@@ -2,6 +2,7 @@
 
 One interceptor (services.runtime.auth.BearerAuthInterceptor) with one table, METHOD_ROLES:
 
+- public: GetLimits, open to every caller (the limits are what /openapi.json advertises anyway).
 - user methods (GenerateImages, GenerateImagesStream, GetStatus): open when no ``--api-key`` is set (as before);
   otherwise they need a user key or an admin key.
 - admin methods (AddWorker, RemoveWorker, and any GatewayService method the table does not name): refused for
@@ -20,7 +21,7 @@ from services.runtime.auth import BearerAuthInterceptor, Role
 
 ENV_KEYS = "GLMIMAGE_API_KEYS"
 ENV_ADMIN_KEYS = "GLMIMAGE_ADMIN_KEYS"
-USER, ADMIN = "user", "admin"
+USER, ADMIN, PUBLIC = "user", "admin", "public"
 SERVICE = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 METHOD_ROLES: dict[str, str] = {
@@ -28,6 +29,8 @@ METHOD_ROLES: dict[str, str] = {
     f"/{SERVICE}/GenerateImages": USER,
     f"/{SERVICE}/GenerateImagesStream": USER,
     f"/{SERVICE}/GetStatus": USER,
+    # The limits in force are public (the REST front's /openapi.json shows them); no key needed, like health.
+    f"/{SERVICE}/GetLimits": PUBLIC,
     f"/{SERVICE}/AddWorker": ADMIN,
     f"/{SERVICE}/RemoveWorker": ADMIN,
 }
@@ -54,5 +57,6 @@ def admin_keys_from(flags: Iterable[str], environ: Mapping[str, str] = os.enviro
 def gateway_interceptor(api_keys: Iterable[str], admin_keys: Iterable[str]) -> BearerAuthInterceptor:
     """The GatewayService interceptor; install it always (with no admin keys it is what keeps the admin RPCs off)."""
     roles = [Role(USER, tuple(api_keys), credential="API key", also=(ADMIN,)),
-             Role(ADMIN, tuple(admin_keys), credential="admin key", off_message=ADMIN_OFF)]
+             Role(ADMIN, tuple(admin_keys), credential="admin key", off_message=ADMIN_OFF),
+             Role(PUBLIC, ())]  # no keys, no off message: open
     return BearerAuthInterceptor(roles, METHOD_ROLES)

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from gateway.membership import AllowRule
 from gateway.scheduler import SchedulerConfig
 from gateway.timeouts import TimeoutPolicy
-from services.model import checks
 from services.runtime.tls import ClientTls
 
 
@@ -17,12 +16,9 @@ class GatewayConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     default_height: int = 256
     default_width: int = 256
-    max_n: int = 10
-    # Range checks at the edge, before any arithmetic: nothing a worker would refuse is queued or batched.
-    max_prompt_chars: int = checks.MAX_PROMPT_CHARS
-    max_pixels: int = checks.MAX_PIXELS
-    max_steps: int = checks.MAX_STEPS
-    max_guidance: float = checks.MAX_GUIDANCE
+    # The gateway's own --max-* flags (services.runtime.limits field -> bound): they only ever lower what the
+    # workers advertise. Empty: admit what the workers apply.
+    own_limits: tuple[tuple[str, float], ...] = ()
     request_timeout: float = 300.0
     # Health watch re-connect backoff: short enough that a restarted worker is back within a second or two.
     health_retry_min: float = 0.1

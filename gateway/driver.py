@@ -31,7 +31,7 @@ from glmimage.v1 import (
     denoiser_service_pb2,
     gateway_service_pb2,
 )
-from services.model.checks import round_up
+from services.runtime.limits import Limits, limits_in_force, round_up
 from services.runtime.server import field_violation
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,7 @@ class Driver:
         self.dns: list[DnsMembership] = []
         self.ar_timeouts = ArTimeouts(config.ar_timeout)
         self.denoise_timeouts = DenoiseTimeouts(config.denoise_timeout)
+        self._limits: Limits | None = None  # in force; recomputed after any change of members or their limits
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -186,6 +187,7 @@ class Driver:
         if worker is not None:
             if address in self._removed and worker.role is role:
                 self._removed.discard(address)  # re-added while draining: the scheduler keeps it
+                self._limits_changed()
                 self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
                 return True
             return False
@@ -197,8 +199,20 @@ class Driver:
         self._workers[address] = worker
         log.info("%s worker %s added", role.value.lower(), address)
         self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
-        worker.watch(self._feed, lambda: self._closed)
+        worker.watch(self._feed, lambda: self._closed, self._limits_changed)
         return True
+
+    def limits(self) -> Limits:
+        """What admission refuses past: the tightest of the gateway's flags and of its members' own limits."""
+        if self._limits is None:
+            members = [w for a, w in self._workers.items() if a not in self._removed and w.limits is not None]
+            self._limits = limits_in_force(dict(self.config.own_limits),
+                                           [w.limits for w in members if w.role is sch.WorkerRole.AR],
+                                           [w.limits for w in members if w.role is sch.WorkerRole.DENOISER])
+        return self._limits
+
+    def _limits_changed(self) -> None:
+        self._limits = None
 
     def pool_size(self) -> int:
         """Workers held, both roles, draining ones included (what --max-workers bounds)."""
@@ -210,6 +224,7 @@ class Driver:
             return False
         if address not in self._removed:
             self._removed.add(address)
+            self._limits_changed()
             log.info("worker %s removed; draining", address)
             self._feed(sch.WorkerRemoved(now=time.monotonic(), worker=address))
         return True

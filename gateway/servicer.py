@@ -16,9 +16,10 @@ from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.driver import Driver, Outcome, RequestFailed, StreamOptions
 from gateway.membership import WorkerAddress, allowed, parse_worker_address, split_host_port
-from gateway.validation import check_generate, check_partial_images
+from gateway.validation import Checked, check_generate, check_partial_images
 from glmimage.v1 import common_pb2, denoiser_service_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.errors import InvalidArgument, error_for
+from services.runtime.limits import Limits
 from services.runtime.logs import request_id_var
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             output_format=outcome.images[0].output_format, request_id=request_id_var.get())
 
     async def GenerateImages(self, request, context: grpc.aio.ServicerContext):
-        n, height, width = astuple(check_generate(request, self.config))
+        n, height, width = astuple(self._check(request, self.driver.limits()))
         try:
             outcome = await self.driver.generate(request_id_var.get(), request, height, width, n,
                                                  self._timeout(context))
@@ -96,8 +97,9 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
     async def GenerateImagesStream(self, request, context: grpc.aio.ServicerContext
                                    ) -> AsyncIterator[gateway_service_pb2.GenerateImagesStreamResponse]:
-        n, height, width = astuple(check_generate(request.request, self.config))
-        check_partial_images(request.partial_images)
+        limits = self.driver.limits()
+        n, height, width = astuple(self._check(request.request, limits))
+        check_partial_images(request.partial_images, limits)
         done = object()
         events: asyncio.Queue[gateway_service_pb2.GenerateImagesStreamResponse | object] = asyncio.Queue()
         previews_sent: dict[int, int] = {}  # image index -> previews relayed so far
@@ -142,6 +144,13 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         finally:
             task.cancel()  # a no-op once done
         yield gateway_service_pb2.GenerateImagesStreamResponse(completed=self._response(outcome, height, width))
+
+    def _check(self, request: gateway_service_pb2.GenerateImagesRequest, limits: Limits) -> Checked:
+        return check_generate(request, limits, default_height=self.config.default_height,
+                              default_width=self.config.default_width)
+
+    async def GetLimits(self, request, context: grpc.aio.ServicerContext):
+        return gateway_service_pb2.GetLimitsResponse(limits=self.driver.limits().to_proto())
 
     async def GetStatus(self, request, context: grpc.aio.ServicerContext):
         snap = self.driver.snapshot()

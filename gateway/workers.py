@@ -19,6 +19,7 @@ from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.runtime import keepalive
+from services.runtime.limits import advertised
 from services.runtime.tls import make_channel
 
 log = logging.getLogger("gateway.driver")
@@ -52,6 +53,9 @@ class WorkerHealth(enum.Enum):
         return self in (WorkerHealth.HUNG, WorkerHealth.TIMED_OUT)
 
 
+_NO_LIMITS_READ = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
 class _NotServing(Exception):
     """A health probe answered, but not SERVING."""
 
@@ -67,16 +71,23 @@ class Worker:
         self.watch_task: asyncio.Task | None = None
         self.health = WorkerHealth.UNKNOWN
         self.checked = asyncio.Event()  # its first health check has an answer, whichever
+        # The bounds it applies, as its GetLimits last said (read each time it comes up, before it gets work: a
+        # restarted worker may run with other flags); None until then.
+        self.limits: dict[str, float] | None = None
+        self._on_limits: Callable[[], None] = lambda: None
         if role is sch.WorkerRole.AR:
             self.stub = ar_service_pb2_grpc.ArServiceStub(self.channel)
             self.service = AR_SERVICE
+            self._limits_request = ar_service_pb2.ArServiceGetLimitsRequest
         else:
             self.stub = denoiser_service_pb2_grpc.DenoiserServiceStub(self.channel)
             self.service = DENOISER_SERVICE
+            self._limits_request = denoiser_service_pb2.DenoiserServiceGetLimitsRequest
 
-    def watch(self, feed: Feed, closed: Callable[[], bool]) -> None:
-        """Start following its health; every change reaches the scheduler through ``feed``."""
-        self._feed, self._closed = feed, closed
+    def watch(self, feed: Feed, closed: Callable[[], bool], on_limits: Callable[[], None] = lambda: None) -> None:
+        """Start following its health; every change reaches the scheduler through ``feed``, and a change of its
+        limits calls ``on_limits``."""
+        self._feed, self._closed, self._on_limits = feed, closed, on_limits
         self.watch_task = asyncio.create_task(self._watch(feed, closed), name=f"health:{self.address}")
 
     def sideline(self, why: WorkerHealth) -> None:
@@ -87,6 +98,26 @@ class Worker:
         self.watch_task.cancel()
         self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=self.address))
         self.watch_task = asyncio.create_task(self._watch(self._feed, self._closed), name=f"health:{self.address}")
+
+    async def _read_limits(self) -> None:
+        """Learn what it applies before it gets work, so admission refuses what it would refuse."""
+        try:
+            reply = await self.stub.GetLimits(self._limits_request(), timeout=self.config.health_probe_timeout,
+                                              metadata=self.config.worker_metadata)
+            limits = advertised(reply.limits)
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in _NO_LIMITS_READ:
+                raise  # unreachable or hung: the watch treats it like a failed probe
+            # A server without GetLimits advertises nothing: the defaults stand in for it. One that refuses the
+            # gateway's credentials refuses its work too, with a message that says why: keep it visible.
+            log.warning("%s %s: GetLimits: %s %s; assuming the default limits", self.role.name.lower(), self.address,
+                        err.code().name, err.details())
+            limits = {}
+        if limits != self.limits:
+            log.info("%s %s applies %s", self.role.name.lower(), self.address,
+                     ", ".join(f"{k}={v:g}" for k, v in sorted(limits.items())) or "no advertised limits")
+            self.limits = limits
+            self._on_limits()
 
     async def _probe(self, stub: health_pb2_grpc.HealthStub) -> None:
         """Return once the worker failed ``health_probe_failures`` probes in a row (it is hung or gone)."""
@@ -126,6 +157,7 @@ class Worker:
                                          timeout=self.config.health_probe_timeout)
                 if probe.status != health_pb2.HealthCheckResponse.SERVING:
                     raise _NotServing
+                await self._read_limits()
                 call = stub.Watch(health_pb2.HealthCheckRequest(service=self.service))
                 # A hung process keeps the Watch open but silent: the probes end it.
                 prober = asyncio.create_task(self._probe(stub), name=f"probe:{self.address}")

@@ -238,13 +238,13 @@ async def test_batch_errors_name_the_request_index(ar) -> None:
 @pytest.fixture(scope="module")
 async def capped_ar(ar_engine):
     """A second server on the same model with --max-batch-outputs 3 (it only ever rejects: no model time)."""
-    from services.ar.domain import ArLimits
     from services.ar.engine import ArEngine
     from services.ar.servicer import ArServicer
     from services.runtime.executor import SerialExecutor
+    from services.runtime.limits import Limits
     from services.runtime.server import start_server
 
-    engine = ArEngine(ar_engine.processor, ar_engine.model, ar_engine.device, ArLimits(max_batch_outputs=3))
+    engine = ArEngine(ar_engine.processor, ar_engine.model, ar_engine.device, Limits(max_batch_outputs=3))
     servicer = ArServicer(engine, SerialExecutor("test-ar-capped"))
     server = await start_server(lambda s: ar_service_pb2_grpc.add_ArServiceServicer_to_server(servicer, s),
                                 ["glmimage.v1.ArService"], "127.0.0.1:0")

@@ -17,6 +17,7 @@ from gateway.scheduler import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc, gateway_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
+from services.runtime.limits import Limits
 from services.runtime.server import start_server
 
 PROMPT = 'a blue "OPEN" sign'
@@ -35,12 +36,17 @@ def _violations(err: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(ar_server, denoisers, scheduler: SchedulerConfig, **config_fields):
+async def running_gateway(ar_server, denoisers, scheduler: SchedulerConfig, *, lifted: Limits | None = None,
+                          **config_fields):
+    """``lifted``: admission applies these instead of the workers' (a gateway that lets through what they refuse,
+    to test the path of a worker's own refusal)."""
     config = GatewayConfig(
         ar_addresses=(f"127.0.0.1:{ar_server.port}",),
         denoiser_addresses=tuple(f"127.0.0.1:{d.port}" for d in denoisers),
         scheduler=scheduler, request_timeout=60, **config_fields)
     driver = Driver(config)
+    if lifted is not None:
+        driver.limits = lambda: lifted  # type: ignore[method-assign]
     servicer = GatewayServicer(driver, config)
     server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
                                 ["glmimage.v1.GatewayService"], "127.0.0.1:0")
@@ -122,9 +128,10 @@ async def test_invalid_requests_name_the_field(gateway, request_, field) -> None
 
 
 async def test_service_errors_pass_through_with_their_status(ar_server, denoiser_server) -> None:
-    # A gateway whose step limit is above its denoisers' (misconfigured): the denoiser rejects 201 steps; the
+    # A gateway that admits more steps than its denoisers apply: the denoiser rejects 201 steps; the
     # gateway must not retry that elsewhere nor hide the reason.
-    async with running_gateway(ar_server, (denoiser_server,), SchedulerConfig(), max_steps=1000) as (stub, _):
+    async with running_gateway(ar_server, (denoiser_server,), SchedulerConfig(),
+                               lifted=Limits(max_steps=1000)) as (stub, _):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=64, width=64,
                                                                num_inference_steps=201))
@@ -143,7 +150,8 @@ async def test_an_exception_in_an_ar_batch_fails_only_its_culprit_and_frees_the_
     # The class of bug behind a wedged AR: a batch task that dies of an exception nobody expected. With the edge
     # check lifted (pixel budget far above uint32), the rounded-up size makes building the AR request raise.
     scheduler = SchedulerConfig(ar_batch_delay=0.5, ar_batch_max_outputs=8)
-    async with running_gateway(ar_server, (denoiser_server,), scheduler, max_pixels=2**80) as (stub, driver):
+    async with running_gateway(ar_server, (denoiser_server,), scheduler,
+                               lifted=Limits(max_pixels=2**80)) as (stub, driver):
         def call(height: int, width: int, seed: int):
             return stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=height, width=width,
                                                                 seed=seed), timeout=30)
@@ -182,10 +190,11 @@ async def test_an_exception_in_a_denoise_task_fails_its_request_and_frees_the_de
 
 
 async def test_a_request_the_ar_refuses_does_not_fail_its_batch_mates(ar_server, denoiser_server) -> None:
-    # A gateway whose prompt limit is above its AR's (misconfigured): the AR (8192 characters) refuses this one
+    # A gateway that admits longer prompts than its AR applies: the AR (8192 characters) refuses this one
     # inside a batch it shares with two good requests (a long batching window puts all three in one batch).
     scheduler = SchedulerConfig(ar_batch_delay=0.5, ar_batch_max_outputs=8)
-    async with running_gateway(ar_server, (denoiser_server,), scheduler, max_prompt_chars=10_000) as (stub, driver):
+    async with running_gateway(ar_server, (denoiser_server,), scheduler,
+                               lifted=Limits(max_prompt_chars=10_000)) as (stub, driver):
         def call(prompt: str, seed: int):
             return stub.GenerateImages(pb.GenerateImagesRequest(prompt=prompt, height=64, width=64, seed=seed))
 

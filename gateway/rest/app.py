@@ -6,12 +6,13 @@ answer (or the gRPC status) back to OpenAI-shaped JSON, or to server-sent events
 when the client asks for `stream: true`. It holds no model and no torch.
 
 This module only wires the parts together: settings (settings.py), the front ASGI layer (middleware.py), the
-gateway connection (upstream.py), the JSON <-> gRPC translation (translate.py), the event stream (streaming.py,
-sse.py) and the routes (routes.py).
+gateway connection (upstream.py), the limits in force (limits.py), the JSON <-> gRPC translation (translate.py),
+the event stream (streaming.py, sse.py) and the routes (routes.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from .errors import APIError, error_response, from_validation_errors
+from .limits import LimitsCache, with_limits
 from .metrics import RestMetrics
 from .middleware import REQUEST_ID_HEADER, FrontMiddleware, request_id
 from .routes import router
@@ -50,9 +52,13 @@ def create_app(settings: RestSettings) -> FastAPI:
         app.state.gateway = gateway
         log.info("REST front using gateway at %s (%s)", settings.gateway_address,
                  "TLS" if credentials is not None else "plaintext")
+        follow = asyncio.create_task(app.state.limits.follow(gateway.stub, settings.health_timeout),
+                                     name="limits")
         try:
             yield
         finally:
+            follow.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
             await gateway.channel.close()
 
     app = FastAPI(
@@ -63,6 +69,7 @@ def create_app(settings: RestSettings) -> FastAPI:
     )
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.limits = LimitsCache()
     app.state.created = int(time.time())
     app.add_middleware(FrontMiddleware, settings=settings, metrics=metrics, router=app.router)
     if settings.cors_origins:
@@ -107,7 +114,7 @@ def create_app(settings: RestSettings) -> FastAPI:
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
             app.openapi_schema = doc
-        return app.openapi_schema
+        return with_limits(app.openapi_schema, app.state.limits.current)
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app

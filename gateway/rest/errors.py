@@ -114,7 +114,11 @@ def rest_param(err: grpc.aio.AioRpcError) -> str | None:
     """OpenAI's `param` for a refused request: the field of the status' BadRequest violation, in REST terms."""
     if err.code() is not grpc.StatusCode.INVALID_ARGUMENT or (violation := field_violation(err)) is None:
         return None
-    field = violation[0]
+    return param_of(violation[0])
+
+
+def param_of(field: str) -> str | None:
+    """A GenerateImagesRequest field in REST terms."""
     return field if field.startswith("sampling.") else _REST_PARAM.get(field)
 
 

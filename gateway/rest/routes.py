@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.auth import bearer_metadata
 
+from . import limits as rest_limits
 from . import sse, streaming, translate, upstream
 from .errors import APIError
 from .metrics import RestMetrics
@@ -79,6 +80,7 @@ async def generate_images(body: ImageGenerationRequest, request: Request, settin
                           gateway: GatewayDep) -> Response:
     rid = request_id(request)
     req, quality = translate.to_grpc(body, settings, rid)
+    rest_limits.check(req, body.partial_images or 0, request.app.state.limits.current)
     metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_HEADER, rid),)
     if settings.gateway_auth == "own":  # the gateway sees this front's key; the client's stays here
         metadata += bearer_metadata(settings.gateway_api_key)

@@ -1,7 +1,7 @@
 """Pydantic models for the OpenAI-compatible Images API.
 
-Only shape and range checks live here; checks that depend on RestSettings (model
-names, the pixel budget) are done by the route, which has the settings.
+Only shape and fixed-range checks live here; checks that depend on RestSettings (model names) are done by the
+route, and the limits in force (gateway/rest/limits.py) after translation, by the gateway's own admission code.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ class ImageGenerationRequest(BaseModel):
     # (style, moderation, ...) are ignored so that newer SDKs keep working.
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
-    prompt: str = Field(
-        max_length=32000, description="Text description of the desired image(s). Must not be empty."
-    )
+    # The bounds that depend on the servers' limits (prompt length, n, steps, guidance, partial images, pixels) are
+    # the ones in force, from the gateway's GetLimits: gateway/rest/limits.py checks them and adds them to
+    # /openapi.json. Only fixed ranges are stated here.
+    prompt: str = Field(description="Text description of the desired image(s). Must not be empty.")
     model: str | None = Field(
         None, description="Served model name or one of its aliases (e.g. `gpt-image-1`). Defaults to it."
     )
-    n: int | None = Field(None, ge=1, le=10, description="Number of images to generate, 1 to 10.")
+    n: int | None = Field(None, ge=1, description="Number of images to generate (1 to 10 by default).")
     size: str | None = Field(
         None,
         description="`WIDTHxHEIGHT` in pixels, or `auto` for the server default. "
@@ -59,7 +60,7 @@ class ImageGenerationRequest(BaseModel):
         "`image_generation.completed` event per image (with that image's usage), instead of one JSON body.",
     )
     partial_images: int | None = Field(
-        None, ge=0, le=3, description="With `stream`: previews per image, 0 to 3. Ignored without `stream`."
+        None, ge=0, description="With `stream`: previews per image, 0 to 3. Ignored without `stream`."
     )
     # GLM-Image extensions.
     seed: int | None = Field(
@@ -68,12 +69,11 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: int | None = Field(
         None,
         ge=0,
-        le=1000,
-        description="Extension: denoising steps, up to 1000; overrides `quality`. 0 means the denoiser's default "
+        description="Extension: denoising steps; overrides `quality`. 0 means the denoiser's default "
         "step count (what `quality: auto` gives), whatever `quality` says.",
     )
     guidance_scale: float | None = Field(
-        None, ge=0.0, le=30.0, description="Extension: classifier-free guidance scale, 0 to 30."
+        None, ge=0.0, description="Extension: classifier-free guidance scale, from 0."
     )
 
 

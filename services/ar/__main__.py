@@ -7,7 +7,6 @@ import functools
 import logging
 
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc
-from services.ar.domain import ArLimits
 from services.ar.engine import ArEngine
 from services.ar.servicer import ArServicer
 from services.ar.srt_backend import SrtBackend
@@ -15,6 +14,7 @@ from services.model.device import DeviceUnavailable
 from services.model.loading import CheckpointError
 from services.model.serving import model_args, serve_model
 from services.runtime.errors import ServiceError
+from services.runtime.limits import AR_FIELDS, Limits, add_limit_args, limits_from_args
 from services.runtime.logs import configure_logging
 from services.runtime.server import common_server_args
 
@@ -26,11 +26,7 @@ log = logging.getLogger(__name__)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, description="GLM-Image AR server (prompt -> prior tokens)",
                                 parents=[common_server_args(50051), model_args()])
-    p.add_argument("--max-prompt-chars", type=int, default=ArLimits.max_prompt_chars)
-    p.add_argument("--max-pixels", type=int, default=ArLimits.max_pixels)
-    p.add_argument("--max-n", type=int, default=ArLimits.max_n, help="outputs one request may ask for")
-    p.add_argument("--max-batch-outputs", type=int, default=ArLimits.max_batch_outputs,
-                   help="output rows in one model batch (sum of n over a GenerateBatch call)")
+    add_limit_args(p, AR_FIELDS)
     p.add_argument("--max-queue", type=int, default=0,
                    help="calls allowed to wait for the model beyond the running one (0: no limit); "
                         "more get RESOURCE_EXHAUSTED")
@@ -41,9 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.backend == "srt" and not args.srt_url:
         p.error("--backend srt needs --srt-url")
-    for name in ("max_prompt_chars", "max_pixels", "max_n", "max_batch_outputs"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        args.limits = Limits(**limits_from_args(args, AR_FIELDS))
+    except SystemExit as exc:
+        p.error(str(exc))
     if args.max_queue < 0:
         p.error("--max-queue must be 0 (no limit) or more")
     return args
@@ -52,8 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def run(args: argparse.Namespace) -> None:
     """Serve until SIGTERM; a device, checkpoint or backend problem at start-up ends the process with its message,
     not a traceback."""
-    limits = ArLimits(max_prompt_chars=args.max_prompt_chars, max_pixels=args.max_pixels, max_n=args.max_n,
-                      max_batch_outputs=args.max_batch_outputs)
+    limits = args.limits
     if args.backend == "srt":
         load = functools.partial(SrtBackend.load, args.model_path, args.srt_url, limits, timeout=args.srt_timeout)
     else:

@@ -10,25 +10,16 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.model.checks import (
-    MAX_PIXELS,
-    MAX_PROMPT_CHARS,
+from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError
+from services.runtime.limits import (
     SEED_SPACE,
+    Limits,
+    check_n,
     check_prompt,
     check_sampling,
     check_seed,
     model_size,
 )
-from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError
-
-
-@dataclass(frozen=True)
-class ArLimits:
-    max_prompt_chars: int = MAX_PROMPT_CHARS
-    max_pixels: int = MAX_PIXELS
-    max_n: int = 16
-    # Output rows in one model batch (the sum of n over a GenerateBatch call): bounds KV-cache memory.
-    max_batch_outputs: int = 32
 
 
 @dataclass(frozen=True)
@@ -130,7 +121,7 @@ class RunControl:
 class ArBackend(Protocol):
     """What the servicer needs from a backend: the local torch engine or an external server."""
 
-    limits: ArLimits
+    limits: Limits  # only AR_FIELDS apply here
 
     def validate(self, req: ArRequest) -> ArRequest: ...
 
@@ -139,20 +130,18 @@ class ArBackend(Protocol):
     def warm_up(self) -> None: ...
 
 
-def validate(req: ArRequest, limits: ArLimits) -> ArRequest:
+def validate(req: ArRequest, limits: Limits) -> ArRequest:
     """Check a request and normalize it (n default, sizes rounded up to multiples of 32)."""
-    check_prompt(req.prompt, limits.max_prompt_chars)
-    n = req.n or 1
-    if not 1 <= n <= limits.max_n:
-        raise InvalidArgument("n", f"must be between 1 and {limits.max_n}, got {req.n}")
-    height, width = model_size(req.height, req.width, limits.max_pixels)
+    check_prompt(req.prompt, limits)
+    n = check_n(req.n, limits)
+    height, width = model_size(req.height, req.width, limits)
     s = req.sampling
     check_sampling(s.temperature, s.top_p, s.top_k)
     check_seed(req.seed, n)
     return ArRequest(prompt=req.prompt, n=n, height=height, width=width, seed=req.seed, sampling=s)
 
 
-def check_batch(requests: Sequence[ArRequest], limits: ArLimits, *, single: bool = False) -> None:
+def check_batch(requests: Sequence[ArRequest], limits: Limits, *, single: bool = False) -> None:
     """Batch-level checks on validated requests: one resolution, and at most --max-batch-outputs rows."""
     if not requests:
         raise InvalidArgument("requests", "must not be empty")

@@ -19,7 +19,6 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from services.ar.domain import (
-    ArLimits,
     ArRequest,
     ArResult,
     RunControl,
@@ -31,17 +30,17 @@ from services.ar.domain import (
 )
 from services.ar.prompts import EncodedPrompt, PromptEncoder
 from services.ar.sampling import ControlStop, RowParams, RowSampler, resolve
-from services.model.checks import SEED_SPACE
 from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.tiny import AR_PARTS
+from services.runtime.limits import SEED_SPACE, Limits
 
 # Kept importable from here: the engine's public vocabulary.
-__all__ = ["ArEngine", "ArLimits", "ArRequest", "ArResult", "Sampling"]
+__all__ = ["ArEngine", "ArRequest", "ArResult", "Sampling"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LIMITS = ArLimits()
+DEFAULT_LIMITS = Limits()
 
 # Warpers generate() would apply from a checkpoint's generation config that RowSampler does not implement.
 _UNSUPPORTED_WARPERS = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
@@ -56,7 +55,7 @@ class _Row:
 
 
 class ArEngine:
-    def __init__(self, processor, model, device: torch.device, limits: ArLimits = DEFAULT_LIMITS) -> None:
+    def __init__(self, processor, model, device: torch.device, limits: Limits = DEFAULT_LIMITS) -> None:
         self.processor = processor
         self.prompts = PromptEncoder(processor)
         self.model = model
@@ -78,7 +77,7 @@ class ArEngine:
 
     @classmethod
     def load(cls, model_path: str | Path | None, device: str = "auto", dtype: str = "auto",
-             limits: ArLimits = DEFAULT_LIMITS) -> ArEngine:
+             limits: Limits = DEFAULT_LIMITS) -> ArEngine:
         """Load `processor` + `vision_language_encoder` from a full checkpoint, or from a directory that holds
         just that pair; the tiny default goes through the same path."""
         from transformers import GlmImageForConditionalGeneration, GlmImageProcessor

@@ -15,6 +15,7 @@ from services.ar.domain import ArBackend, ArRequest, ArResult, RunControl, Sampl
 from services.runtime.deadlines import rpc_deadline
 from services.runtime.errors import InvalidArgument
 from services.runtime.executor import SerialExecutor
+from services.runtime.limits import AR_FIELDS
 from services.runtime.logs import request_id_var
 from services.runtime.server import request_id_from
 
@@ -57,6 +58,9 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
         (result,) = await self._execute([request], context, single=True)
         log.debug("generated %d row(s) at %dx%d", len(result.outputs), result.height, result.width)
         return result_to_proto(result)
+
+    async def GetLimits(self, request, context: grpc.aio.ServicerContext):
+        return ar_service_pb2.ArServiceGetLimitsResponse(limits=self.engine.limits.to_proto(AR_FIELDS))
 
     async def GenerateBatch(self, request, context: grpc.aio.ServicerContext):
         self._adopt_request_id(context, request.requests)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from services.ar.domain import (
-    ArLimits,
     ArRequest,
     ArResult,
     RunControl,
@@ -30,13 +29,13 @@ from services.ar.domain import (
     validate,
 )
 from services.ar.prompts import PromptEncoder
-from services.model.checks import SEED_SPACE
 from services.model.loading import checkpoint_root, require_parts
 from services.runtime.errors import DeadlineExceeded, ServiceError, Unavailable
+from services.runtime.limits import SEED_SPACE, Limits
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LIMITS = ArLimits()
+DEFAULT_LIMITS = Limits()
 
 
 def generate_url(url: str) -> str:
@@ -64,7 +63,7 @@ class _Row:
 
 
 class SrtBackend:
-    def __init__(self, url: str, prompts: PromptEncoder, limits: ArLimits = DEFAULT_LIMITS, *,
+    def __init__(self, url: str, prompts: PromptEncoder, limits: Limits = DEFAULT_LIMITS, *,
                  timeout: float = 600.0, codebook_size: int | None = None) -> None:
         self.url = generate_url(url)
         self.prompts = prompts
@@ -75,7 +74,7 @@ class SrtBackend:
         self.eos_token_ids = frozenset([tok.eos_token_id]) if tok.eos_token_id is not None else frozenset()
 
     @classmethod
-    def load(cls, model_path: str | Path | None, url: str, limits: ArLimits = DEFAULT_LIMITS, *,
+    def load(cls, model_path: str | Path | None, url: str, limits: Limits = DEFAULT_LIMITS, *,
              timeout: float = 600.0) -> SrtBackend:
         root = checkpoint_root(model_path)
         require_parts(root, ("processor",), "AR service with --backend srt")

@@ -7,9 +7,10 @@ import functools
 
 from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.denoiser.encoding import PNG_LEVELS
-from services.denoiser.engine import DenoiseEngine, DenoiseLimits
+from services.denoiser.engine import DenoiseEngine, DenoiseSettings
 from services.denoiser.servicer import DenoiserServicer
 from services.model.serving import model_args, serve_model
+from services.runtime.limits import DENOISER_FIELDS, Limits, add_limit_args, limits_from_args
 from services.runtime.logs import configure_logging
 from services.runtime.server import common_server_args
 
@@ -19,27 +20,31 @@ SERVICE_NAME = denoiser_service_pb2.DESCRIPTOR.services_by_name["DenoiserService
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="GLM-Image denoiser server (prior tokens -> image), batch 1",
                                 parents=[common_server_args(50061), model_args()], allow_abbrev=False)
-    p.add_argument("--default-steps", type=int, default=DenoiseLimits.default_steps,
+    p.add_argument("--default-steps", type=int, default=DenoiseSettings.default_steps,
                    help="steps when the request gives none (the tiny model needs 2; real weights ~50)")
-    p.add_argument("--default-guidance", type=float, default=DenoiseLimits.default_guidance)
-    p.add_argument("--max-steps", type=int, default=DenoiseLimits.max_steps)
-    p.add_argument("--max-pixels", type=int, default=DenoiseLimits.max_pixels)
-    p.add_argument("--max-prompt-chars", type=int, default=DenoiseLimits.max_prompt_chars)
-    p.add_argument("--png-compress-level", type=int, default=DenoiseLimits.png_compress_level, choices=PNG_LEVELS,
+    p.add_argument("--default-guidance", type=float, default=DenoiseSettings.default_guidance)
+    add_limit_args(p, DENOISER_FIELDS)
+    p.add_argument("--png-compress-level", type=int, default=DenoiseSettings.png_compress_level, choices=PNG_LEVELS,
                    metavar="0-9",
                    help="zlib level for PNG when the request gives no output_compression: lower is faster and larger")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.limits = Limits(**limits_from_args(args, DENOISER_FIELDS))
+    except SystemExit as exc:
+        p.error(str(exc))
+    if args.default_steps > args.limits.max_steps or args.default_steps < 1:
+        p.error(f"--default-steps must be between 1 and --max-steps ({args.limits.max_steps})")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level)
-    limits = DenoiseLimits(max_prompt_chars=args.max_prompt_chars, max_pixels=args.max_pixels,
-                           max_steps=args.max_steps, default_steps=args.default_steps,
-                           default_guidance=args.default_guidance, png_compress_level=args.png_compress_level)
+    settings = DenoiseSettings(limits=args.limits, default_steps=args.default_steps,
+                               default_guidance=args.default_guidance, png_compress_level=args.png_compress_level)
     asyncio.run(serve_model(
         args, name="denoise-engine", service_name=SERVICE_NAME,
-        load=functools.partial(DenoiseEngine.load, args.model_path, args.device, args.dtype, limits),
+        load=functools.partial(DenoiseEngine.load, args.model_path, args.device, args.dtype, settings),
         make_servicer=DenoiserServicer,
         register=denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server))
 

@@ -18,34 +18,31 @@ import torch
 from PIL import Image
 
 from services.denoiser.encoding import DEFAULT_PNG_LEVEL, ImageFormat, encode
-from services.model.checks import (
-    MAX_GUIDANCE,
-    MAX_PIXELS,
-    MAX_PROMPT_CHARS,
-    MAX_STEPS,
-    SEED_SPACE,
-    check_prompt,
-    check_seed,
-    model_size,
-    round_up,
-)
 from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.tiny import DENOISER_PARTS
 from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument
+from services.runtime.limits import (
+    SEED_SPACE,
+    Limits,
+    check_guidance,
+    check_output_compression,
+    check_partial_images,
+    check_prompt,
+    check_seed,
+    check_steps,
+    model_size,
+    round_up,
+)
 
 log = logging.getLogger(__name__)
 
 TOKEN_PATCH = 16  # one prior token per 16x16 pixels
-MAX_PARTIAL_IMAGES = 3  # OpenAI's partial_images range is 0-3
 
 
 @dataclass(frozen=True)
-class DenoiseLimits:
-    max_prompt_chars: int = MAX_PROMPT_CHARS
-    max_pixels: int = MAX_PIXELS
-    max_steps: int = MAX_STEPS
-    max_guidance: float = MAX_GUIDANCE
+class DenoiseSettings:
+    limits: Limits = Limits()  # only DENOISER_FIELDS apply here
     default_steps: int = 2  # the tiny model's sensible default; set --default-steps 50 for real weights
     default_guidance: float = 1.5
     png_compress_level: int = DEFAULT_PNG_LEVEL  # zlib level when a PNG request gives no output_compression
@@ -130,15 +127,16 @@ def preview_steps(steps: int, partial_images: int) -> list[int]:
 
 
 class DenoiseEngine:
-    def __init__(self, pipe, device: torch.device, limits: DenoiseLimits = DenoiseLimits()) -> None:
+    def __init__(self, pipe, device: torch.device, settings: DenoiseSettings = DenoiseSettings()) -> None:
         self.pipe = pipe
         self.device = device
-        self.limits = limits
+        self.settings = settings
+        self.limits = settings.limits
         self.codebook_size = int(pipe.transformer.config.prior_vq_quantizer_codebook_size)
 
     @classmethod
     def load(cls, model_path: str | Path | None, device: str = "auto", dtype: str = "auto",
-             limits: DenoiseLimits = DenoiseLimits()) -> DenoiseEngine:
+             settings: DenoiseSettings = DenoiseSettings()) -> DenoiseEngine:
         """Load everything but the AR (glyph tokenizer + encoder, transformer, VAE, scheduler)."""
         from diffusers import GlmImagePipeline
 
@@ -151,13 +149,13 @@ class DenoiseEngine:
                                                 dtype=torch_dtype).to(dev)
         pipe.set_progress_bar_config(disable=True)
         log.info("DiT + VAE loaded from %s on %s/%s in %.1fs", root, dev, torch_dtype, time.perf_counter() - t0)
-        return cls(pipe, dev, limits)
+        return cls(pipe, dev, settings)
 
     def validate(self, job: DenoiseJob) -> DenoiseJob:
         """Check a job and fill defaults; sizes that are not multiples of 32 are allowed (cropped afterwards)."""
         lim = self.limits
-        check_prompt(job.prompt, lim.max_prompt_chars, "the glyph text comes from it")
-        h, w = model_size(job.height, job.width, lim.max_pixels)
+        check_prompt(job.prompt, lim, "the glyph text comes from it")
+        h, w = model_size(job.height, job.width, lim)
         expected = (h // TOKEN_PATCH) * (w // TOKEN_PATCH)
         if len(job.token_ids) != expected:
             raise InvalidArgument("prior_tokens", f"has {len(job.token_ids)} ids; {h}x{w} needs "
@@ -165,18 +163,13 @@ class DenoiseEngine:
         if job.token_ids and not (0 <= min(job.token_ids) and max(job.token_ids) < self.codebook_size):
             bad = next(t for t in job.token_ids if not 0 <= t < self.codebook_size)
             raise InvalidArgument("prior_tokens", f"id {bad} is outside [0, {self.codebook_size})")
-        steps = job.steps or lim.default_steps
-        if not 1 <= steps <= lim.max_steps:
-            raise InvalidArgument("num_inference_steps", f"must be between 1 and {lim.max_steps}, got {job.steps}")
-        guidance = lim.default_guidance if job.guidance_scale is None else job.guidance_scale
-        if not 0.0 <= guidance <= lim.max_guidance:
-            raise InvalidArgument("guidance_scale", f"must be between 0 and {lim.max_guidance}, got {guidance}")
+        check_steps(job.steps, lim)
+        steps = job.steps or self.settings.default_steps
+        guidance = self.settings.default_guidance if job.guidance_scale is None else job.guidance_scale
+        check_guidance(guidance, lim)
         check_seed(job.seed)
-        if job.output_compression is not None and not 0 <= job.output_compression <= 100:
-            raise InvalidArgument("output_compression", f"must be between 0 and 100, got {job.output_compression}")
-        if not 0 <= job.partial_images <= MAX_PARTIAL_IMAGES:
-            raise InvalidArgument("partial_images",
-                                  f"must be between 0 and {MAX_PARTIAL_IMAGES}, got {job.partial_images}")
+        check_output_compression(job.output_compression)
+        check_partial_images(job.partial_images, lim)
         seed = job.seed if job.seed is not None else secrets.randbelow(SEED_SPACE)
         return replace(job, steps=steps, guidance_scale=guidance, seed=seed)
 
@@ -244,7 +237,7 @@ class DenoiseEngine:
         return image
 
     def _encode(self, image: Image.Image, job: DenoiseJob) -> bytes:
-        return encode(image, job.output_format, job.output_compression, self.limits.png_compress_level)
+        return encode(image, job.output_format, job.output_compression, self.settings.png_compress_level)
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> Image.Image:

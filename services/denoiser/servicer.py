@@ -30,6 +30,7 @@ from services.denoiser.metrics import CancelReason, Outcome
 from services.runtime.deadlines import rpc_deadline
 from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from services.runtime.executor import SerialExecutor
+from services.runtime.limits import DENOISER_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,10 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
     async def wait_idle(self) -> None:
         """Return once no job holds the slot (its worker thread has returned): for drains and tests."""
         await self._idle.wait()
+
+    async def GetLimits(self, request, context: grpc.aio.ServicerContext):
+        return denoiser_service_pb2.DenoiserServiceGetLimitsResponse(
+            limits=self.engine.limits.to_proto(DENOISER_FIELDS))
 
     async def Denoise(self, request, context: grpc.aio.ServicerContext):
         result = await self._execute(request, 0, context)

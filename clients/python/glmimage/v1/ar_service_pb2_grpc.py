@@ -45,6 +45,11 @@ class ArServiceStub:
                 request_serializer=glmimage_dot_v1_dot_ar__service__pb2.GenerateBatchRequest.SerializeToString,
                 response_deserializer=glmimage_dot_v1_dot_ar__service__pb2.GenerateBatchResponse.FromString,
                 _registered_method=True)
+        self.GetLimits = channel.unary_unary(
+                '/glmimage.v1.ArService/GetLimits',
+                request_serializer=glmimage_dot_v1_dot_ar__service__pb2.ArServiceGetLimitsRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_ar__service__pb2.ArServiceGetLimitsResponse.FromString,
+                _registered_method=True)
 
 
 class ArServiceServicer:
@@ -65,6 +70,13 @@ class ArServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLimits(self, request, context):
+        """The bounds this server applies (its --max-* flags); the gateway reads them when the worker joins.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ArServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +89,11 @@ def add_ArServiceServicer_to_server(servicer, server):
                     servicer.GenerateBatch,
                     request_deserializer=glmimage_dot_v1_dot_ar__service__pb2.GenerateBatchRequest.FromString,
                     response_serializer=glmimage_dot_v1_dot_ar__service__pb2.GenerateBatchResponse.SerializeToString,
+            ),
+            'GetLimits': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLimits,
+                    request_deserializer=glmimage_dot_v1_dot_ar__service__pb2.ArServiceGetLimitsRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_ar__service__pb2.ArServiceGetLimitsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +151,33 @@ class ArService:
             '/glmimage.v1.ArService/GenerateBatch',
             glmimage_dot_v1_dot_ar__service__pb2.GenerateBatchRequest.SerializeToString,
             glmimage_dot_v1_dot_ar__service__pb2.GenerateBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLimits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmimage.v1.ArService/GetLimits',
+            glmimage_dot_v1_dot_ar__service__pb2.ArServiceGetLimitsRequest.SerializeToString,
+            glmimage_dot_v1_dot_ar__service__pb2.ArServiceGetLimitsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,3 +47,21 @@ class SamplingParams(_message.Message):
     top_p: float
     top_k: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_prompt_chars", "max_n", "max_pixels", "max_steps", "max_guidance", "max_batch_outputs", "max_partial_images")
+    MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_N_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GUIDANCE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    max_prompt_chars: int
+    max_n: int
+    max_pixels: int
+    max_steps: int
+    max_guidance: float
+    max_batch_outputs: int
+    max_partial_images: int
+    def __init__(self, max_prompt_chars: _Optional[int] = ..., max_n: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_guidance: _Optional[float] = ..., max_batch_outputs: _Optional[int] = ..., max_partial_images: _Optional[int] = ...) -> None: ...

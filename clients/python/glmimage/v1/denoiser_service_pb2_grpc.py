@@ -45,6 +45,11 @@ class DenoiserServiceStub:
                 request_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseStreamRequest.SerializeToString,
                 response_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseStreamResponse.FromString,
                 _registered_method=True)
+        self.GetLimits = channel.unary_unary(
+                '/glmimage.v1.DenoiserService/GetLimits',
+                request_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceGetLimitsRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceGetLimitsResponse.FromString,
+                _registered_method=True)
 
 
 class DenoiserServiceServicer:
@@ -64,6 +69,13 @@ class DenoiserServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLimits(self, request, context):
+        """The bounds this server applies (its --max-* flags); the gateway reads them when the worker joins.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DenoiserServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +88,11 @@ def add_DenoiserServiceServicer_to_server(servicer, server):
                     servicer.DenoiseStream,
                     request_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseStreamRequest.FromString,
                     response_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseStreamResponse.SerializeToString,
+            ),
+            'GetLimits': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLimits,
+                    request_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceGetLimitsRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceGetLimitsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +150,33 @@ class DenoiserService:
             '/glmimage.v1.DenoiserService/DenoiseStream',
             glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseStreamRequest.SerializeToString,
             glmimage_dot_v1_dot_denoiser__service__pb2.DenoiseStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLimits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmimage.v1.DenoiserService/GetLimits',
+            glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceGetLimitsRequest.SerializeToString,
+            glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceGetLimitsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -88,6 +88,16 @@ class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class GetLimitsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetLimitsResponse(_message.Message):
+    __slots__ = ("limits",)
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    limits: _common_pb2.Limits
+    def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ...) -> None: ...
+
 class WorkerStatus(_message.Message):
     __slots__ = ("address", "role", "state", "inflight", "current_job", "health", "stuck")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]

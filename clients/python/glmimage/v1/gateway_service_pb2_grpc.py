@@ -50,6 +50,11 @@ class GatewayServiceStub:
                 request_serializer=glmimage_dot_v1_dot_gateway__service__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.GetLimits = channel.unary_unary(
+                '/glmimage.v1.GatewayService/GetLimits',
+                request_serializer=glmimage_dot_v1_dot_gateway__service__pb2.GetLimitsRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.GetLimitsResponse.FromString,
+                _registered_method=True)
         self.AddWorker = channel.unary_unary(
                 '/glmimage.v1.GatewayService/AddWorker',
                 request_serializer=glmimage_dot_v1_dot_gateway__service__pb2.AddWorkerRequest.SerializeToString,
@@ -86,6 +91,14 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLimits(self, request, context):
+        """The limits in force: what admission refuses past (the tightest of the gateway's flags and of every worker's
+        own limits). Open without a key, like health: the REST front's /openapi.json advertises them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AddWorker(self, request, context):
         """Membership administration: add a worker at run time (it is used once it reports SERVING).
         """
@@ -117,6 +130,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.GetStatusRequest.FromString,
                     response_serializer=glmimage_dot_v1_dot_gateway__service__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'GetLimits': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLimits,
+                    request_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.GetLimitsRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_gateway__service__pb2.GetLimitsResponse.SerializeToString,
             ),
             'AddWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.AddWorker,
@@ -211,6 +229,33 @@ class GatewayService:
             '/glmimage.v1.GatewayService/GetStatus',
             glmimage_dot_v1_dot_gateway__service__pb2.GetStatusRequest.SerializeToString,
             glmimage_dot_v1_dot_gateway__service__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLimits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmimage.v1.GatewayService/GetLimits',
+            glmimage_dot_v1_dot_gateway__service__pb2.GetLimitsRequest.SerializeToString,
+            glmimage_dot_v1_dot_gateway__service__pb2.GetLimitsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,92 @@
+"""The limits in force, as the REST front knows them, and what it does with them.
+
+The gateway's GetLimits is the source (the tightest of its flags and of every worker's own limits); this front
+reads it at start and every REFRESH_S seconds after. With it the front refuses, naming the REST ``param``, what
+the gateway would refuse anyway, without a round trip, and /openapi.json advertises it (``maxLength``,
+``maximum``). Until the gateway answers, the defaults of services.runtime.limits stand in: the gateway still
+checks every request itself, so a stale copy here can only refuse early what the gateway refuses too, or let
+through what it then refuses.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from typing import Any
+
+import grpc
+
+from gateway.validation import check_generate, check_partial_images
+from glmimage.v1 import gateway_service_pb2
+from services.runtime.errors import InvalidArgument
+from services.runtime.limits import SEED_SPACE, Limits, from_proto
+
+from .errors import APIError, param_of
+
+log = logging.getLogger("glmimage.rest")
+
+REFRESH_S = 2.0
+
+
+class LimitsCache:
+    """The last limits the gateway reported (the defaults before it has)."""
+
+    def __init__(self) -> None:
+        self.current = Limits()
+        self.from_gateway = False
+
+    async def refresh(self, stub: Any, timeout: float) -> None:
+        try:
+            reply = await stub.GetLimits(gateway_service_pb2.GetLimitsRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as err:  # away or older: keep what we have, the gateway checks anyway
+            log.debug("gateway GetLimits: %s", err.code().name)
+            return
+        limits = from_proto(reply.limits)
+        if limits != self.current or not self.from_gateway:
+            log.info("limits in force: %s", limits)
+        self.current, self.from_gateway = limits, True
+
+    async def follow(self, stub: Any, timeout: float, interval: float = REFRESH_S) -> None:
+        """Refresh until cancelled (the app's lifespan)."""
+        while True:
+            await self.refresh(stub, timeout)
+            await asyncio.sleep(interval)
+
+
+def check(req: gateway_service_pb2.GenerateImagesRequest, partial_images: int, limits: Limits) -> None:
+    """The gateway's own admission checks, answered as OpenAI's 400 with the REST ``param``."""
+    try:
+        # REST always sends a size, so the defaults are never used.
+        check_generate(req, limits, default_height=req.height, default_width=req.width)
+        check_partial_images(partial_images, limits)
+    except InvalidArgument as exc:
+        raise APIError(400, str(exc), param=param_of(exc.field or ""), code="invalid_value") from None
+
+
+# REST field -> (JSON Schema keyword, the Limits value it advertises).
+_ADVERTISED = {
+    "prompt": ("maxLength", lambda lim: lim.max_prompt_chars),
+    "n": ("maximum", lambda lim: lim.max_request_outputs),
+    "num_inference_steps": ("maximum", lambda lim: lim.max_steps),
+    "guidance_scale": ("maximum", lambda lim: lim.max_guidance),
+    "partial_images": ("maximum", lambda lim: lim.max_partial_images),
+    "seed": ("maximum", lambda lim: SEED_SPACE - 1),
+}
+
+
+def with_limits(doc: dict[str, Any], limits: Limits, model: str = "ImageGenerationRequest") -> dict[str, Any]:
+    """A copy of the OpenAPI document whose request schema states ``limits``."""
+    doc = copy.deepcopy(doc)
+    props = doc.get("components", {}).get("schemas", {}).get(model, {}).get("properties", {})
+    for name, (keyword, value) in _ADVERTISED.items():
+        if name not in props:
+            continue
+        # An optional field is anyOf [the typed schema, null]: the bound goes on the typed branch.
+        for branch in props[name].get("anyOf", [props[name]]):
+            if branch.get("type") in ("string", "integer", "number"):
+                branch[keyword] = value(limits)
+    if "size" in props:
+        props["size"]["x-max-pixels"] = limits.max_pixels
+        props["size"]["description"] = (props["size"].get("description", "") +
+                                        f" At most {limits.max_pixels} pixels after that rounding.")
+    return doc

@@ -1,0 +1,211 @@
+"""The one limits model: every bound a request must respect, the checks that apply it, and its wire form.
+
+Who reads it:
+- the AR and the denoiser run with a ``Limits`` built from their flags (``--max-steps`` ...), check every request
+  against it, and serve the part each of them applies over ``GetLimits`` (AR_FIELDS, DENOISER_FIELDS);
+- the gateway reads its workers' limits when each joins, takes the tightest of them and of its own flags, and
+  refuses at admission, the field named, anything a ready worker would refuse; its ``GetLimits`` serves the result;
+- the REST front advertises the gateway's limits in /openapi.json (``maxLength``/``maximum``) and bounds bodies.
+
+Torch-free and gRPC-free apart from the protobuf conversion, so every process imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from glmimage.v1 import common_pb2
+from services.runtime.errors import InvalidArgument
+
+# Output i of a request uses seed + i: the last one must fit the uint32 seed space too.
+SEED_SPACE = 2**32
+# The AR grid is H/32 x W/32 (upsampled 2x to the DiT's H/16 x W/16): both stages round sizes up to this.
+SIZE_MULTIPLE = 32
+# AR sampling ranges (fixed by the model's sampler, not configurable): temperature in (0, 2], top_p in (0, 1].
+MAX_TEMPERATURE = 2.0
+MAX_TOP_K = 1_000_000
+# output_compression is a percentage for every format.
+MAX_OUTPUT_COMPRESSION = 100
+# The REST front reads at most this many bytes of a JSON body (--max-body-bytes) and answers 413 past it.
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The configurable bounds. Each server holds a complete set; on the wire it sends only the fields it applies."""
+
+    max_prompt_chars: int = 8192
+    max_n: int = 10  # outputs one request may ask for (OpenAI's n is 1-10)
+    max_pixels: int = 2048 * 2048  # after rounding each side up to SIZE_MULTIPLE
+    max_steps: int = 200
+    max_guidance: float = 30.0
+    # Output rows in one AR model batch (the sum of n over a GenerateBatch call): bounds KV-cache memory.
+    max_batch_outputs: int = 32
+    max_partial_images: int = 3  # OpenAI's partial_images range is 0-3
+
+    def tightened(self, bounds: Mapping[str, float]) -> Limits:
+        """These limits, lowered to ``bounds`` where those are tighter (a field not named stays as it is)."""
+        return dataclasses.replace(self, **{name: type(getattr(self, name))(min(getattr(self, name), value))
+                                            for name, value in bounds.items()})
+
+    @property
+    def max_request_outputs(self) -> int:
+        """The most outputs one request may ask for: n, and one AR batch must hold them all."""
+        return min(self.max_n, self.max_batch_outputs)
+
+    def to_proto(self, fields: Iterable[str] = ()) -> common_pb2.Limits:
+        """The wire form of ``fields`` (all of them when empty)."""
+        names = tuple(fields) or FIELDS
+        return common_pb2.Limits(**{name: getattr(self, name) for name in names})
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Limits))
+# What each server applies, and so advertises: the gateway must not take a default it never checks as a bound.
+AR_FIELDS = ("max_prompt_chars", "max_n", "max_pixels", "max_batch_outputs")
+DENOISER_FIELDS = ("max_prompt_chars", "max_pixels", "max_steps", "max_guidance", "max_partial_images")
+
+
+def advertised(message: common_pb2.Limits) -> dict[str, float]:
+    """The bounds a ``Limits`` message sets (unset fields bound nothing)."""
+    return {name: getattr(message, name) for name in FIELDS if message.HasField(name)}
+
+
+def from_proto(message: common_pb2.Limits, base: Limits = Limits()) -> Limits:
+    """``base`` with the bounds ``message`` sets (a full message, such as the gateway's, sets them all)."""
+    return dataclasses.replace(base, **advertised(message))
+
+
+def limits_in_force(own: Mapping[str, float], ar: Iterable[Mapping[str, float]],
+                    denoisers: Iterable[Mapping[str, float]]) -> Limits:
+    """What the gateway admits: for each role, the tightest of what its workers advertise (the default where none
+    has yet), and never more than the gateway's own flags (``own``).
+
+    A worker's limit above the default counts (an operator raised it on every worker); the gateway's flags only
+    ever lower the result.
+    """
+    bounds: dict[str, float] = {}
+    for fields, advertisements in ((AR_FIELDS, list(ar)), (DENOISER_FIELDS, list(denoisers))):
+        for name in fields:
+            values = [a[name] for a in advertisements if name in a] or [getattr(Limits, name)]
+            bounds[name] = min(bounds.get(name, values[0]), *values)
+    for name, value in own.items():
+        bounds[name] = min(bounds.get(name, value), value)
+    return Limits(**{name: type(getattr(Limits, name))(value) for name, value in bounds.items()})
+
+
+# ---- the checks ------------------------------------------------------------------------------------------------
+
+def round_up(value: int, multiple: int = SIZE_MULTIPLE) -> int:
+    return -(-value // multiple) * multiple
+
+
+def check_prompt(prompt: str, limits: Limits, why_needed: str = "") -> None:
+    if not prompt or not prompt.strip():
+        raise InvalidArgument("prompt", "must not be empty" + (f" ({why_needed})" if why_needed else ""))
+    if len(prompt) > limits.max_prompt_chars:
+        raise InvalidArgument("prompt", f"is {len(prompt)} characters; the limit is {limits.max_prompt_chars}")
+
+
+def check_n(n: int, limits: Limits) -> int:
+    """The output count, 0 meaning 1 (proto3's unset)."""
+    n = n or 1
+    if not 1 <= n <= limits.max_request_outputs:
+        why = (f" (one AR batch holds at most {limits.max_batch_outputs} outputs: --max-batch-outputs "
+               f"{limits.max_batch_outputs})" if limits.max_batch_outputs < limits.max_n else "")
+        raise InvalidArgument("n", f"must be between 1 and {limits.max_request_outputs}{why}, got {n}")
+    return n
+
+
+def model_size(height: int, width: int, limits: Limits) -> tuple[int, int]:
+    """The size the model runs at: each side rounded up to a multiple of 32, within the pixel budget."""
+    for name, value in (("height", height), ("width", width)):
+        if value <= 0:
+            raise InvalidArgument(name, f"must be positive, got {value}")
+    h, w = round_up(height), round_up(width)
+    if h * w > limits.max_pixels:
+        # Named after the larger side: 32x4294967296 is the width's fault, not the height's.
+        raise InvalidArgument("height" if h >= w else "width",
+                              f"{h}x{w} (after rounding up to multiples of {SIZE_MULTIPLE}) exceeds the limit of "
+                              f"{limits.max_pixels} pixels")
+    return h, w
+
+
+def check_steps(steps: int, limits: Limits) -> None:
+    """Denoising steps; 0 (unset) takes the server's default, so it is not checked here."""
+    if steps and not 1 <= steps <= limits.max_steps:
+        raise InvalidArgument("num_inference_steps",
+                              f"must be between 1 and {limits.max_steps} (0: the default), got {steps}")
+
+
+def check_guidance(guidance: float | None, limits: Limits) -> None:
+    # `not (a <= x <= b)` also refuses NaN.
+    if guidance is not None and not 0.0 <= guidance <= limits.max_guidance:
+        raise InvalidArgument("guidance_scale", f"must be between 0 and {limits.max_guidance:g}, got {guidance}")
+
+
+def check_seed(seed: int | None, n: int = 1) -> None:
+    """Output i uses seed + i: the last one must fit the seed space too (never wrapped silently)."""
+    if seed is not None and not 0 <= seed < SEED_SPACE:
+        raise InvalidArgument("seed", f"must be in [0, {SEED_SPACE}), got {seed}")
+    if seed is not None and seed + n - 1 >= SEED_SPACE:
+        raise InvalidArgument("seed", f"seed + n - 1 = {seed + n - 1} exceeds {SEED_SPACE - 1} "
+                                      "(output i uses seed + i)")
+
+
+def check_sampling(temperature: float | None, top_p: float | None, top_k: int | None) -> None:
+    """AR sampling ranges; the gateway applies them at its edge so a bad request never reaches a shared batch."""
+    # `not (a < x <= b)` also rejects NaN.
+    if temperature is not None and not 0.0 < temperature <= MAX_TEMPERATURE:
+        raise InvalidArgument("sampling.temperature", f"must be in (0, {MAX_TEMPERATURE:g}], got {temperature}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    if top_k is not None and not 0 <= top_k <= MAX_TOP_K:
+        raise InvalidArgument("sampling.top_k", f"must be in [0, {MAX_TOP_K}] (0 disables it), got {top_k}")
+
+
+def check_partial_images(count: int, limits: Limits) -> None:
+    if not 0 <= count <= limits.max_partial_images:
+        raise InvalidArgument("partial_images", f"must be between 0 and {limits.max_partial_images}, got {count}")
+
+
+def check_output_compression(value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_OUTPUT_COMPRESSION:
+        raise InvalidArgument("output_compression",
+                              f"must be between 0 and {MAX_OUTPUT_COMPRESSION}, got {value}")
+
+
+
+# ---- flags -----------------------------------------------------------------------------------------------------
+
+FLAG_HELP = {
+    "max_prompt_chars": "characters of a prompt",
+    "max_n": "outputs one request may ask for",
+    "max_pixels": "height x width after rounding each side up to a multiple of 32",
+    "max_steps": "denoising steps of one image",
+    "max_guidance": "guidance scale",
+    "max_batch_outputs": "output rows in one AR model batch (the sum of n over a GenerateBatch call)",
+    "max_partial_images": "partial previews of one streamed image",
+}
+
+
+def add_limit_args(parser: argparse.ArgumentParser, fields: Iterable[str], *, follow_workers: bool = False) -> None:
+    """``--max-*`` flags for ``fields``. A worker's default is the model's default; with ``follow_workers`` (the
+    gateway) a flag left out means "whatever the workers apply"."""
+    for name in fields:
+        default = getattr(Limits, name)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=None,
+                            help=FLAG_HELP[name] + (" (default: what the workers apply)" if follow_workers
+                                                    else f" (default {default})"))
+
+
+def limits_from_args(args: argparse.Namespace, fields: Iterable[str]) -> dict[str, float]:
+    """The ``--max-*`` flags given; SystemExit with a message for one that would refuse everything."""
+    given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    for name, value in given.items():
+        # `not x >= 1` also refuses NaN.
+        if not value >= (0 if name == "max_guidance" else 1):
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least {0 if name == 'max_guidance' else 1}, "
+                             f"got {value}")
+    return given
