@@ -15,7 +15,7 @@ DENOISER_PORTS ?= 50061,50062
 GATEWAY_METRICS_PORT   ?= 51050
 AR_METRICS_PORT        ?= 51051
 DENOISER_METRICS_PORTS ?= 51061,51062
-# Extra launcher flags, e.g. STACK_ARGS=--internal-token (see python -m services.stack --help).
+# Extra launcher flags, e.g. STACK_ARGS=--internal-token (see python -m services.launcher --help).
 STACK_ARGS     ?=
 
 BIN   := $(VENV)/bin
@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 run: venv
-	$(BIN)/python -m services.stack --rest-port $(REST_PORT) --gateway-port $(GATEWAY_PORT) \
+	$(BIN)/python -m services.launcher --rest-port $(REST_PORT) --gateway-port $(GATEWAY_PORT) \
 		--ar-port $(AR_PORT) --denoiser-ports $(DENOISER_PORTS) --gateway-metrics-port $(GATEWAY_METRICS_PORT) \
 		--ar-metrics-port $(AR_METRICS_PORT) --denoiser-metrics-ports $(DENOISER_METRICS_PORTS) $(STACK_ARGS)
 
