@@ -21,10 +21,13 @@ STACK_ARGS     ?=
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: help venv run test lint protos tiny bench soak clean tools
+.PHONY: help venv run test lint protos tiny bench bench-compare soak clean tools
 
 # Each benchmark module writes bench/results/<name>.json; run them one after another on a quiet machine.
 BENCHES ?= ar denoiser scheduler_sim gateway e2e
+# bench-compare: the revision the gateway overhead benchmark is compared with, side by side (HEAD is committed code).
+BASE         ?= HEAD~1
+COMPARE_ARGS ?=
 
 help:
 	@echo "make run     start the whole stack on the embedded tiny GLM-Image (REST :$(REST_PORT), gRPC :$(GATEWAY_PORT))"
@@ -32,6 +35,7 @@ help:
 	@echo "make protos  regenerate the Python stubs from protos/"
 	@echo "make lint    buf lint (STANDARD) + stub drift check"
 	@echo "make bench   run the benchmarks; results in bench/results/*.json"
+	@echo "make bench-compare BASE=<rev>  gateway overhead, BASE vs HEAD side by side (bench/results/compare_gateway.json)"
 	@echo "make soak    10 minutes of mixed load with random denoiser kills (bench/results/soak.json)"
 
 venv: $(STAMP)
@@ -74,6 +78,9 @@ bench: venv
 		else echo "== bench/$$b.py: not present, skipped"; fi; \
 	done
 	$(BIN)/python -m bench.report
+
+bench-compare: venv
+	$(BIN)/python -m bench.compare --base $(BASE) $(COMPARE_ARGS)
 
 soak: venv
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
