@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bench-arg", action="append", default=[],
                    help="extra flag for bench.gateway on both sides, e.g. --bench-arg=--requests-c32=800")
     args = p.parse_args(argv)
+    load_at_start = os.getloadavg()  # on a shared machine, what the spread between rounds is to be read against
     with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp:
         base, head = export("base", args.base, Path(tmp)), export("head", args.head, Path(tmp))
         for side in (base, head):
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
               "better)")
     write_result("compare_gateway", {
         "config": {"rounds": args.rounds, "bench_args": args.bench_arg, "order": "ABBA, base first",
-                   "interpreter": sys.executable},
+                   "interpreter": sys.executable, "load_average_at_start": load_at_start,
+                   "load_average_at_end": os.getloadavg()},
         "base": {"rev": args.base, "commit": base.commit}, "head": {"rev": args.head, "commit": head.commit},
         "figures": figures,
     }, "python -m bench.compare " + " ".join(argv if argv is not None else sys.argv[1:]))
