@@ -15,16 +15,19 @@ DENOISER_PORTS ?= 50061,50062
 GATEWAY_METRICS_PORT   ?= 51050
 AR_METRICS_PORT        ?= 51051
 DENOISER_METRICS_PORTS ?= 51061,51062
-# Extra launcher flags, e.g. STACK_ARGS=--internal-token (see python -m services.stack --help).
+# Extra launcher flags, e.g. STACK_ARGS=--internal-token (see python -m services.launcher --help).
 STACK_ARGS     ?=
 
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: help venv run test lint protos tiny bench soak clean tools
+.PHONY: help venv run test lint protos tiny bench bench-compare soak clean tools
 
 # Each benchmark module writes bench/results/<name>.json; run them one after another on a quiet machine.
 BENCHES ?= ar denoiser scheduler_sim gateway e2e
+# bench-compare: the revision the gateway overhead benchmark is compared with, side by side (HEAD is committed code).
+BASE         ?= HEAD~1
+COMPARE_ARGS ?=
 
 help:
 	@echo "make run     start the whole stack on the embedded tiny GLM-Image (REST :$(REST_PORT), gRPC :$(GATEWAY_PORT))"
@@ -32,6 +35,7 @@ help:
 	@echo "make protos  regenerate the Python stubs from protos/"
 	@echo "make lint    buf lint (STANDARD) + stub drift check"
 	@echo "make bench   run the benchmarks; results in bench/results/*.json"
+	@echo "make bench-compare BASE=<rev>  gateway overhead, BASE vs HEAD side by side (bench/results/compare_gateway.json)"
 	@echo "make soak    10 minutes of mixed load with random denoiser kills (bench/results/soak.json)"
 
 venv: $(STAMP)
@@ -44,7 +48,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 run: venv
-	$(BIN)/python -m services.stack --rest-port $(REST_PORT) --gateway-port $(GATEWAY_PORT) \
+	$(BIN)/python -m services.launcher --rest-port $(REST_PORT) --gateway-port $(GATEWAY_PORT) \
 		--ar-port $(AR_PORT) --denoiser-ports $(DENOISER_PORTS) --gateway-metrics-port $(GATEWAY_METRICS_PORT) \
 		--ar-metrics-port $(AR_METRICS_PORT) --denoiser-metrics-ports $(DENOISER_METRICS_PORTS) $(STACK_ARGS)
 
@@ -74,6 +78,9 @@ bench: venv
 		else echo "== bench/$$b.py: not present, skipped"; fi; \
 	done
 	$(BIN)/python -m bench.report
+
+bench-compare: venv
+	$(BIN)/python -m bench.compare --base $(BASE) $(COMPARE_ARGS)
 
 soak: venv
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)

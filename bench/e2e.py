@@ -65,7 +65,7 @@ class Stack:
         self.dir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
         ready = self.dir / "ready.json"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.stack", "--rest-port", "0", "--gateway-port", "0", "--ar-port", "0",
+            [sys.executable, "-m", "services.launcher", "--rest-port", "0", "--gateway-port", "0", "--ar-port", "0",
              "--denoiser-ports", "0,0", "--torch-threads", "1", "--ready-file", str(ready), "--log-level", "WARNING"],
             stdout=subprocess.PIPE, text=True)
         for line in self.proc.stdout:

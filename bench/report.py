@@ -91,7 +91,11 @@ def gateway(d: dict) -> str:
             f"| REST requests/s, concurrency 32 | {_f(c32['rest_rps'], 0)} | >= 300 |\n"
             f"| gateway peak RSS | {p['gateway']['peak_rss_mb']} MB (torch loaded: {p['gateway']['torch_loaded']}) "
             f"| < 150 MB |\n"
-            f"| REST peak RSS | {p['rest']['peak_rss_mb']} MB (torch loaded: {p['rest']['torch_loaded']}) | |\n")
+            f"| REST peak RSS | {p['rest']['peak_rss_mb']} MB (torch loaded: {p['rest']['torch_loaded']}) | |\n"
+            "\nTo compare a change with an earlier revision on the same machine: `make bench-compare BASE=<rev>` "
+            "(bench/compare.py) runs this benchmark for `BASE` and `HEAD` in alternating rounds, each from its own "
+            "`git archive` export, and writes the medians and HEAD/base ratios of the REST added latency p50 at "
+            "concurrency 1 and the requests/s at concurrency 32 to `bench/results/compare_gateway.json`.\n")
 
 
 def e2e(d: dict) -> str:

@@ -163,10 +163,10 @@ class StackRun:
 
 @contextlib.contextmanager
 def running_stack(run_dir: Path, denoisers: int = 2, extra_args: tuple[str, ...] = ()) -> Iterator[StackRun]:
-    """`python -m services.stack` (what `make run` starts) on ephemeral ports, once every server is SERVING."""
+    """`python -m services.launcher` (what `make run` starts) on ephemeral ports, once every server is SERVING."""
     ready = run_dir / "ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.stack", "--rest-port", "0", "--gateway-port", "0", "--ar-port", "0",
+        [sys.executable, "-m", "services.launcher", "--rest-port", "0", "--gateway-port", "0", "--ar-port", "0",
          "--denoiser-ports", ",".join(["0"] * denoisers), "--ready-file", str(ready), "--log-level", "WARNING",
          *extra_args],
         stdout=subprocess.PIPE, text=True)

@@ -1,0 +1,164 @@
+"""`python -m services.launcher` (what `make run` starts): the whole suite on one machine, one process per server.
+
+AR server, denoisers, GatewayService and the REST front each run in their own process. The launcher starts
+them in dependency order, waits for each to report SERVING, prints the addresses, and on Ctrl-C or SIGTERM
+stops them all. Children also get SIGKILL from the kernel if the launcher itself dies, so none is orphaned.
+This module is the command line and the suite's shape (which servers, with which flags, in which order); starting,
+health-gating and stopping processes is services/supervisor.py.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import secrets
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from services.runtime.logs import configure_logging
+from services.supervisor import StartupError, Supervisor
+
+log = logging.getLogger("services.launcher")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--rest-port", type=int, default=8000)
+    p.add_argument("--gateway-port", type=int, default=50050)
+    p.add_argument("--ar-port", type=int, default=50051)
+    p.add_argument("--denoiser-ports", default="50061,50062",
+                   help="comma-separated; one denoiser process per port (0 = pick a free port)")
+    p.add_argument("--ar-metrics-port", type=int, default=None,
+                   help="the AR's Prometheus /metrics port (0 = pick a free port); off when unset")
+    p.add_argument("--denoiser-metrics-ports", default=None,
+                   help="comma-separated, one per --denoiser-ports entry (0 = pick a free port; denoisers beyond the "
+                        "list pick one too, extra entries are unused); off when unset")
+    p.add_argument("--gateway-metrics-port", type=int, default=None,
+                   help="the gateway's Prometheus /metrics port (0 = pick a free port); off when unset "
+                        "(the REST front always serves /metrics on its own port)")
+    p.add_argument("--model-path", default=None, help="GLM-Image checkpoint; default: the embedded tiny model")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch threads per model process (default 1: several processes share the cores)")
+    p.add_argument("--ready-file", type=Path, default=None,
+                   help="write a JSON map of role -> address here once everything is SERVING")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--gateway-arg", action="append", default=[], help="extra flag passed to the gateway")
+    p.add_argument("--rest-arg", action="append", default=[], help="extra flag passed to the REST front")
+    p.add_argument("--internal-token", action="store_true",
+                   help="make AR and denoisers require a random token made for this run, which the gateway "
+                        "presents (through the environment, $GLMIMAGE_INTERNAL_TOKEN); off by default, so the "
+                        "README's grpcurl calls straight to the AR and denoisers work without a header")
+    return p.parse_args(argv)
+
+
+def _metrics_port(port: int | str | None) -> int | None:
+    """The port to give a server's --metrics-port: 0 is resolved here, because the servers do not report the
+    port they bound for /metrics (there is a short window in which another process could take it)."""
+    if port is None:
+        return None
+    port = int(port)
+    if port:
+        return port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
+    """AR and denoisers together, then the gateway on their addresses, then the REST front on the gateway's."""
+    deadline = asyncio.get_running_loop().time() + a.startup_timeout
+    model_flags = ["--device", a.device, "--torch-threads", str(a.torch_threads)]
+    if a.model_path:
+        model_flags += ["--model-path", a.model_path]
+    else:
+        # Build the tiny checkpoint once, up front, rather than have every server race for the lock.
+        from services.model.tiny import ensure_tiny_checkpoint
+
+        await asyncio.to_thread(ensure_tiny_checkpoint)
+    # The token goes through the environment, not argv, so `ps` does not show it.
+    token_env = {"GLMIMAGE_INTERNAL_TOKEN": secrets.token_urlsafe(32)} if a.internal_token else {}
+    ar = sup.child("ar", "services.ar", a.ar_port, model_flags, "glmimage.v1.ArService", token_env,
+                   _metrics_port(a.ar_metrics_port))
+    ports = a.denoiser_ports.split(",")
+    # `make run DENOISER_PORTS=a,b,c` must work with the default two metrics ports: a denoiser beyond the list
+    # gets a free one (printed in the banner), and unused entries are ignored.
+    metrics_ports: list[str | None] = [None] * len(ports)
+    if a.denoiser_metrics_ports is not None:
+        given = a.denoiser_metrics_ports.split(",")
+        metrics_ports = [given[i] if i < len(given) else "0" for i in range(len(ports))]
+    denoisers = [sup.child(f"denoiser-{i}", "services.denoiser", int(p), model_flags,
+                           "glmimage.v1.DenoiserService", token_env, _metrics_port(m))
+                 for i, (p, m) in enumerate(zip(ports, metrics_ports, strict=True))]
+    await sup.start([ar, *denoisers], deadline)
+
+    gw_flags = ["--ar", ar.address, *[f"--denoiser={d.address}" for d in denoisers], *a.gateway_arg]
+    gateway = sup.child("gateway", "gateway", a.gateway_port, gw_flags, "glmimage.v1.GatewayService", token_env,
+                        _metrics_port(a.gateway_metrics_port))
+    await sup.start([gateway], deadline)
+
+    rest = sup.child("rest", "gateway.rest", a.rest_port, ["--gateway-address", gateway.address, *a.rest_arg], None)
+    await sup.start([rest], deadline)
+    rest.metrics_port = rest.port  # the REST front serves /metrics on its own port
+    return sup.addresses()
+
+
+async def run(args: argparse.Namespace) -> int:
+    sup = Supervisor(args.host, args.log_level)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    code = 0
+    try:
+        starting = asyncio.ensure_future(start_suite(sup, args))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            return 130
+        stopping.cancel()
+        addresses = starting.result()
+        rest = addresses["rest"]
+        lines = [f"  {name:<12} {addr}" for name, addr in addresses.items()]
+        # After the address lines, which stay as they were (tools parse them): one line per /metrics endpoint.
+        metrics = sup.metrics_urls()
+        lines += [f"  {name:<20} {url}" for name, url in metrics.items()]
+        if args.ready_file:
+            args.ready_file.write_text(json.dumps({**addresses, **metrics}))
+        print("GLM-Image stack is up:\n" + "\n".join(lines) +
+              f"\n\n  try: curl -s http://{rest}/v1/images/generations -H 'Content-Type: application/json' "
+              "-d '{\"prompt\":\"a red \\\"STOP\\\" sign\",\"n\":1,\"size\":\"256x256\"}'\n"
+              "  Ctrl-C stops everything.", flush=True)
+        exited = asyncio.ensure_future(sup.wait_any_exit())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if exited.done():
+            child = exited.result()
+            log.error("%s exited unexpectedly with code %s; stopping the stack", child.name,
+                      child.process.returncode)
+            code = 1
+        else:
+            exited.cancel()
+    except StartupError as exc:
+        log.error("%s", exc)
+        code = 1
+    finally:
+        log.info("stopping the stack")
+        await sup.stop()
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    sys.exit(asyncio.run(run(args)))
+
+
+if __name__ == "__main__":
+    main()
