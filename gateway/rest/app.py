@@ -52,6 +52,8 @@ def create_app(settings: RestSettings) -> FastAPI:
         app.state.gateway = gateway
         log.info("REST front using gateway at %s (%s)", settings.gateway_address,
                  "TLS" if credentials is not None else "plaintext")
+        # Serve with the gateway's limits from the first request on (the defaults if it is not up yet).
+        await app.state.limits.refresh(gateway.stub, settings.health_timeout)
         follow = asyncio.create_task(app.state.limits.follow(gateway.stub, settings.health_timeout),
                                      name="limits")
         try:

@@ -47,10 +47,10 @@ class LimitsCache:
         self.current, self.from_gateway = limits, True
 
     async def follow(self, stub: Any, timeout: float, interval: float = REFRESH_S) -> None:
-        """Refresh until cancelled (the app's lifespan)."""
+        """Refresh every ``interval`` until cancelled (the app's lifespan, after its first refresh)."""
         while True:
-            await self.refresh(stub, timeout)
             await asyncio.sleep(interval)
+            await self.refresh(stub, timeout)
 
 
 def check(req: gateway_service_pb2.GenerateImagesRequest, partial_images: int, limits: Limits) -> None:
