@@ -25,9 +25,10 @@ from typing import Any, TypeVar
 
 import grpc
 
+from glmimage import formats, sizes
 from glmimage._keepalive import CHANNEL_OPTIONS
+from glmimage.formats import FORMATS
 from glmimage.results import (
-    FORMATS,
     ROLES,
     Completed,
     GenerationResult,
@@ -41,7 +42,8 @@ from glmimage.results import (
 )
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 
-# The result types live in glmimage.results; they are re-exported here, where callers have always found them.
+# The result types (glmimage.results) and FORMATS (glmimage.formats) are re-exported here, where callers have
+# always found them.
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_RETRY", "FORMATS", "NO_RETRY", "AsyncClient", "Client", "Completed",
            "GenerationResult", "GlmImageError", "PartialImage", "Progress", "RetryPolicy", "Status", "StreamEvent",
            "TlsConfig", "Usage", "WorkerInfo", "build_request", "build_stream_request", "parse_size"]
@@ -131,14 +133,11 @@ class TlsConfig:
 
 
 def parse_size(size: str | Sequence[int] | None) -> tuple[int, int]:
-    """``"WxH"`` or ``(w, h)`` -> (width, height); None -> (0, 0), the gateway default."""
+    """``"WxH"`` (glmimage.sizes) or ``(w, h)`` -> (width, height); None -> (0, 0), the gateway default."""
     if size is None:
         return 0, 0
     if isinstance(size, str):
-        w, sep, h = size.lower().partition("x")
-        if not sep or not w.strip().isdigit() or not h.strip().isdigit():
-            raise ValueError(f"size must look like 512x512, got {size!r}")
-        return int(w), int(h)
+        return sizes.parse_size(size)
     width, height = size
     return int(width), int(height)
 
@@ -148,12 +147,7 @@ def build_request(prompt: str, *, n: int = 1, size: str | Sequence[int] | None =
                   seed: int | None = None, steps: int | None = None, guidance: float | None = None,
                   request_id: str = "") -> gateway_service_pb2.GenerateImagesRequest:
     width, height = parse_size(size)
-    fmt = common_pb2.IMAGE_FORMAT_UNSPECIFIED
-    if output_format is not None:
-        try:
-            fmt = FORMATS[output_format.lower()]
-        except KeyError:
-            raise ValueError(f"output_format must be one of {sorted(FORMATS)}, got {output_format!r}") from None
+    fmt = common_pb2.IMAGE_FORMAT_UNSPECIFIED if output_format is None else formats.by_name(output_format).proto
     req = gateway_service_pb2.GenerateImagesRequest(prompt=prompt, n=n, height=height, width=width,
                                                     output_format=fmt, num_inference_steps=steps or 0,
                                                     request_id=request_id)
