@@ -1,12 +1,15 @@
-"""The pieces every process shares, from the SDK (the base install): the one size parser (glmimage.sizes) and the one
-image-format map (glmimage.formats)."""
+"""The pieces every process shares, from the SDK (the base install): the one size parser (glmimage.sizes), the one
+image-format map (glmimage.formats) and the one client channel builder (glmimage.channels)."""
 from __future__ import annotations
 
 import argparse
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent import futures
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from PIL import Image
 
 import gateway.__main__ as gateway_main
@@ -15,7 +18,9 @@ from gateway.rest import translate
 from gateway.rest.errors import APIError
 from gateway.rest.settings import RestSettings
 from glmimage import cli, formats
+from glmimage.channels import TlsConfig, aio_channel, channel_options, sync_channel
 from glmimage.client import build_request
+from glmimage.keepalive import CLIENT_OPTIONS
 from glmimage.sizes import parse_size, size_arg
 from glmimage.v1 import common_pb2
 from services.denoiser.encoding import ImageFormat, encode
@@ -105,3 +110,52 @@ def test_unspecified_and_unknown_formats_fall_back() -> None:
     assert formats.name_of(99, default="jpeg") == "jpeg"
     with pytest.raises(ValueError, match="output_format must be one of"):
         formats.by_name("gif")
+
+
+# ---- channels -----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def health_server() -> Iterator[str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_options_keepalive_then_name_override_then_the_hops_own() -> None:
+    opts = channel_options(TlsConfig(server_name="gw.internal"), [("grpc.keepalive_time_ms", 20_000)])
+    assert opts[:len(CLIENT_OPTIONS)] == list(CLIENT_OPTIONS)
+    # grpc lets a later argument win, as a dict does: the hop's own options override the shared ones.
+    assert dict(opts)["grpc.keepalive_time_ms"] == 20_000
+    assert dict(opts)["grpc.ssl_target_name_override"] == "gw.internal"
+    assert "grpc.ssl_target_name_override" not in dict(channel_options(TlsConfig()))
+
+
+def test_half_a_client_certificate_is_refused() -> None:
+    with pytest.raises(ValueError, match="both client_cert and client_key"):
+        TlsConfig(root_ca=b"ca", client_cert=b"cert")
+
+
+def test_sync_channel_plaintext_and_tls(health_server: str) -> None:
+    request = health_pb2.HealthCheckRequest()
+    with sync_channel(health_server) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    # A TLS channel really speaks TLS: the plaintext server cannot answer its handshake.
+    with sync_channel(health_server, TlsConfig()) as channel, pytest.raises(grpc.RpcError) as err:
+        health_pb2_grpc.HealthStub(channel).Check(request, timeout=10)
+    assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_aio_channel_plaintext_and_tls(health_server: str) -> None:
+    request = health_pb2.HealthCheckRequest()
+    async with aio_channel(health_server) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    async with aio_channel(health_server, TlsConfig()) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await health_pb2_grpc.HealthStub(channel).Check(request, timeout=10)
+    assert err.value.code() is grpc.StatusCode.UNAVAILABLE
