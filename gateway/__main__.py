@@ -13,6 +13,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.scheduler import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from gateway.timeouts import TimeoutPolicy
+from glmimage.sizes import size_arg
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.auth import add_internal_token_args, bearer_metadata, internal_token_from_args
 from services.runtime.limits import FIELDS, add_limit_args, limits_from_args
@@ -23,11 +24,6 @@ from services.runtime.tls import client_tls_args, client_tls_from_args, server_t
 
 log = logging.getLogger("gateway")
 SERVICE_NAME = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-
-
-def _size(text: str) -> tuple[int, int]:
-    w, _, h = text.lower().partition("x")
-    return int(w), int(h)
 
 
 def _target(text: str) -> str:
@@ -71,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--denoiser-dns", action="append", default=[], type=_target, metavar="NAME:PORT",
                    help="DNS name whose A/AAAA records are the denoisers (repeatable; a headless Service)")
     p.add_argument("--dns-interval", type=float, default=5.0, help="seconds between DNS re-resolutions")
-    p.add_argument("--default-size", type=_size, default=(256, 256), metavar="WxH")
+    p.add_argument("--default-size", type=size_arg, default=(256, 256), metavar="WxH")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds, when the client sets none")
     p.add_argument("--max-queued-outputs", type=int, default=d.max_queued_outputs,
                    help="admission bound on the pending-AR queue, in output slots; past it RESOURCE_EXHAUSTED")

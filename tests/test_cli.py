@@ -113,7 +113,7 @@ def test_retries_flag(fake: FakeServer, tmp_path: Path) -> None:
 
 def test_bad_size_is_a_usage_error(fake: FakeServer, tmp_path: Path) -> None:
     out = glmimage("generate", "p", "--size", "big", "--address", fake.address, cwd=tmp_path)
-    assert out.returncode == 2 and "size must look like" in out.stderr
+    assert out.returncode == 2 and "size must be WIDTHxHEIGHT" in out.stderr
     assert fake.servicer.calls == []
 
 

@@ -8,20 +8,22 @@
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
 import pytest
 
-from glmimage import Client, GlmImageError, RetryPolicy
-from glmimage import _keepalive as sdk_keepalive
+from glmimage import AsyncClient, Client, GlmImageError, RetryPolicy
 from services.runtime import keepalive
 from tests.support.cluster import Cluster, wait_serving
 
@@ -47,17 +49,38 @@ SDK_NO_RETRY = RetryPolicy(max_attempts=1)  # a failure must show, not be retrie
 
 # ---- fast checks on the settings themselves -----------------------------------------------------------------------
 
-def _hops() -> dict[str, dict[str, int]]:
-    from gateway.rest.upstream import CHANNEL_OPTIONS as _CHANNEL_OPTIONS
-    from gateway.workers import CHANNEL_OPTIONS
+HOPS = ("gateway -> workers", "REST -> gateway", "SDK -> gateway", "SDK asyncio -> gateway")
+DEAD = "127.0.0.1:1"  # channels connect lazily: nothing needs to listen
 
-    sdk = Client("127.0.0.1:1")  # what the SDK really passes to its channel
-    try:
-        sdk_options = dict(sdk._options)
-    finally:
-        sdk.close()
-    return {"gateway -> workers": dict(CHANNEL_OPTIONS), "REST -> gateway": dict(_CHANNEL_OPTIONS),
-            "SDK -> gateway": sdk_options}
+
+def _hops() -> dict[str, dict[str, Any]]:
+    """What each hop really hands grpc for its channel, recorded at grpc's own constructors (later arguments
+    override earlier ones there, as in a dict)."""
+    from gateway.rest.settings import RestSettings
+    from gateway.rest.upstream import open_gateway
+    from gateway.workers import CHANNEL_OPTIONS
+    from services.runtime.tls import make_channel
+
+    seen: list[dict[str, Any]] = []
+
+    def recording(real: Callable[..., Any]) -> Callable[..., Any]:
+        def channel(target: str, options: Any = None, **kwargs: Any) -> Any:
+            seen.append(dict(options or ()))
+            return real(target, options=options, **kwargs)
+        return channel
+
+    async def open_every_hop() -> None:  # in HOPS order
+        await make_channel(DEAD, None, CHANNEL_OPTIONS).close()
+        await open_gateway(RestSettings(gateway_address=DEAD), None).channel.close()
+        Client(DEAD).close()
+        await AsyncClient(DEAD).close()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grpc, "insecure_channel", recording(grpc.insecure_channel))
+        mp.setattr(grpc.aio, "insecure_channel", recording(grpc.aio.insecure_channel))
+        asyncio.run(open_every_hop())
+    assert len(seen) == len(HOPS)
+    return dict(zip(HOPS, seen, strict=True))
 
 
 def _server() -> dict[str, int]:
@@ -66,7 +89,7 @@ def _server() -> dict[str, int]:
     return dict(server_options(64))
 
 
-@pytest.mark.parametrize("hop", ["gateway -> workers", "REST -> gateway", "SDK -> gateway"])
+@pytest.mark.parametrize("hop", HOPS)
 def test_servers_accept_every_clients_keepalive(hop: str) -> None:
     client, server = _hops()[hop], _server()
     interval = server["grpc.http2.min_ping_interval_without_data_ms"]
@@ -91,11 +114,9 @@ def test_every_channel_argument_is_one_grpc_reads() -> None:
     assert not unknown, f"not grpc channel arguments: {unknown}"
 
 
-def test_sdk_copy_agrees_with_the_shared_module() -> None:
-    """The SDK is its own package and may not import services: its copy must say the same."""
-    assert sdk_keepalive.CHANNEL_OPTIONS == keepalive.GATEWAY_CHANNEL_OPTIONS
-    assert sdk_keepalive.KEEPALIVE_TIME_MS == keepalive.KEEPALIVE_TIME_MS
-    assert set(sdk_keepalive.CHANNEL_OPTIONS) <= set(_hops()["SDK -> gateway"].items())
+def test_sdk_imports_no_server_module() -> None:
+    """The SDK is the base install: the client keepalive lives in it (glmimage.keepalive) and the servers import it
+    from there, never the other way round."""
     code = ("import sys, glmimage, glmimage.cli; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('services', 'gateway')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -13,17 +13,12 @@ from pathlib import Path
 
 import uvicorn
 
+from glmimage.sizes import size_arg
+
 from .app import create_app
 from .settings import GATEWAY_AUTH_MODES, RestSettings
 
 _DEFAULTS = RestSettings()
-
-
-def _size(value: str) -> tuple[int, int]:
-    width, sep, height = value.lower().partition("x")
-    if not sep or not width.isdigit() or not height.isdigit() or int(width) <= 0 or int(height) <= 0:
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, got {value!r}")
-    return int(width), int(height)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -37,7 +32,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-alias", action="append", default=None,
                    help="accepted alias of the served model "
                    f"(repeatable; default {list(_DEFAULTS.model_aliases)})")
-    p.add_argument("--default-size", type=_size, default=_DEFAULTS.default_size, help="size used for 'auto'")
+    p.add_argument("--default-size", type=size_arg, default=_DEFAULTS.default_size, help="size used for 'auto'")
     p.add_argument("--api-key", action="append", default=[],
                    help="accepted Bearer key (repeatable; also GLMIMAGE_API_KEYS, comma-separated)")
     p.add_argument("--gateway-auth", choices=GATEWAY_AUTH_MODES, default="forward",

@@ -1,27 +1,23 @@
-"""Translation between OpenAI JSON and the gRPC messages: an images request -> GenerateImagesRequest (the one
-size parser and format map), a response's images and usage -> JSON, GetStatus -> per-stage health."""
+"""Translation between OpenAI JSON and the gRPC messages: an images request -> GenerateImagesRequest (sizes and
+formats read with the suite's one parser and map, glmimage.sizes and glmimage.formats), a response's images and
+usage -> JSON, GetStatus -> per-stage health."""
 
 from __future__ import annotations
 
 import base64
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from glmimage import formats, sizes
 from glmimage.v1 import common_pb2, gateway_service_pb2
 
 from .errors import APIError
 from .schemas import ImageGenerationRequest
 from .settings import RestSettings
 
-_SIZE_RE = re.compile(r"([0-9]{1,7})x([0-9]{1,7})")
-FORMATS: dict[str, common_pb2.ImageFormat.ValueType] = {
-    "png": common_pb2.IMAGE_FORMAT_PNG,
-    "jpeg": common_pb2.IMAGE_FORMAT_JPEG,
-    "webp": common_pb2.IMAGE_FORMAT_WEBP,
-}
-FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
+# API name by ImageFormat value, as the gateway answers (a view of glmimage.formats, for the stream's events).
+FORMAT_NAMES = {value: fmt.name for value, fmt in formats.BY_PROTO.items()}
 # DALL-E 3 quality names, for clients that still send them to the dall-e-3 alias.
 _QUALITY_ALIASES = {"standard": "medium", "hd": "high"}
 _READY_STATES = (gateway_service_pb2.WORKER_STATE_AVAILABLE, gateway_service_pb2.WORKER_STATE_BUSY)
@@ -57,13 +53,10 @@ def parse_size(size: str | None, settings: RestSettings) -> tuple[int, int]:
     """Return (width, height); rounding to a multiple of 32 is the services' job."""
     if size is None or size == "auto":
         return settings.default_size
-    m = _SIZE_RE.fullmatch(size.strip().lower())
-    if m is None:
-        raise APIError(400, "size must be 'WIDTHxHEIGHT' (e.g. '1024x1024') or 'auto'", param="size",
-                       code="invalid_value")
-    width, height = int(m[1]), int(m[2])
-    if width <= 0 or height <= 0:
-        raise APIError(400, "size: width and height must be positive", param="size", code="invalid_value")
+    try:
+        width, height = sizes.parse_size(size)
+    except ValueError as exc:
+        raise APIError(400, f"{exc}; or 'auto' for the default", param="size", code="invalid_value") from None
     if width * height > settings.max_pixels:
         raise APIError(
             400,
@@ -104,7 +97,7 @@ def to_grpc(
         n=body.n or 1,
         width=width,
         height=height,
-        output_format=FORMATS[body.output_format or "png"],
+        output_format=formats.by_name(body.output_format or formats.DEFAULT.name).proto,
         num_inference_steps=steps,
         request_id=rid,
     )
@@ -145,7 +138,7 @@ class Generation:
 
     @property
     def output_format(self) -> str:
-        return FORMAT_NAMES.get(self.request.output_format, "png")
+        return formats.name_of(self.request.output_format)
 
     def echo(self, size: str, output_format: str) -> dict[str, Any]:
         return {"size": size, "quality": self.quality, "background": "opaque", "output_format": output_format}
@@ -159,6 +152,6 @@ def images_json(resp: gateway_service_pb2.GenerateImagesResponse, gen: Generatio
         "created": int(time.time()),
         "data": [{"b64_json": base64.b64encode(img.image).decode("ascii")} for img in resp.images],
         **gen.echo(f"{resp.width or req.width}x{resp.height or req.height}",
-                   FORMAT_NAMES.get(resp.output_format, gen.output_format)),
+                   formats.name_of(resp.output_format, gen.output_format)),
         "usage": usage_json(resp.usage, len(resp.images), settings),
     }

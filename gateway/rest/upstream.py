@@ -7,13 +7,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 from starlette.types import Receive
 
+from glmimage.channels import TlsConfig, aio_channel
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime import keepalive
 
@@ -23,28 +23,18 @@ from .translate import Generation
 
 log = logging.getLogger("glmimage.rest")
 
-# Ten 2048x2048 PNGs can exceed gRPC's 4 MiB default by far. Keepalive and the short capped reconnect backoff (a
-# restarted gateway is reached within about a second): services.runtime.keepalive, shared by every hop.
-CHANNEL_OPTIONS = [
-    *keepalive.message_size_options(256 * 1024 * 1024, 64 * 1024 * 1024),
-    *keepalive.GATEWAY_CHANNEL_OPTIONS,
-]
+# Ten 2048x2048 PNGs can exceed gRPC's 4 MiB default by far. glmimage.channels adds the shared keepalive and the
+# short capped reconnect backoff (a restarted gateway is reached within about a second), as on every hop.
+CHANNEL_OPTIONS = keepalive.message_size_options(256 * 1024 * 1024, 64 * 1024 * 1024)
 
 
-def channel_credentials(settings: RestSettings) -> grpc.ChannelCredentials | None:
-    """TLS credentials for the gateway channel, or None for plaintext. Reads the PEM files now, so a bad path
+def channel_credentials(settings: RestSettings) -> TlsConfig | None:
+    """The TLS material for the gateway channel, or None for plaintext. Reads the PEM files now, so a bad path
     fails at start-up rather than on the first request."""
     if not settings.gateway_tls:
         return None
-
-    def read(path: Path | None) -> bytes | None:
-        return path.read_bytes() if path is not None else None
-
-    return grpc.ssl_channel_credentials(
-        root_certificates=read(settings.gateway_tls_ca),
-        private_key=read(settings.gateway_tls_client_key),
-        certificate_chain=read(settings.gateway_tls_client_cert),
-    )
+    return TlsConfig.from_files(settings.gateway_tls_ca, settings.gateway_tls_client_cert,
+                                settings.gateway_tls_client_key, settings.gateway_tls_server_name)
 
 
 @dataclass
@@ -75,16 +65,10 @@ class Gateway:
             state = self.channel.get_state(try_to_connect=True)
 
 
-def open_gateway(settings: RestSettings, credentials: grpc.ChannelCredentials | None) -> Gateway:
+def open_gateway(settings: RestSettings, tls: TlsConfig | None) -> Gateway:
     """The channel to the gateway and its stubs. grpc.aio channels bind to the running loop: call this from the
     app's lifespan, not before."""
-    if credentials is None:
-        channel = grpc.aio.insecure_channel(settings.gateway_address, options=CHANNEL_OPTIONS)
-    else:
-        options = list(CHANNEL_OPTIONS)
-        if settings.gateway_tls_server_name:
-            options.append(("grpc.ssl_target_name_override", settings.gateway_tls_server_name))
-        channel = grpc.aio.secure_channel(settings.gateway_address, credentials, options=options)
+    channel = aio_channel(settings.gateway_address, tls, CHANNEL_OPTIONS)
     return Gateway(channel, gateway_service_pb2_grpc.GatewayServiceStub(channel), health_pb2_grpc.HealthStub(channel))
 
 

@@ -1,4 +1,5 @@
-"""Image encoding with Pillow: PNG, JPEG and WebP."""
+"""Image encoding with Pillow: PNG, JPEG and WebP. Names, ImageFormat values and Pillow format names come from
+the suite's one format map, glmimage.formats; the encoder options (quality, zlib level) are this module's."""
 from __future__ import annotations
 
 import enum
@@ -6,11 +7,17 @@ import io
 
 from PIL import Image
 
+from glmimage import formats
+
 
 class ImageFormat(enum.Enum):
-    PNG = "png"
-    JPEG = "jpeg"
-    WEBP = "webp"
+    PNG = formats.PNG.name
+    JPEG = formats.JPEG.name
+    WEBP = formats.WEBP.name
+
+    @property
+    def spec(self) -> formats.Format:
+        return formats.BY_NAME[self.value]
 
 
 DEFAULT_QUALITY = 90  # JPEG/WebP when the request gives no output_compression
@@ -27,10 +34,11 @@ def encode(image: Image.Image, fmt: ImageFormat, compression: int | None = None,
            default_png_level: int = DEFAULT_PNG_LEVEL) -> bytes:
     """compression is OpenAI's output_compression, 0-100: quality for JPEG/WebP, scaled to zlib 0-9 for PNG."""
     buf = io.BytesIO()
+    quality = DEFAULT_QUALITY if compression is None else compression
     if fmt is ImageFormat.PNG:
-        image.save(buf, format="PNG", compress_level=png_level(compression, default_png_level))
+        image.save(buf, format=fmt.spec.pil, compress_level=png_level(compression, default_png_level))
     elif fmt is ImageFormat.JPEG:
-        image.convert("RGB").save(buf, format="JPEG", quality=DEFAULT_QUALITY if compression is None else compression)
+        image.convert("RGB").save(buf, format=fmt.spec.pil, quality=quality)  # JPEG has no alpha
     else:
-        image.save(buf, format="WEBP", quality=DEFAULT_QUALITY if compression is None else compression)
+        image.save(buf, format=fmt.spec.pil, quality=quality)
     return buf.getvalue()

@@ -1,8 +1,8 @@
-"""Keepalive and connection settings for every gRPC hop of the suite, in one place so both ends of a hop agree.
+"""Keepalive settings the servers accept, and why they agree with what every client sends.
 
-The hops: gateway -> AR and denoisers (``gateway.driver.CHANNEL_OPTIONS``), REST front -> gateway
-(``gateway.rest.upstream``), Python SDK -> gateway (``glmimage._keepalive``: a copy, since the SDK must not import
-``services``; tests/test_keepalive.py checks that it agrees), and what every server accepts
+The client side, one definition for every hop (gateway -> AR and denoisers, REST front -> gateway, Python SDK ->
+gateway), is ``glmimage.keepalive``, applied by ``glmimage.channels`` (the SDK is the base install and must not
+import ``services``, so the servers import it from there); what every server accepts is here
 (``services.runtime.server.start_server``). Torch-free and grpc-free: plain channel arguments.
 
 How grpc core (chttp2, grpcio 1.85) polices pings, which is what the numbers below must respect:
@@ -39,52 +39,26 @@ period on an idle connection, which is when a vanished peer would otherwise go u
 """
 from __future__ import annotations
 
-# ---- the numbers ------------------------------------------------------------------------------------------------
+# The client side, re-exported for the reasoning above and the servers' own message sizes.
+from glmimage.keepalive import (
+    KEEPALIVE_TIME_MS,
+    KEEPALIVE_TIMEOUT_MS,
+    Options,
+    message_size_options,
+)
 
-# Client keepalive, every hop. 10 s + 5 s: a peer whose node vanished without closing the connection is noticed
-# within ~15 s even while idle (the gateway then marks the worker unhealthy instead of sending it the next burst).
-KEEPALIVE_TIME_MS = 10_000
-KEEPALIVE_TIMEOUT_MS = 5_000
+__all__ = ["KEEPALIVE_TIMEOUT_MS", "KEEPALIVE_TIME_MS", "RECONNECT_WAIT_S", "SERVER_MAX_PING_STRIKES",
+           "SERVER_MIN_PING_INTERVAL_MS", "SERVER_OPTIONS", "Options", "message_size_options"]
 
 # Server side: the shortest interval between pings it accepts without a strike, and how many strikes it forgives.
 # Must stay well below every client's KEEPALIVE_TIME_MS (tests/test_keepalive.py checks every hop).
 SERVER_MIN_PING_INTERVAL_MS = 5_000
 SERVER_MAX_PING_STRIKES = 2
 
-# Reconnect backoff, every hop: gRPC's default starts at 1 s and grows by 1.6x to 120 s, so a peer restarted after a
-# few seconds' outage was retried only 8-13 s later. From 100 ms, growing 1.6x, capped at 1 s (+-20% jitter): a
-# restarted peer is reached within about a second of it listening again.
-INITIAL_RECONNECT_BACKOFF_MS = 100
-MAX_RECONNECT_BACKOFF_MS = 1_000
-# grpc.min_reconnect_backoff_ms is, despite its name, the minimum *connect timeout* of an attempt (TCP connect plus
-# TLS and HTTP/2 handshakes; default 20 s). At 100 ms a TLS handshake on a loaded node or across a WAN failed
-# every early attempt. 5 s: ample for a handshake, short enough that an attempt stuck on a vanished address (no
-# RST) is soon retried. A refused connection (the peer's process is down) fails at once and only backs off.
-MIN_CONNECT_TIMEOUT_MS = 5_000
-
 # REST front: how long a request that finds the gateway channel reconnecting (TRANSIENT_FAILURE) waits for it to
 # become ready before the call is made (and then fails with 503 if it is still down): one capped backoff with its
 # jitter plus a connect, so a request arriving just after the gateway came back is served, not refused.
 RECONNECT_WAIT_S = 2.0
-
-# ---- channel arguments ------------------------------------------------------------------------------------------
-
-Options = tuple[tuple[str, int], ...]
-
-# Every client channel of the suite, whatever its hop.
-CLIENT_OPTIONS: Options = (
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 1),  # ping idle connections too: that is when nobody else would notice
-    ("grpc.http2.max_pings_without_data", 0),  # keep the 10 s period on an idle connection (default: 1/min after 2)
-    ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
-    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
-    ("grpc.min_reconnect_backoff_ms", MIN_CONNECT_TIMEOUT_MS),
-)
-
-# Per hop, so that a hop can diverge later with its reason written here.
-WORKER_CHANNEL_OPTIONS: Options = CLIENT_OPTIONS  # gateway -> AR, denoisers
-GATEWAY_CHANNEL_OPTIONS: Options = CLIENT_OPTIONS  # REST front -> gateway, and the Python SDK's copy
 
 # What every server accepts (AR, denoisers, gateway).
 SERVER_OPTIONS: Options = (
@@ -94,6 +68,3 @@ SERVER_OPTIONS: Options = (
     ("grpc.keepalive_permit_without_calls", 1),
 )
 
-
-def message_size_options(receive_bytes: int, send_bytes: int) -> Options:
-    return (("grpc.max_receive_message_length", receive_bytes), ("grpc.max_send_message_length", send_bytes))

@@ -1,16 +1,18 @@
-"""Optional TLS for every gRPC hop: server credentials (with mutual TLS when a client CA is given) and the
-client side the gateway uses to reach the AR and denoiser servers.
+"""Optional TLS for every gRPC hop: server credentials (with mutual TLS when a client CA is given), and the
+gateway's flags for reaching the AR and denoiser servers (per-address tls:// and plaintext:// included). The
+channels themselves are built by glmimage.channels, the one client-side builder of the suite.
 
 Plaintext stays the default (loopback in `make run`); everything here is off unless a flag names a file.
 """
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from glmimage.channels import ChannelOptions, TlsConfig, aio_channel
 
 
 def _read(path: Path | None) -> bytes | None:
@@ -45,12 +47,9 @@ class ClientTls:
         if (self.cert is None) != (self.key is None):
             raise ValueError("a client certificate needs both --tls-client-cert and --tls-client-key")
 
-    def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca), private_key=_read(self.key),
-                                            certificate_chain=_read(self.cert))
-
-    def options(self) -> list[tuple[str, str]]:
-        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+    def config(self) -> TlsConfig:
+        """The PEM material, read now (so a rotated certificate is picked up by the next channel)."""
+        return TlsConfig.from_files(self.ca, self.cert, self.key, self.server_name)
 
 
 # An upstream address may say how to dial it, so one worker can move to TLS (or stay plaintext) on its own:
@@ -68,16 +67,15 @@ def split_scheme(address: str) -> tuple[str, bool | None]:
     return address, None
 
 
-def make_channel(address: str, tls: ClientTls | None = None,
-                 options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
-    """An aio channel to ``address``: TLS when ``tls`` is given or the address says ``tls://``, plaintext when it
-    says ``plaintext://`` or no TLS is configured."""
+def make_channel(address: str, tls: ClientTls | None = None, options: ChannelOptions = ()) -> grpc.aio.Channel:
+    """An aio channel to ``address`` (glmimage.channels, with the shared keepalive): TLS when ``tls`` is given or
+    the address says ``tls://``, plaintext when it says ``plaintext://`` or no TLS is configured."""
     target, wanted = split_scheme(address)
     if wanted is True and tls is None:
         tls = ClientTls()  # the system roots
     if wanted is False or tls is None or (wanted is None and tls.only_marked):
-        return grpc.aio.insecure_channel(target, options=list(options))
-    return grpc.aio.secure_channel(target, tls.credentials(), options=[*options, *tls.options()])
+        return aio_channel(target, None, options)
+    return aio_channel(target, tls.config(), options)
 
 
 def add_server_tls_args(p: argparse.ArgumentParser) -> None:

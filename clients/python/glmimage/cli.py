@@ -31,18 +31,11 @@ from glmimage.client import (
     RetryPolicy,
     Status,
     TlsConfig,
-    parse_size,
 )
+from glmimage.sizes import size_arg
 
 API_KEY_ENV = "GLMIMAGE_API_KEY"
 ADDRESS_ENV = "GLMIMAGE_ADDRESS"
-
-
-def _size(text: str) -> tuple[int, int]:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _connection_args(parser: argparse.ArgumentParser, *, suppress: bool = False) -> None:
@@ -88,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", parents=[conn], help="generate images and write them to a directory")
     gen.add_argument("prompt")
     gen.add_argument("-n", type=int, default=1, help="number of images (1-10)")
-    gen.add_argument("--size", type=_size, default=None, metavar="WxH", help="e.g. 512x512 (default: the gateway's)")
+    gen.add_argument("--size", type=size_arg, default=None, metavar="WxH", help="e.g. 512x512 (default: the gateway's)")
     gen.add_argument("-o", "--output-dir", type=Path, default=Path("."), help="directory for the images")
     gen.add_argument("--name", default="image", help="file name stem: <name>-<i>.<ext> (default: image)")
     gen.add_argument("--format", choices=sorted(FORMATS), default=None, help="image encoding (default png)")

@@ -20,14 +20,15 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
-from glmimage._keepalive import CHANNEL_OPTIONS
+from glmimage import formats, sizes
+from glmimage.channels import TlsConfig, aio_channel, sync_channel
+from glmimage.formats import FORMATS
+from glmimage.keepalive import message_size_options
 from glmimage.results import (
-    FORMATS,
     ROLES,
     Completed,
     GenerationResult,
@@ -41,7 +42,8 @@ from glmimage.results import (
 )
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 
-# The result types live in glmimage.results; they are re-exported here, where callers have always found them.
+# The result types (glmimage.results), TlsConfig (glmimage.channels) and FORMATS (glmimage.formats) are
+# re-exported here, where callers have always found them.
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_RETRY", "FORMATS", "NO_RETRY", "AsyncClient", "Client", "Completed",
            "GenerationResult", "GlmImageError", "PartialImage", "Progress", "RetryPolicy", "Status", "StreamEvent",
            "TlsConfig", "Usage", "WorkerInfo", "build_request", "build_stream_request", "parse_size"]
@@ -101,44 +103,15 @@ DEFAULT_RETRY = RetryPolicy()
 NO_RETRY = RetryPolicy(max_attempts=1)
 
 
-@dataclass(frozen=True)
-class TlsConfig:
-    """TLS settings. PEM bytes; no ``root_ca`` means the system trust store. Give both cert and key for mTLS."""
-
-    root_ca: bytes | None = None
-    client_cert: bytes | None = None
-    client_key: bytes | None = None
-    # Expected server name when it differs from the address host (e.g. connecting through an IP).
-    server_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.client_cert is None) != (self.client_key is None):
-            raise ValueError("give both client_cert and client_key, or neither")
-
-    @classmethod
-    def from_files(cls, root_ca: str | Path | None = None, client_cert: str | Path | None = None,
-                   client_key: str | Path | None = None, server_name: str | None = None) -> TlsConfig:
-        def read(p: str | Path | None) -> bytes | None:
-            return Path(p).read_bytes() if p else None
-
-        return cls(read(root_ca), read(client_cert), read(client_key), server_name)
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(self.root_ca, self.client_key, self.client_cert)
-
-
 # --- request building ----------------------------------------------------------------------------------------------
 
 
 def parse_size(size: str | Sequence[int] | None) -> tuple[int, int]:
-    """``"WxH"`` or ``(w, h)`` -> (width, height); None -> (0, 0), the gateway default."""
+    """``"WxH"`` (glmimage.sizes) or ``(w, h)`` -> (width, height); None -> (0, 0), the gateway default."""
     if size is None:
         return 0, 0
     if isinstance(size, str):
-        w, sep, h = size.lower().partition("x")
-        if not sep or not w.strip().isdigit() or not h.strip().isdigit():
-            raise ValueError(f"size must look like 512x512, got {size!r}")
-        return int(w), int(h)
+        return sizes.parse_size(size)
     width, height = size
     return int(width), int(height)
 
@@ -148,12 +121,7 @@ def build_request(prompt: str, *, n: int = 1, size: str | Sequence[int] | None =
                   seed: int | None = None, steps: int | None = None, guidance: float | None = None,
                   request_id: str = "") -> gateway_service_pb2.GenerateImagesRequest:
     width, height = parse_size(size)
-    fmt = common_pb2.IMAGE_FORMAT_UNSPECIFIED
-    if output_format is not None:
-        try:
-            fmt = FORMATS[output_format.lower()]
-        except KeyError:
-            raise ValueError(f"output_format must be one of {sorted(FORMATS)}, got {output_format!r}") from None
+    fmt = common_pb2.IMAGE_FORMAT_UNSPECIFIED if output_format is None else formats.by_name(output_format).proto
     req = gateway_service_pb2.GenerateImagesRequest(prompt=prompt, n=n, height=height, width=width,
                                                     output_format=fmt, num_inference_steps=steps or 0,
                                                     request_id=request_id)
@@ -190,14 +158,9 @@ class _Base:
         self.timeout = timeout
         self.retry = retry
         self._rng = rng or random.Random()
-        # Keepalive the gateway accepts and a short capped reconnect backoff (see glmimage._keepalive); the
+        # glmimage.channels adds the keepalive the gateway accepts and a short capped reconnect backoff; the
         # caller's ``options`` come last, so they override.
-        opts: list[tuple[str, Any]] = [("grpc.max_receive_message_length", max_message_bytes),
-                                       ("grpc.max_send_message_length", max_message_bytes),
-                                       *CHANNEL_OPTIONS]
-        if tls is not None and tls.server_name:
-            opts.append(("grpc.ssl_target_name_override", tls.server_name))
-        self._options = [*opts, *options]
+        self._options = [*message_size_options(max_message_bytes, max_message_bytes), *options]
 
     def _metadata(self, request_id: str | None) -> list[tuple[str, str]]:
         md = []
@@ -243,10 +206,7 @@ class Client(_Base):
                  rng: random.Random | None = None) -> None:
         super().__init__(address, api_key=api_key, tls=tls, timeout=timeout, retry=retry,
                          max_message_bytes=max_message_bytes, options=options, rng=rng)
-        if tls is None:
-            self._channel = grpc.insecure_channel(address, options=self._options)
-        else:
-            self._channel = grpc.secure_channel(address, tls.credentials(), options=self._options)
+        self._channel = sync_channel(address, tls, self._options)
         self._stub = gateway_service_pb2_grpc.GatewayServiceStub(self._channel)
 
     def close(self) -> None:
@@ -340,10 +300,7 @@ class AsyncClient(_Base):
                  rng: random.Random | None = None) -> None:
         super().__init__(address, api_key=api_key, tls=tls, timeout=timeout, retry=retry,
                          max_message_bytes=max_message_bytes, options=options, rng=rng)
-        if tls is None:
-            self._channel = grpc.aio.insecure_channel(address, options=self._options)
-        else:
-            self._channel = grpc.aio.secure_channel(address, tls.credentials(), options=self._options)
+        self._channel = aio_channel(address, tls, self._options)
         self._stub = gateway_service_pb2_grpc.GatewayServiceStub(self._channel)
 
     async def close(self) -> None:

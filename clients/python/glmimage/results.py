@@ -7,12 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from glmimage import formats
 from glmimage.v1 import common_pb2, gateway_service_pb2
 
-FORMATS = {"png": common_pb2.IMAGE_FORMAT_PNG, "jpeg": common_pb2.IMAGE_FORMAT_JPEG,
-           "webp": common_pb2.IMAGE_FORMAT_WEBP}
-_FORMAT_NAMES = {v: k for k, v in FORMATS.items()} | {common_pb2.IMAGE_FORMAT_UNSPECIFIED: "png"}
-_EXTENSIONS = {"png": "png", "jpeg": "jpg", "webp": "webp"}
 _ROLE_NAMES = {gateway_service_pb2.WORKER_ROLE_AR: "ar", gateway_service_pb2.WORKER_ROLE_DENOISER: "denoiser"}
 ROLES = {v: k for k, v in _ROLE_NAMES.items()}
 _STATE_NAMES = {gateway_service_pb2.WORKER_STATE_AVAILABLE: "available", gateway_service_pb2.WORKER_STATE_BUSY: "busy",
@@ -59,12 +56,13 @@ class GenerationResult:
         ordered = sorted(r.images, key=lambda im: im.index)
         return cls(images=[im.image for im in ordered], seeds=[im.seed for im in ordered],
                    usage=Usage.from_proto(r.usage), image_usages=[Usage.from_proto(im.usage) for im in ordered],
-                   width=r.width, height=r.height, output_format=_FORMAT_NAMES.get(r.output_format, "png"),
+                   width=r.width, height=r.height, output_format=formats.name_of(r.output_format),
                    request_id=r.request_id)
 
     @property
     def extension(self) -> str:
-        return _EXTENSIONS.get(self.output_format, self.output_format)
+        fmt = formats.BY_NAME.get(self.output_format)
+        return self.output_format if fmt is None else fmt.extension
 
     def save(self, directory: str | Path, stem: str = "image") -> list[Path]:
         """Write ``<stem>-<i>.<ext>`` into ``directory`` (created if missing); returns the paths."""
