@@ -24,7 +24,6 @@ class RestSettings:
     served_model: str = "glm-image"
     model_aliases: tuple[str, ...] = ("gpt-image-1", "dall-e-3")
     default_size: tuple[int, int] = (256, 256)  # (width, height)
-    max_pixels: int = 2048 * 2048
     quality_steps: Mapping[str, int] = field(default_factory=_default_quality_steps)
     api_keys: tuple[str, ...] = ()  # empty: auth off
     request_timeout: float = 300.0

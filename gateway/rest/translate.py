@@ -57,14 +57,7 @@ def parse_size(size: str | None, settings: RestSettings) -> tuple[int, int]:
         width, height = sizes.parse_size(size)
     except ValueError as exc:
         raise APIError(400, f"{exc}; or 'auto' for the default", param="size", code="invalid_value") from None
-    if width * height > settings.max_pixels:
-        raise APIError(
-            400,
-            f"size {width}x{height} has {width * height} pixels; the limit is {settings.max_pixels}",
-            param="size",
-            code="invalid_value",
-        )
-    return width, height
+    return width, height  # the pixel budget is a limit in force (gateway/rest/limits.py)
 
 
 def to_grpc(
