@@ -5,7 +5,10 @@ the limits in force."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +19,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from glmimage import AsyncClient
 from glmimage.v1 import (
     ar_service_pb2,
     ar_service_pb2_grpc,
@@ -208,3 +212,12 @@ async def test_at_the_limits_the_request_is_served(stack: Cluster) -> None:
             "seed": SEED_SPACE - 1})
     assert resp.status_code == 200, resp.text
     assert len(resp.json()["data"]) == 1
+
+
+async def test_the_sdk_and_the_cli_read_the_limits_in_force(stack: Cluster) -> None:
+    address = stack.procs["gateway"].address
+    async with AsyncClient(address) as client:
+        assert dataclasses.asdict(await client.limits()) == dataclasses.asdict(EXPECTED)
+    out = subprocess.run([sys.executable, "-m", "glmimage.cli", "--address", address, "limits", "--json"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert json.loads(out) == dataclasses.asdict(EXPECTED)

@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --stream: previews per image, written as <name>-<i>.partial-<k>.<ext>")
 
     sub.add_parser("status", parents=[conn], help="show the gateway's queues and workers")
+    sub.add_parser("limits", parents=[conn], help="show the limits in force (what the gateway refuses past)")
     return parser
 
 
@@ -204,13 +205,25 @@ def _status(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def _limits(args: argparse.Namespace, client: Client) -> int:
+    limits = asdict(client.limits())
+    if args.json:
+        print(json.dumps(limits, indent=2))
+    else:
+        print(_table(["LIMIT", "VALUE"], [[name, f"{value:g}"] for name, value in limits.items()]))
+    return 0
+
+
+COMMANDS = {"generate": _generate, "status": _status, "limits": _limits}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         with client_from(args) as client:
-            return _generate(args, client) if args.command == "generate" else _status(args, client)
+            return COMMANDS[args.command](args, client)
     except GlmImageError as exc:
         print(f"glmimage: error: {exc.code.name}: {exc.details}", file=sys.stderr)
         return 1

@@ -32,6 +32,7 @@ from glmimage.results import (
     ROLES,
     Completed,
     GenerationResult,
+    Limits,
     PartialImage,
     Progress,
     Status,
@@ -45,7 +46,8 @@ from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grp
 # The result types (glmimage.results), TlsConfig (glmimage.channels) and FORMATS (glmimage.formats) are
 # re-exported here, where callers have always found them.
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_RETRY", "FORMATS", "NO_RETRY", "AsyncClient", "Client", "Completed",
-           "GenerationResult", "GlmImageError", "PartialImage", "Progress", "RetryPolicy", "Status", "StreamEvent",
+           "GenerationResult", "GlmImageError", "Limits", "PartialImage", "Progress", "RetryPolicy", "Status",
+           "StreamEvent",
            "TlsConfig", "Usage", "WorkerInfo", "build_request", "build_stream_request", "parse_size"]
 
 log = logging.getLogger(__name__)
@@ -280,6 +282,11 @@ class Client(_Base):
         resp = self._call("GetStatus", self._stub.GetStatus, gateway_service_pb2.GetStatusRequest(), timeout, None)
         return Status.from_proto(resp)
 
+    def limits(self, *, timeout: float | None = None) -> Limits:
+        """What the gateway admits (the tightest of its flags and of every worker's own limits)."""
+        resp = self._call("GetLimits", self._stub.GetLimits, gateway_service_pb2.GetLimitsRequest(), timeout, None)
+        return Limits.from_proto(resp.limits)
+
     def add_worker(self, address: str, role: str, *, timeout: float | None = None) -> None:
         """Add an ``"ar"`` or ``"denoiser"`` worker at run time."""
         req = build_add_worker(address, role)
@@ -369,6 +376,11 @@ class AsyncClient(_Base):
         resp = await self._call("GetStatus", self._stub.GetStatus, gateway_service_pb2.GetStatusRequest(),
                                 timeout, None)
         return Status.from_proto(resp)
+
+    async def limits(self, *, timeout: float | None = None) -> Limits:
+        resp = await self._call("GetLimits", self._stub.GetLimits, gateway_service_pb2.GetLimitsRequest(),
+                                timeout, None)
+        return Limits.from_proto(resp.limits)
 
     async def add_worker(self, address: str, role: str, *, timeout: float | None = None) -> None:
         req = build_add_worker(address, role)

@@ -4,7 +4,7 @@ Shared by `Client` and `AsyncClient` (glmimage.client), so both parse every repl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from glmimage import formats
@@ -130,6 +130,24 @@ class Status:
                                _STATE_NAMES.get(w.state, "unspecified"), w.inflight, w.current_job, w.health,
                                w.stuck)
                     for w in s.workers])
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits in force at the gateway (GetLimits): a request past any of them is refused with INVALID_ARGUMENT
+    naming the field. max_pixels counts after each side is rounded up to a multiple of 32."""
+
+    max_prompt_chars: int
+    max_n: int
+    max_pixels: int
+    max_steps: int
+    max_guidance: float
+    max_batch_outputs: int
+    max_partial_images: int
+
+    @classmethod
+    def from_proto(cls, m: common_pb2.Limits) -> Limits:
+        return cls(**{f.name: getattr(m, f.name) for f in fields(cls)})
 
 
 def event_from_proto(msg: gateway_service_pb2.GenerateImagesStreamResponse) -> StreamEvent | None:
