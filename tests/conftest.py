@@ -1,10 +1,19 @@
-"""Shared fixtures: the tiny real GLM-Image, built once per session into a private cache directory."""
+"""Shared fixtures: the tiny real GLM-Image, built once per session into a private cache directory, the test
+certificates (tests/support/certs.py) and the scripted gateway of the SDK and CLI tests (tests/support/fake_gateway.py).
+
+Fixtures shared by several test files live here rather than imported from tests/support: an imported fixture used
+as a parameter reads to ruff as an unused import redefined (F401, F811).
+"""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support.certs import Pki, make_pki
+from tests.support.fake_gateway import FakeServer, serve_fake
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -17,6 +26,25 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Subprocesses started by tests find the same checkpoint through the environment.
     os.environ["GLMIMAGE_CACHE"] = str(cache)
     return ensure_tiny_checkpoint(cache / TINY_VERSION)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """A CA, a server and a client certificate signed by it, and another CA with a client certificate of its own."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def fake_server() -> Iterator[FakeServer]:
+    with serve_fake() as srv:
+        yield srv
+
+
+@pytest.fixture()
+def fake(fake_server: FakeServer) -> FakeServer:
+    """The module's scripted gateway, its calls and injected failures cleared."""
+    fake_server.servicer.reset()
+    return fake_server
 
 
 @pytest.fixture(scope="session")

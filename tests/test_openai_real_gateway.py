@@ -19,7 +19,7 @@ import pytest_asyncio
 
 from bench.zero_cost_backends import Backends, prompt_tokens, start_backends
 from gateway.rest.app import RestSettings, create_app
-from tests.test_rest import Pki, make_pki
+from tests.support.certs import Pki
 
 pytestmark = pytest.mark.e2e
 
@@ -36,11 +36,6 @@ async def backends() -> AsyncIterator[Backends]:
         yield servers
     finally:
         await servers.stop()
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 async def _wait_for_port(path: Path, proc: subprocess.Popen, timeout: float) -> str:

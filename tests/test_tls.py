@@ -1,20 +1,14 @@
-"""TLS on every gRPC hop, with mutual TLS: a real AR, denoiser (tiny model) and gateway, certificates made here."""
+"""TLS on every gRPC hop, with mutual TLS: a real AR, denoiser (tiny model) and gateway, certificates made at test
+time (tests/support/certs.py)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import ipaddress
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
@@ -30,63 +24,7 @@ from services.runtime.tls import (
     make_channel,
     server_tls_from_args,
 )
-
-
-@dataclass(frozen=True)
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-    rogue_cert: Path  # a client certificate from another CA
-    rogue_key: Path
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _issue(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, issuer_key: ec.EllipticCurvePrivateKey,
-           *, ca: bool = False, server: bool = False) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    if not ca:
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _write(path: Path, cert: x509.Certificate | None = None, key: ec.EllipticCurvePrivateKey | None = None) -> Path:
-    if cert is not None:
-        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    else:
-        assert key is not None
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return path
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    d = tmp_path_factory.mktemp("pki")
-    ca_key, rogue_ca_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = _issue("glmimage test CA", ca_key, _name("glmimage test CA"), ca_key, ca=True)
-    server_key, client_key, rogue_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
-    return Pki(
-        ca=_write(d / "ca.pem", ca),
-        server_cert=_write(d / "server.pem", _issue("server", server_key, ca.subject, ca_key, server=True)),
-        server_key=_write(d / "server.key", key=server_key),
-        client_cert=_write(d / "client.pem", _issue("gateway", client_key, ca.subject, ca_key)),
-        client_key=_write(d / "client.key", key=client_key),
-        rogue_cert=_write(d / "rogue.pem", _issue("rogue", rogue_key, _name("rogue CA"), rogue_ca_key)),
-        rogue_key=_write(d / "rogue.key", key=rogue_key))
+from tests.support.certs import Pki
 
 
 @pytest.fixture
