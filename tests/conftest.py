@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from services.runtime.executor import SerialExecutor
 from tests.support.certs import Pki, make_pki
 from tests.support.fake_gateway import FakeServer, serve_fake
+from tests.support.servers import serve_ar, serve_denoiser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,39 +70,15 @@ def denoise_engine(tiny_checkpoint: Path):
 @pytest.fixture(scope="session")
 async def ar_server(ar_engine):
     """A real ArService on 127.0.0.1:<ephemeral>, SERVING; `.servicer` exposes its admission queue."""
-    from glmimage.v1 import ar_service_pb2_grpc
-    from services.ar.servicer import ArServicer
-    from services.runtime.executor import SerialExecutor
-    from services.runtime.server import start_server
-
-    servicer = ArServicer(ar_engine, SerialExecutor("test-ar"))
-    server = await start_server(lambda s: ar_service_pb2_grpc.add_ArServiceServicer_to_server(servicer, s),
-                                ["glmimage.v1.ArService"], "127.0.0.1:0")
-    await server.set_serving(True)
-    server.servicer = servicer
+    server = await serve_ar(ar_engine, SerialExecutor("test-ar"))
     yield server
     await server.stop(None)
-
-
-async def _denoiser(denoise_engine, name: str):
-    from glmimage.v1 import denoiser_service_pb2_grpc
-    from services.denoiser.servicer import DenoiserServicer
-    from services.runtime.executor import SerialExecutor
-    from services.runtime.server import start_server
-
-    servicer = DenoiserServicer(denoise_engine, SerialExecutor(name))
-    server = await start_server(
-        lambda s: denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server(servicer, s),
-        ["glmimage.v1.DenoiserService"], "127.0.0.1:0")
-    await server.set_serving(True)
-    server.servicer = servicer
-    return server
 
 
 @pytest.fixture(scope="session")
 async def denoiser_server(denoise_engine):
     """A real DenoiserService on 127.0.0.1:<ephemeral>, SERVING; `.servicer` exposes its busy flag."""
-    server = await _denoiser(denoise_engine, "test-denoiser")
+    server = await serve_denoiser(denoise_engine, SerialExecutor("test-denoiser"))
     yield server
     await server.stop(None)
 
@@ -110,6 +88,6 @@ async def second_denoiser_server(tiny_checkpoint: Path):
     """A second denoiser with its own engine: a pipeline must never be shared by two servers."""
     from services.denoiser.engine import DenoiseEngine
 
-    server = await _denoiser(DenoiseEngine.load(tiny_checkpoint, device="cpu"), "test-denoiser-2")
+    server = await serve_denoiser(DenoiseEngine.load(tiny_checkpoint, device="cpu"), SerialExecutor("test-denoiser-2"))
     yield server
     await server.stop(None)

@@ -14,7 +14,8 @@ from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.scheduler import SchedulerConfig
 from gateway.servicer import GatewayServicer
-from glmimage.v1 import ar_service_pb2_grpc, denoiser_service_pb2_grpc, gateway_service_pb2, gateway_service_pb2_grpc
+from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
+from services.runtime.executor import SerialExecutor
 from services.runtime.server import common_server_args, start_server
 from services.runtime.tls import (
     ClientTls,
@@ -25,25 +26,15 @@ from services.runtime.tls import (
     server_tls_from_args,
 )
 from tests.support.certs import Pki
+from tests.support.servers import serve_ar, serve_denoiser
 
 
 @pytest.fixture
 async def mtls_gateway(pki: Pki, ar_engine, denoise_engine, denoiser_server) -> AsyncIterator[int]:
-    from services.ar.servicer import ArServicer
-    from services.denoiser.servicer import DenoiserServicer
-    from services.runtime.executor import SerialExecutor
-
     server_tls = ServerTls(cert=pki.server_cert, key=pki.server_key, client_ca=pki.ca)
-    ar_servicer = ArServicer(ar_engine, SerialExecutor("tls-ar"))
+    ar = await serve_ar(ar_engine, SerialExecutor("tls-ar"), tls=server_tls)
     # The session denoiser's executor: one engine must never run two jobs at once.
-    dn_servicer = DenoiserServicer(denoise_engine, denoiser_server.servicer.executor)
-    ar = await start_server(lambda s: ar_service_pb2_grpc.add_ArServiceServicer_to_server(ar_servicer, s),
-                            ["glmimage.v1.ArService"], "127.0.0.1:0", tls=server_tls)
-    dn = await start_server(
-        lambda s: denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server(dn_servicer, s),
-        ["glmimage.v1.DenoiserService"], "127.0.0.1:0", tls=server_tls)
-    for server in (ar, dn):
-        await server.set_serving(True)
+    dn = await serve_denoiser(denoise_engine, denoiser_server.servicer.executor, tls=server_tls)
     config = GatewayConfig(ar_addresses=(f"127.0.0.1:{ar.port}",), denoiser_addresses=(f"127.0.0.1:{dn.port}",),
                            scheduler=SchedulerConfig(ar_batch_delay=0.0), request_timeout=60,
                            client_tls=ClientTls(ca=pki.ca, cert=pki.client_cert, key=pki.client_key))
@@ -81,13 +72,8 @@ async def test_mutual_tls_end_to_end_and_refusals(pki: Pki, mtls_gateway: int) -
 async def test_one_denoiser_on_tls_beside_plaintext_ones(pki: Pki, ar_server, denoiser_server, denoise_engine,
                                                          second_denoiser_server) -> None:
     """A pool moving to TLS one worker at a time: the gateway dials each upstream as its address says."""
-    from services.denoiser.servicer import DenoiserServicer
-
-    servicer = DenoiserServicer(denoise_engine, denoiser_server.servicer.executor)
-    tls_dn = await start_server(
-        lambda s: denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server(servicer, s),
-        ["glmimage.v1.DenoiserService"], "127.0.0.1:0", tls=ServerTls(pki.server_cert, pki.server_key, pki.ca))
-    await tls_dn.set_serving(True)
+    tls_dn = await serve_denoiser(denoise_engine, denoiser_server.servicer.executor,
+                                  tls=ServerTls(pki.server_cert, pki.server_key, pki.ca))
     tls_address = f"tls://127.0.0.1:{tls_dn.port}"
     config = GatewayConfig(ar_addresses=(f"127.0.0.1:{ar_server.port}",),
                            denoiser_addresses=(tls_address, f"127.0.0.1:{second_denoiser_server.port}"),
@@ -112,7 +98,7 @@ async def test_one_denoiser_on_tls_beside_plaintext_ones(pki: Pki, ar_server, de
             resp = await stub.GenerateImages(gateway_service_pb2.GenerateImagesRequest(
                 prompt='a "TLS" sign', n=2, height=64, width=64, seed=3), timeout=60)
             assert len(resp.images) == 2
-            assert servicer.last_job is not None  # the TLS denoiser ran one of the two
+            assert tls_dn.servicer.last_job is not None  # the TLS denoiser ran one of the two
     finally:
         for server in (gw, tls_dn):
             await server.stop(None)
