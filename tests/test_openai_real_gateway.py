@@ -20,6 +20,7 @@ import pytest_asyncio
 from bench.zero_cost_backends import Backends, prompt_tokens, start_backends
 from gateway.rest.app import RestSettings, create_app
 from tests.support.certs import Pki
+from tests.support.cluster import reap
 
 pytestmark = pytest.mark.e2e
 
@@ -63,11 +64,7 @@ async def gateway_process(backends: Backends, work: Path, *flags: str) -> AsyncI
         yield f"127.0.0.1:{await _wait_for_port(port_file, proc, STARTUP_TIMEOUT_S)}"
     finally:
         proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        reap(proc, 10)
 
 
 @pytest_asyncio.fixture(scope="module")
