@@ -1,10 +1,21 @@
-"""Shared fixtures: the tiny real GLM-Image, built once per session into a private cache directory."""
+"""Shared fixtures: the tiny real GLM-Image, built once per session into a private cache directory, the test
+certificates (tests/support/certs.py) and the scripted gateway of the SDK and CLI tests (tests/support/fake_gateway.py).
+
+Fixtures shared by several test files live here rather than imported from tests/support: an imported fixture used
+as a parameter reads to ruff as an unused import redefined (F401, F811).
+"""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from services.runtime.executor import SerialExecutor
+from tests.support.certs import Pki, make_pki
+from tests.support.fake_gateway import FakeServer, serve_fake
+from tests.support.servers import serve_ar, serve_denoiser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -17,6 +28,25 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Subprocesses started by tests find the same checkpoint through the environment.
     os.environ["GLMIMAGE_CACHE"] = str(cache)
     return ensure_tiny_checkpoint(cache / TINY_VERSION)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """A CA, a server and a client certificate signed by it, and another CA with a client certificate of its own."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def fake_server() -> Iterator[FakeServer]:
+    with serve_fake() as srv:
+        yield srv
+
+
+@pytest.fixture()
+def fake(fake_server: FakeServer) -> FakeServer:
+    """The module's scripted gateway, its calls and injected failures cleared."""
+    fake_server.servicer.reset()
+    return fake_server
 
 
 @pytest.fixture(scope="session")
@@ -40,39 +70,15 @@ def denoise_engine(tiny_checkpoint: Path):
 @pytest.fixture(scope="session")
 async def ar_server(ar_engine):
     """A real ArService on 127.0.0.1:<ephemeral>, SERVING; `.servicer` exposes its admission queue."""
-    from glmimage.v1 import ar_service_pb2_grpc
-    from services.ar.servicer import ArServicer
-    from services.runtime.executor import SerialExecutor
-    from services.runtime.server import start_server
-
-    servicer = ArServicer(ar_engine, SerialExecutor("test-ar"))
-    server = await start_server(lambda s: ar_service_pb2_grpc.add_ArServiceServicer_to_server(servicer, s),
-                                ["glmimage.v1.ArService"], "127.0.0.1:0")
-    await server.set_serving(True)
-    server.servicer = servicer
+    server = await serve_ar(ar_engine, SerialExecutor("test-ar"))
     yield server
     await server.stop(None)
-
-
-async def _denoiser(denoise_engine, name: str):
-    from glmimage.v1 import denoiser_service_pb2_grpc
-    from services.denoiser.servicer import DenoiserServicer
-    from services.runtime.executor import SerialExecutor
-    from services.runtime.server import start_server
-
-    servicer = DenoiserServicer(denoise_engine, SerialExecutor(name))
-    server = await start_server(
-        lambda s: denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server(servicer, s),
-        ["glmimage.v1.DenoiserService"], "127.0.0.1:0")
-    await server.set_serving(True)
-    server.servicer = servicer
-    return server
 
 
 @pytest.fixture(scope="session")
 async def denoiser_server(denoise_engine):
     """A real DenoiserService on 127.0.0.1:<ephemeral>, SERVING; `.servicer` exposes its busy flag."""
-    server = await _denoiser(denoise_engine, "test-denoiser")
+    server = await serve_denoiser(denoise_engine, SerialExecutor("test-denoiser"))
     yield server
     await server.stop(None)
 
@@ -82,6 +88,6 @@ async def second_denoiser_server(tiny_checkpoint: Path):
     """A second denoiser with its own engine: a pipeline must never be shared by two servers."""
     from services.denoiser.engine import DenoiseEngine
 
-    server = await _denoiser(DenoiseEngine.load(tiny_checkpoint, device="cpu"), "test-denoiser-2")
+    server = await serve_denoiser(DenoiseEngine.load(tiny_checkpoint, device="cpu"), SerialExecutor("test-denoiser-2"))
     yield server
     await server.stop(None)

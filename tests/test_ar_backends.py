@@ -19,6 +19,7 @@ from glmimage.v1 import ar_service_pb2 as pb
 from glmimage.v1 import ar_service_pb2_grpc, common_pb2
 from services.ar.domain import ArRequest
 from services.model.device import DeviceUnavailable, resolve_device
+from tests.support.servers import serve_ar
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
@@ -162,18 +163,13 @@ def stand_in() -> Iterator[StandIn]:
 @pytest.fixture(scope="module")
 async def srt_ar(bare_ar_dir: Path, stand_in: StandIn):
     """A real ArService whose backend forwards to the stand-in; loads only the processor."""
-    from services.ar.servicer import ArServicer
     from services.ar.srt_backend import SrtBackend
     from services.runtime.executor import SerialExecutor
-    from services.runtime.server import start_server
 
     backend = SrtBackend.load(bare_ar_dir, stand_in.url, timeout=10)
     backend.warm_up()
     executor = SerialExecutor("test-ar-srt")
-    servicer = ArServicer(backend, executor)
-    server = await start_server(lambda s: ar_service_pb2_grpc.add_ArServiceServicer_to_server(servicer, s),
-                                ["glmimage.v1.ArService"], "127.0.0.1:0")
-    await server.set_serving(True)
+    server = await serve_ar(backend, executor)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield backend, ar_service_pb2_grpc.ArServiceStub(channel)
     await server.stop(None)

@@ -14,6 +14,7 @@ from glmimage.v1 import ar_service_pb2_grpc
 from services.ar.batcher import AdmissionQueue
 from services.runtime.errors import DeadlineExceeded, ResourceExhausted
 from services.runtime.executor import SerialExecutor
+from tests.support.servers import serve_ar
 
 
 class Blocker:
@@ -123,16 +124,10 @@ async def test_a_full_queue_refuses_with_resource_exhausted() -> None:
 
 @pytest.fixture(scope="module")
 async def ar_stack(ar_engine):
-    from services.ar.servicer import ArServicer
-    from services.runtime.server import start_server
-
     executor = SerialExecutor("test-ar-queue")
-    servicer = ArServicer(ar_engine, executor)
-    server = await start_server(lambda s: ar_service_pb2_grpc.add_ArServiceServicer_to_server(servicer, s),
-                                ["glmimage.v1.ArService"], "127.0.0.1:0")
-    await server.set_serving(True)
+    server = await serve_ar(ar_engine, executor)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        yield servicer, ar_service_pb2_grpc.ArServiceStub(channel)
+        yield server.servicer, ar_service_pb2_grpc.ArServiceStub(channel)
     await server.stop(None)
     executor.shutdown()
 

@@ -11,6 +11,8 @@ from prometheus_client import REGISTRY, generate_latest
 
 from glmimage.v1 import ar_service_pb2 as pb
 from glmimage.v1 import ar_service_pb2_grpc, common_pb2
+from services.runtime.executor import SerialExecutor
+from tests.support.servers import serve_ar
 
 PROMPT = 'a red "STOP" sign'
 # Three prompts of clearly different tokenized lengths, so the batch really is left-padded.
@@ -24,15 +26,7 @@ COMPLETION_256 = 16 * 16 + 8 * 8 + 1
 @pytest.fixture(scope="module")
 async def ar_stack(ar_engine):
     """A real ArService on 127.0.0.1:<ephemeral>, SERVING; `.servicer` exposes its admission queue."""
-    from services.ar.servicer import ArServicer
-    from services.runtime.executor import SerialExecutor
-    from services.runtime.server import start_server
-
-    servicer = ArServicer(ar_engine, SerialExecutor("test-ar-service"))
-    server = await start_server(lambda s: ar_service_pb2_grpc.add_ArServiceServicer_to_server(servicer, s),
-                                ["glmimage.v1.ArService"], "127.0.0.1:0")
-    await server.set_serving(True)
-    server.servicer = servicer
+    server = await serve_ar(ar_engine, SerialExecutor("test-ar-service"))
     yield server
     await server.stop(None)
 
@@ -239,16 +233,10 @@ async def test_batch_errors_name_the_request_index(ar) -> None:
 async def capped_ar(ar_engine):
     """A second server on the same model with --max-batch-outputs 3 (it only ever rejects: no model time)."""
     from services.ar.engine import ArEngine
-    from services.ar.servicer import ArServicer
-    from services.runtime.executor import SerialExecutor
     from services.runtime.limits import Limits
-    from services.runtime.server import start_server
 
     engine = ArEngine(ar_engine.processor, ar_engine.model, ar_engine.device, Limits(max_batch_outputs=3))
-    servicer = ArServicer(engine, SerialExecutor("test-ar-capped"))
-    server = await start_server(lambda s: ar_service_pb2_grpc.add_ArServiceServicer_to_server(servicer, s),
-                                ["glmimage.v1.ArService"], "127.0.0.1:0")
-    await server.set_serving(True)
+    server = await serve_ar(engine, SerialExecutor("test-ar-capped"))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield ar_service_pb2_grpc.ArServiceStub(channel)
     await server.stop(None)

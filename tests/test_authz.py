@@ -33,17 +33,17 @@ from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
 from services.runtime.auth import ENV_INTERNAL_TOKEN, check_token, internal_token_from
 from tests.support.cluster import Cluster, running_stack
-from tests.test_gateway_control import (
+from tests.support.sim_gateway import (
     ADMIN,
     ADMIN_KEY,
     AVAILABLE,
     Gateway,
+    SimCluster,
     request,
     rpc_error,
     running_gateway,
     sim_cluster,
 )
-from tests.test_gateway_control import Cluster as SimCluster
 
 USER_KEY = "user-key-for-tests"
 USER = (("authorization", f"Bearer {USER_KEY}"),)

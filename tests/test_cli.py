@@ -1,4 +1,4 @@
-"""`glmimage` CLI, run as a real subprocess against the scripted gateway of test_client.py."""
+"""`glmimage` CLI, run as a real subprocess against the scripted gateway (tests/support/fake_gateway.py)."""
 from __future__ import annotations
 
 import json
@@ -6,26 +6,12 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import pytest
 
-from tests.test_client import FakeServer, Pki, fake_image, make_pki, serve_fake
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeServer]:
-    srv = serve_fake()
-    yield srv
-    srv.server.stop(None)
-
-
-@pytest.fixture()
-def fake(server: FakeServer) -> FakeServer:
-    server.servicer.reset()
-    return server
+from tests.support.certs import Pki
+from tests.support.fake_gateway import FakeServer, fake_image, serve_fake
 
 
 def glmimage(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -117,22 +103,15 @@ def test_bad_size_is_a_usage_error(fake: FakeServer, tmp_path: Path) -> None:
     assert fake.servicer.calls == []
 
 
-def test_mutual_tls_flags(tmp_path: Path) -> None:
-    pki: Pki = make_pki(tmp_path)
-    creds = grpc.ssl_server_credentials([(pki.server_key, pki.server_cert)], root_certificates=pki.ca,
-                                        require_client_auth=True)
-    srv = serve_fake(creds)
-    try:
-        out = glmimage("status", "--address", srv.address, "--tls-ca", str(pki.path("ca")),
-                       "--tls-cert", str(pki.path("client_cert")), "--tls-key", str(pki.path("client_key")),
-                       cwd=tmp_path)
+def test_mutual_tls_flags(pki: Pki, tmp_path: Path) -> None:
+    with serve_fake(pki.server_credentials(mutual=True)) as srv:
+        out = glmimage("status", "--address", srv.address, "--tls-ca", str(pki.ca),
+                       "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key), cwd=tmp_path)
         assert out.returncode == 0, out.stderr
         assert "pending AR outputs" in out.stdout
-        out = glmimage("status", "--address", srv.address, "--tls-ca", str(pki.path("ca")), "--retries", "0",
+        out = glmimage("status", "--address", srv.address, "--tls-ca", str(pki.ca), "--retries", "0",
                        "--timeout", "10", cwd=tmp_path)
         assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
-    finally:
-        srv.server.stop(None)
 
 
 def test_connection_flags_go_before_or_after_the_subcommand(fake: FakeServer, tmp_path: Path) -> None:

@@ -1,20 +1,15 @@
 """The Python SDK (`glmimage.Client`, `glmimage.AsyncClient`) against a real gRPC server with a scripted gateway.
 
-The fake GatewayService records every call with its metadata and can fail the next calls with chosen status codes,
-which is what retries, deadlines and auth need; TLS uses certificates made at test time.
+The scripted GatewayService (tests/support/fake_gateway.py) records every call with its metadata and can fail the
+next calls with chosen status codes, which is what retries, deadlines and auth need; TLS uses certificates made at
+test time (tests/support/certs.py).
 """
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import subprocess
 import sys
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterator
-from concurrent import futures
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -31,244 +26,23 @@ from glmimage import (
     RetryPolicy,
     TlsConfig,
 )
-from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
+from glmimage.v1 import common_pb2, gateway_service_pb2
+from tests.support.certs import Pki
+from tests.support.fake_gateway import FakeServer, fake_image, serve_fake
 
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff=0.01, max_backoff=0.05)
-DEFAULT_STEPS = 4
-EXT = {common_pb2.IMAGE_FORMAT_JPEG: b"JPEG", common_pb2.IMAGE_FORMAT_WEBP: b"WEBP"}
-
-
-def fake_image(prompt: str, index: int, seed: int, fmt: int = common_pb2.IMAGE_FORMAT_PNG) -> bytes:
-    return EXT.get(fmt, b"PNG") + f":{prompt}:{index}:{seed}".encode()
-
-
-@dataclass
-class Call:
-    method: str
-    request: object
-    metadata: dict[str, str]
-
-
-@dataclass
-class FakeGateway(gateway_service_pb2_grpc.GatewayServiceServicer):
-    """Scripted GatewayService. ``fail[method]`` holds status codes for the next calls of that method."""
-
-    calls: list[Call] = field(default_factory=list)
-    fail: dict[str, list[grpc.StatusCode]] = field(default_factory=lambda: defaultdict(list))
-    # Prompts with special behaviour: "block" waits until the client goes away; "midstream" fails after one event.
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def reset(self) -> None:
-        with self.lock:
-            self.calls.clear()
-            self.fail.clear()
-        self.cancelled.clear()
-
-    def methods(self) -> list[str]:
-        return [c.method for c in self.calls]
-
-    def _enter(self, method: str, request, context: grpc.ServicerContext) -> None:
-        with self.lock:
-            self.calls.append(Call(method, request, dict(context.invocation_metadata())))
-            code = self.fail[method].pop(0) if self.fail[method] else None
-        if code is not None:
-            context.abort(code, f"injected {code.name}")
-
-    def _block_until_cancelled(self, context: grpc.ServicerContext) -> None:
-        gone = threading.Event()
-        context.add_callback(gone.set)
-        gone.wait(30)
-        self.cancelled.set()
-
-    def _response(self, r: gateway_service_pb2.GenerateImagesRequest) -> gateway_service_pb2.GenerateImagesResponse:
-        n = r.n or 1
-        height, width = r.height or 256, r.width or 256
-        seed = r.seed if r.HasField("seed") else 1000
-        prompt_tokens = len(r.prompt.split())
-        images = []
-        for i in range(n):
-            completion = (height // 16) * (width // 16) + 1
-            usage = common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                                     total_tokens=prompt_tokens + completion)
-            images.append(gateway_service_pb2.GeneratedImage(
-                index=i, image=fake_image(r.prompt, i, seed + i, r.output_format), seed=seed + i, usage=usage))
-        total = common_pb2.Usage(prompt_tokens=sum(im.usage.prompt_tokens for im in images),
-                                 completion_tokens=sum(im.usage.completion_tokens for im in images),
-                                 total_tokens=sum(im.usage.total_tokens for im in images))
-        # Deliberately out of order: clients must sort by index.
-        return gateway_service_pb2.GenerateImagesResponse(
-            images=list(reversed(images)), usage=total, height=height, width=width,
-            output_format=r.output_format or common_pb2.IMAGE_FORMAT_PNG, request_id=r.request_id or "fake-rid")
-
-    def GenerateImages(self, request, context):
-        self._enter("GenerateImages", request, context)
-        if request.prompt == "block":
-            self._block_until_cancelled(context)
-            context.abort(grpc.StatusCode.CANCELLED, "client went away")
-        if request.prompt == "invalid":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: not allowed")
-        return self._response(request)
-
-    def GenerateImagesStream(self, request, context):
-        self._enter("GenerateImagesStream", request, context)
-        r = request.request
-        steps = r.num_inference_steps or DEFAULT_STEPS
-        for i in range(r.n or 1):
-            for step in range(1, steps + 1):
-                yield gateway_service_pb2.GenerateImagesStreamResponse(
-                    progress=gateway_service_pb2.ImageProgress(image_index=i, step=step, total_steps=steps))
-                if r.prompt == "midstream":
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost")
-                if r.prompt == "block":
-                    self._block_until_cancelled(context)
-                    return
-            for k in range(request.partial_images):
-                yield gateway_service_pb2.GenerateImagesStreamResponse(
-                    partial_image=gateway_service_pb2.ImagePartial(image_index=i, partial_image_index=k,
-                                                                   image=b"partial:%d:%d" % (i, k)))
-        yield gateway_service_pb2.GenerateImagesStreamResponse(completed=self._response(r))
-
-    def GetStatus(self, request, context):
-        self._enter("GetStatus", request, context)
-        return gateway_service_pb2.GetStatusResponse(
-            pending_ar_requests=1, pending_ar_outputs=2, pending_denoise_outputs=3, active_requests=4,
-            workers=[gateway_service_pb2.WorkerStatus(address="10.0.0.1:50051", role=gateway_service_pb2.WORKER_ROLE_AR,
-                                                      state=gateway_service_pb2.WORKER_STATE_AVAILABLE),
-                     gateway_service_pb2.WorkerStatus(address="10.0.0.2:50061",
-                                                      role=gateway_service_pb2.WORKER_ROLE_DENOISER,
-                                                      state=gateway_service_pb2.WORKER_STATE_BUSY, inflight=1,
-                                                      current_job="req-1/0#1")])
-
-    def AddWorker(self, request, context):
-        self._enter("AddWorker", request, context)
-        return gateway_service_pb2.AddWorkerResponse()
-
-    def RemoveWorker(self, request, context):
-        self._enter("RemoveWorker", request, context)
-        return gateway_service_pb2.RemoveWorkerResponse()
-
-
-# --- certificates made at test time ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pki:
-    ca: bytes
-    server_cert: bytes
-    server_key: bytes
-    client_cert: bytes
-    client_key: bytes
-    other_ca: bytes  # a CA that signed nothing here
-    directory: Path
-
-    def path(self, name: str) -> Path:
-        return self.directory / f"{name}.pem"
-
-
-def _key():
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _pem_key(key) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
-def _cert(subject: str, key, issuer_name: str, issuer_key, *, ca: bool, san: bool = False, client: bool = False):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-               .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_name)]))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if san:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    if not ca:
-        usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
-        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-    from cryptography.hazmat.primitives import serialization
-
-    return builder.sign(issuer_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
-
-
-def make_pki(directory: Path) -> Pki:
-    ca_key, other_key, server_key, client_key = _key(), _key(), _key(), _key()
-    pki = Pki(ca=_cert("test-ca", ca_key, "test-ca", ca_key, ca=True),
-              server_cert=_cert("localhost", server_key, "test-ca", ca_key, ca=False, san=True),
-              server_key=_pem_key(server_key),
-              client_cert=_cert("test-client", client_key, "test-ca", ca_key, ca=False, client=True),
-              client_key=_pem_key(client_key),
-              other_ca=_cert("other-ca", other_key, "other-ca", other_key, ca=True), directory=directory)
-    for name in ("ca", "server_cert", "server_key", "client_cert", "client_key", "other_ca"):
-        pki.path(name).write_bytes(getattr(pki, name))
-    return pki
-
-
-# --- servers ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class FakeServer:
-    servicer: FakeGateway
-    address: str
-    server: grpc.Server
-
-
-def serve_fake(credentials: grpc.ServerCredentials | None = None) -> FakeServer:
-    servicer = FakeGateway()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
-    if credentials is None:
-        port = server.add_insecure_port("127.0.0.1:0")
-    else:
-        port = server.add_secure_port("127.0.0.1:0", credentials)
-    server.start()
-    return FakeServer(servicer, f"127.0.0.1:{port}", server)
-
-
-@pytest.fixture(scope="module")
-def fake_server() -> Iterator[FakeServer]:
-    srv = serve_fake()
-    yield srv
-    srv.server.stop(None)
-
-
-@pytest.fixture()
-def fake(fake_server: FakeServer) -> FakeServer:
-    fake_server.servicer.reset()
-    return fake_server
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")
 def mtls_server(pki: Pki) -> Iterator[FakeServer]:
-    creds = grpc.ssl_server_credentials([(pki.server_key, pki.server_cert)], root_certificates=pki.ca,
-                                        require_client_auth=True)
-    srv = serve_fake(creds)
-    yield srv
-    srv.server.stop(None)
+    with serve_fake(pki.server_credentials(mutual=True)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def tls_server(pki: Pki) -> Iterator[FakeServer]:
-    srv = serve_fake(grpc.ssl_server_credentials([(pki.server_key, pki.server_cert)]))
-    yield srv
-    srv.server.stop(None)
+    with serve_fake(pki.server_credentials(mutual=False)) as srv:
+        yield srv
 
 
 # --- the blocking client ---------------------------------------------------------------------------------------------
@@ -475,24 +249,25 @@ def test_leaving_the_stream_early_cancels_it(fake: FakeServer) -> None:
 
 
 def test_tls_with_the_right_ca(tls_server: FakeServer, pki: Pki) -> None:
-    with Client(tls_server.address, tls=TlsConfig(root_ca=pki.ca), api_key="k", retry=NO_RETRY) as client:
+    with Client(tls_server.address, tls=TlsConfig(root_ca=pki.ca.read_bytes()), api_key="k", retry=NO_RETRY) as client:
         assert client.status().active_requests == 4
     assert tls_server.servicer.calls[-1].metadata["authorization"] == "Bearer k"
 
 
 def test_tls_rejects_an_unknown_ca(tls_server: FakeServer, pki: Pki) -> None:
-    with Client(tls_server.address, tls=TlsConfig(root_ca=pki.other_ca), retry=NO_RETRY, timeout=10) as client:
+    tls = TlsConfig(root_ca=pki.other_ca.read_bytes())
+    with Client(tls_server.address, tls=tls, retry=NO_RETRY, timeout=10) as client:
         with pytest.raises(GlmImageError) as err:
             client.status()
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_mutual_tls_needs_the_client_certificate(mtls_server: FakeServer, pki: Pki) -> None:
-    tls = TlsConfig.from_files(pki.path("ca"), pki.path("client_cert"), pki.path("client_key"))
+    tls = TlsConfig.from_files(pki.ca, pki.client_cert, pki.client_key)
     with Client(mtls_server.address, tls=tls, retry=NO_RETRY) as client:
         result = client.generate("over mtls", n=2)
     assert len(result.images) == 2
-    with Client(mtls_server.address, tls=TlsConfig(root_ca=pki.ca), retry=NO_RETRY, timeout=10) as client:
+    with Client(mtls_server.address, tls=TlsConfig(root_ca=pki.ca.read_bytes()), retry=NO_RETRY, timeout=10) as client:
         with pytest.raises(GlmImageError) as err:
             client.status()
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
@@ -500,7 +275,7 @@ def test_mutual_tls_needs_the_client_certificate(mtls_server: FakeServer, pki: P
 
 def test_tls_config_needs_cert_and_key_together(pki: Pki) -> None:
     with pytest.raises(ValueError):
-        TlsConfig(root_ca=pki.ca, client_cert=pki.client_cert)
+        TlsConfig(root_ca=pki.ca.read_bytes(), client_cert=pki.client_cert.read_bytes())
 
 
 # --- the asyncio client ----------------------------------------------------------------------------------------------
@@ -537,7 +312,8 @@ async def test_async_stream(fake: FakeServer) -> None:
 
 
 async def test_async_tls(mtls_server: FakeServer, pki: Pki) -> None:
-    tls = TlsConfig(root_ca=pki.ca, client_cert=pki.client_cert, client_key=pki.client_key)
+    tls = TlsConfig(root_ca=pki.ca.read_bytes(), client_cert=pki.client_cert.read_bytes(),
+                    client_key=pki.client_key.read_bytes())
     async with AsyncClient(mtls_server.address, tls=tls, retry=NO_RETRY) as client:
         assert (await client.status()).pending_denoise_outputs == 3
 

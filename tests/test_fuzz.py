@@ -39,7 +39,7 @@ from glmimage.v1 import ar_service_pb2_grpc, common_pb2, denoiser_service_pb2_gr
 from glmimage.v1 import denoiser_service_pb2 as dn_pb
 from glmimage.v1 import gateway_service_pb2 as gw_pb
 from services.runtime.limits import round_up
-from tests.test_gateway_control import ADMIN, Gateway, running_gateway
+from tests.support.sim_gateway import ADMIN, Gateway, running_gateway
 
 # Examples hold 100k-character strings on purpose; hypothesis warns when it builds their repr.
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")

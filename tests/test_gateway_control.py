@@ -2,14 +2,13 @@
 
 The gateway is the real one (driver, scheduler, servicer on a real gRPC server); the AR and denoisers are the
 simulated servers of bench/sim_backends.py (real gRPC servers with health) so a test can hold a job at a known
-step (the gate) and look at the gateway meanwhile. Nothing sleeps a fixed time: tests wait on conditions.
+step (the gate) and look at the gateway meanwhile (tests/support/sim_gateway.py). Nothing sleeps a fixed time:
+tests wait on conditions.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -18,133 +17,43 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.sim_backends import SimAr, SimCosts, SimDenoiser, serve_sim_ar, serve_sim_denoiser
-from gateway.auth import api_keys_from, gateway_interceptor
+from bench.sim_backends import SimDenoiser, serve_sim_denoiser
+from gateway.auth import api_keys_from
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
-from gateway.membership import DnsMembership, join_host_port, parse_allow_rule, resolve, split_host_port
+from gateway.membership import DnsMembership, join_host_port, resolve, split_host_port
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import SchedulerConfig, WorkerRole
-from gateway.servicer import GatewayServicer
-from glmimage.v1 import denoiser_service_pb2_grpc, gateway_service_pb2_grpc
+from glmimage.v1 import denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
-from services.runtime.server import GrpcServer, start_server
-
-GATEWAY = "glmimage.v1.GatewayService"
-FAST = SimCosts(scale=0.001)  # AR ~20-33 ms, denoise ~12 ms
-AVAILABLE, BUSY = pb.WORKER_STATE_AVAILABLE, pb.WORKER_STATE_BUSY
-UNHEALTHY, DRAINING = pb.WORKER_STATE_UNHEALTHY, pb.WORKER_STATE_DRAINING
-ADMIN_KEY = "admin-key-for-tests"
-ADMIN = (("authorization", f"Bearer {ADMIN_KEY}"),)  # call metadata for the admin RPCs
-LOOPBACK = (parse_allow_rule("127.0.0.0/8"),)  # what AddWorker may add in these tests
-
-
-@dataclass
-class Cluster:
-    ar: GrpcServer
-    denoisers: list[GrpcServer]
-    gate: asyncio.Event  # jobs hold after their first step until it is set
-
-    def address(self, server: GrpcServer) -> str:
-        return f"127.0.0.1:{server.port}"
-
-    @property
-    def sims(self) -> list[SimDenoiser]:
-        return [d.servicer for d in self.denoisers]
-
-
-@dataclass
-class Gateway:
-    stub: gateway_service_pb2_grpc.GatewayServiceStub
-    driver: Driver
-    channel: grpc.aio.Channel
-    port: int
-
-    async def status(self) -> pb.GetStatusResponse:
-        return await self.stub.GetStatus(pb.GetStatusRequest())
-
-    async def workers(self) -> dict[str, pb.WorkerStatus]:
-        return {w.address: w for w in (await self.status()).workers}
-
-    async def until(self, predicate: Callable[[pb.GetStatusResponse], bool], timeout: float = 10.0
-                    ) -> pb.GetStatusResponse:
-        async with asyncio.timeout(timeout):
-            while not predicate(status := await self.status()):
-                await asyncio.sleep(0.005)
-        return status
-
-
-async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.005)
-
-
-@contextlib.asynccontextmanager
-async def sim_cluster() -> AsyncIterator[Cluster]:
-    """One simulated AR and three simulated denoisers, SERVING."""
-    gate = asyncio.Event()
-    gate.set()
-    ar = await serve_sim_ar(SimAr(FAST, cached_tokens=5))
-    denoisers = [await serve_sim_denoiser(SimDenoiser(FAST, gate=gate)) for _ in range(3)]
-    yield Cluster(ar, denoisers, gate)
-    gate.set()
-    for server in (ar, *denoisers):
-        await server.stop(None)
+from tests.support.sim_gateway import (
+    ADMIN,
+    AVAILABLE,
+    BUSY,
+    DRAINING,
+    FAST,
+    GATEWAY,
+    Gateway,
+    SimCluster,
+    request,
+    rpc_error,
+    running_gateway,
+    sim_cluster,
+    wait_for,
+)
 
 
 @pytest.fixture
-async def cluster() -> AsyncIterator[Cluster]:
+async def cluster() -> AsyncIterator[SimCluster]:
     async with sim_cluster() as c:
         yield c
 
 
-@contextlib.asynccontextmanager
-async def running_gateway(ar: list[str], denoisers: list[str], *, metrics: GatewayMetrics | None = None,
-                          api_keys: tuple[str, ...] = (), admin_keys: tuple[str, ...] = (ADMIN_KEY,),
-                          worker_allow: tuple = LOOPBACK, max_workers: int = 256,
-                          worker_metadata: tuple[tuple[str, str], ...] = (), wait_available: bool = True,
-                          **scheduler: object) -> AsyncIterator[Gateway]:
-    """The real gateway in-process, with the interceptor `python -m gateway` installs (gateway.auth)."""
-    config = GatewayConfig(ar_addresses=tuple(ar), denoiser_addresses=tuple(denoisers),
-                           scheduler=SchedulerConfig(ar_batch_delay=0.0, **scheduler),  # type: ignore[arg-type]
-                           request_timeout=30, api_keys=api_keys, admin_keys=admin_keys, worker_allow=worker_allow,
-                           max_workers=max_workers, worker_metadata=worker_metadata)
-    driver = Driver(config, metrics=metrics)
-    servicer = GatewayServicer(driver, config)
-    interceptors = [gateway_interceptor(api_keys, admin_keys)]
-    server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
-                                [GATEWAY], "127.0.0.1:0", interceptors=interceptors)
-    await driver.start()
-    await server.set_serving(True)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    gw = Gateway(gateway_service_pb2_grpc.GatewayServiceStub(channel), driver, channel, server.port)
-    if wait_available:  # the health watchers have seen every worker SERVING
-        n = len(ar) + len(denoisers)
-        await wait_for(lambda: sum(w.state.value == "AVAILABLE" for w in driver.snapshot().workers) == n)
-    try:
-        yield gw
-    finally:
-        await channel.close()
-        await server.stop(None)
-        await driver.close()
-
-
 @pytest.fixture
-async def gateway(cluster: Cluster) -> AsyncIterator[Gateway]:
+async def gateway(cluster: SimCluster) -> AsyncIterator[Gateway]:
     async with running_gateway([cluster.address(cluster.ar)], [cluster.address(d) for d in cluster.denoisers],
                                max_queued_outputs=8) as gw:
         yield gw
-
-
-def request(n: int = 1, **kw: object) -> pb.GenerateImagesRequest:
-    return pb.GenerateImagesRequest(prompt='a blue "OPEN" sign', n=n, height=64, width=64, seed=7, **kw)
-
-
-async def rpc_error(call: Awaitable[object]) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await call
-    return err.value
 
 
 # ---- streaming -----------------------------------------------------------------------------------------------
@@ -173,7 +82,7 @@ async def test_stream_relays_progress_and_previews_per_image_then_completes(gate
 
 
 async def test_stream_progress_never_goes_back_when_a_job_is_retried_elsewhere(gateway: Gateway,
-                                                                                cluster: Cluster) -> None:
+                                                                                cluster: SimCluster) -> None:
     cluster.gate.clear()
     call = gateway.stub.GenerateImagesStream(pb.GenerateImagesStreamRequest(
         request=request(num_inference_steps=4), partial_images=1))
@@ -197,7 +106,7 @@ class UnaryOnlyDenoiser(SimDenoiser):
     DenoiseStream = denoiser_service_pb2_grpc.DenoiserServiceServicer.DenoiseStream
 
 
-async def test_stream_falls_back_to_unary_on_a_denoiser_without_the_streaming_rpc(cluster: Cluster) -> None:
+async def test_stream_falls_back_to_unary_on_a_denoiser_without_the_streaming_rpc(cluster: SimCluster) -> None:
     old = await serve_sim_denoiser(UnaryOnlyDenoiser(FAST))
     try:
         async with running_gateway([cluster.address(cluster.ar)], [cluster.address(old)]) as gw:
@@ -212,7 +121,7 @@ async def test_stream_falls_back_to_unary_on_a_denoiser_without_the_streaming_rp
 
 
 async def test_request_ids_that_collide_with_renamed_duplicates_all_complete(gateway: Gateway,
-                                                                              cluster: Cluster) -> None:
+                                                                              cluster: SimCluster) -> None:
     cluster.gate.clear()  # all three stay in flight together
     calls = []
     for k, (seed, rid) in enumerate(((1, "abc.1"), (2, "abc"), (3, "abc")), 1):  # the third must not be "abc.1"
@@ -234,7 +143,7 @@ async def test_stream_validates_partial_images(gateway: Gateway) -> None:
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt:")
 
 
-async def test_stream_client_going_away_cancels_the_job(gateway: Gateway, cluster: Cluster) -> None:
+async def test_stream_client_going_away_cancels_the_job(gateway: Gateway, cluster: SimCluster) -> None:
     cluster.gate.clear()
     call = gateway.stub.GenerateImagesStream(pb.GenerateImagesStreamRequest(request=request(num_inference_steps=4)))
     first = await call.read()
@@ -256,7 +165,7 @@ async def test_stream_of_a_failed_request_ends_with_its_status(gateway: Gateway)
 # ---- status and membership -----------------------------------------------------------------------------------
 
 
-async def test_status_shows_each_worker_state_and_job_and_removal_drains(gateway: Gateway, cluster: Cluster) -> None:
+async def test_status_shows_each_worker_state_and_job_and_removal_drains(gateway: Gateway, cluster: SimCluster) -> None:
     cluster.gate.clear()
     d0, d1, d2 = (cluster.address(d) for d in cluster.denoisers)
     first = asyncio.ensure_future(gateway.stub.GenerateImages(request(n=2), metadata=(("x-request-id", "job-a"),)))
@@ -287,7 +196,7 @@ async def test_status_shows_each_worker_state_and_job_and_removal_drains(gateway
     assert len(cluster.sims[[d0, d1, d2].index(held)].jobs) == jobs_before
 
 
-async def test_admin_add_worker_gets_work(cluster: Cluster) -> None:
+async def test_admin_add_worker_gets_work(cluster: SimCluster) -> None:
     ar, (d0, d1, _) = cluster.address(cluster.ar), [cluster.address(d) for d in cluster.denoisers]
     async with running_gateway([ar], [d0]) as gw:
         await gw.stub.AddWorker(pb.AddWorkerRequest(address=d1, role=pb.WORKER_ROLE_DENOISER), metadata=ADMIN)
@@ -318,7 +227,7 @@ async def test_admin_rpcs_validate(gateway: Gateway, rpc: str, message: object, 
     assert err.code() == getattr(grpc.StatusCode, code) and err.details().startswith(f"{field}:")
 
 
-async def test_admin_add_refuses_a_second_role_for_an_address(gateway: Gateway, cluster: Cluster) -> None:
+async def test_admin_add_refuses_a_second_role_for_an_address(gateway: Gateway, cluster: SimCluster) -> None:
     err = await rpc_error(gateway.stub.AddWorker(pb.AddWorkerRequest(address=cluster.address(cluster.denoisers[0]),
                                                                      role=pb.WORKER_ROLE_AR), metadata=ADMIN))
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS
@@ -341,7 +250,7 @@ def test_split_host_port_rejects(target: str) -> None:
         split_host_port(target)
 
 
-async def test_dns_membership_adds_drains_and_survives_lookup_failures(cluster: Cluster) -> None:
+async def test_dns_membership_adds_drains_and_survives_lookup_failures(cluster: SimCluster) -> None:
     """A headless Service, with the resolver injected: records appear, vanish (drain), and lookups fail."""
     ar = cluster.address(cluster.ar)
     d0, d1, d2 = (cluster.address(d) for d in cluster.denoisers)
@@ -373,7 +282,7 @@ async def test_dns_membership_adds_drains_and_survives_lookup_failures(cluster: 
         assert {w.address for w in status.workers} == {ar, d1, d2}
 
 
-async def test_dns_membership_resolves_localhost(cluster: Cluster) -> None:
+async def test_dns_membership_resolves_localhost(cluster: SimCluster) -> None:
     port = cluster.denoisers[0].port
     assert f"127.0.0.1:{port}" in await resolve("localhost", port)
     async with running_gateway([cluster.address(cluster.ar)], []) as gw:
@@ -394,7 +303,7 @@ def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str]
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-async def test_metrics_follow_queues_workers_and_outcomes(cluster: Cluster) -> None:
+async def test_metrics_follow_queues_workers_and_outcomes(cluster: SimCluster) -> None:
     registry = CollectorRegistry()
     ar, dns = cluster.address(cluster.ar), [cluster.address(d) for d in cluster.denoisers]
     async with running_gateway([ar], dns, metrics=GatewayMetrics(registry), max_queued_outputs=6) as gw:
@@ -452,7 +361,7 @@ def test_api_keys_from_flags_and_env() -> None:
     assert api_keys_from([], {}) == ()
 
 
-async def test_api_keys_guard_gateway_service_but_not_health_or_reflection(cluster: Cluster) -> None:
+async def test_api_keys_guard_gateway_service_but_not_health_or_reflection(cluster: SimCluster) -> None:
     ar, dns = cluster.address(cluster.ar), [cluster.address(cluster.denoisers[0])]
     async with running_gateway([ar], dns, api_keys=("k-one", "k-two")) as gw:
         calls = {
@@ -478,7 +387,7 @@ async def test_api_keys_guard_gateway_service_but_not_health_or_reflection(clust
         assert GATEWAY in listed
 
 
-async def test_a_denoise_task_cancelled_before_it_ran_frees_its_worker(cluster: Cluster) -> None:
+async def test_a_denoise_task_cancelled_before_it_ran_frees_its_worker(cluster: SimCluster) -> None:
     """A CancelDenoise can land before the dispatched RPC task has run at all (cancel in the same loop turn)."""
     from gateway import scheduler as sch
 

@@ -20,6 +20,8 @@ import grpc
 import pytest
 import yaml
 
+from tests.support.certs import Pki
+
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "k8s" / "glmimage"
 KUBE_VERSION = "1.37.0"
@@ -357,28 +359,23 @@ def test_rendered_args_are_accepted_by_the_servers(values_name: str, request) ->
     assert seen == set(parsers)
 
 
-def test_tls_probe_script_checks_health_over_mutual_tls(tls_docs: list[dict], tmp_path: Path) -> None:
+def test_tls_probe_script_checks_health_over_mutual_tls(tls_docs: list[dict], pki: Pki, tmp_path: Path) -> None:
     """With TLS the probes exec a script (kubelet's gRPC probe is plaintext only): run it against a real mTLS server."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    from tests.test_client import make_pki
 
     probe = container(tls_docs, "denoiser", "denoiser")["readinessProbe"]
     assert "grpc" not in probe
     command = probe["exec"]["command"]
     assert command[:2] == ["python", "-c"]
-    pki = make_pki(tmp_path)
     tls_dir = tmp_path / "tls"
     tls_dir.mkdir()
     for name, pem in {"tls.crt": pki.client_cert, "tls.key": pki.client_key, "ca.crt": pki.ca}.items():
-        (tls_dir / name).write_bytes(pem)
+        (tls_dir / name).write_bytes(pem.read_bytes())
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    creds = grpc.ssl_server_credentials([(pki.server_key, pki.server_cert)], root_certificates=pki.ca,
-                                        require_client_auth=True)
-    port = server.add_secure_port("127.0.0.1:0", creds)
+    port = server.add_secure_port("127.0.0.1:0", pki.server_credentials(mutual=True))
     server.start()
     try:
         script = command[2].replace("/etc/glmimage/tls/", f"{tls_dir}/").replace("localhost:50061", f"localhost:{port}")

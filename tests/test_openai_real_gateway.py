@@ -19,7 +19,8 @@ import pytest_asyncio
 
 from bench.zero_cost_backends import Backends, prompt_tokens, start_backends
 from gateway.rest.app import RestSettings, create_app
-from tests.test_rest import Pki, make_pki
+from tests.support.certs import Pki
+from tests.support.cluster import reap
 
 pytestmark = pytest.mark.e2e
 
@@ -36,11 +37,6 @@ async def backends() -> AsyncIterator[Backends]:
         yield servers
     finally:
         await servers.stop()
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 async def _wait_for_port(path: Path, proc: subprocess.Popen, timeout: float) -> str:
@@ -68,11 +64,7 @@ async def gateway_process(backends: Backends, work: Path, *flags: str) -> AsyncI
         yield f"127.0.0.1:{await _wait_for_port(port_file, proc, STARTUP_TIMEOUT_S)}"
     finally:
         proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        reap(proc, 10)
 
 
 @pytest_asyncio.fixture(scope="module")

@@ -15,11 +15,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support.cluster import SERVICES, reap, wait_serving
 from tests.support.net import free_port
 
 pytestmark = pytest.mark.e2e
@@ -33,21 +32,6 @@ class Server:
     proc: subprocess.Popen
     port: int
     metrics_url: str
-
-
-def wait_serving(address: str, service: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Block on grpc.health.v1 Watch (wait_for_ready: no polling) until SERVING."""
-    with grpc.insecure_channel(address) as channel:
-        stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service),
-                                                           timeout=timeout, wait_for_ready=True)
-        try:
-            for reply in stream:
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-        except grpc.RpcError as exc:
-            pytest.fail(f"{service} on {address} never became SERVING ({exc.code().name}; exit {proc.poll()})")
-        finally:
-            stream.cancel()
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -81,14 +65,14 @@ def servers(tiny_checkpoint: Path) -> Iterator[dict[str, Server]]:
             port, mport = free_port(), free_port()
             proc = spawn(module, "--port", str(port), "--metrics-port", str(mport), *model_flags)
             out[name] = Server(name, proc, port, f"http://127.0.0.1:{mport}/metrics")
-        for name, service in [("ar", "glmimage.v1.ArService"), ("denoiser", "glmimage.v1.DenoiserService")]:
-            wait_serving(f"127.0.0.1:{out[name].port}", service, out[name].proc, STARTUP_TIMEOUT)
+        for name in ("ar", "denoiser"):
+            wait_serving(f"127.0.0.1:{out[name].port}", SERVICES[name], STARTUP_TIMEOUT)
 
         port, mport = free_port(), free_port()
         proc = spawn("gateway", "--port", str(port), "--metrics-port", str(mport), "--log-level", "WARNING",
                      "--ar", f"127.0.0.1:{out['ar'].port}", "--denoiser", f"127.0.0.1:{out['denoiser'].port}")
         out["gateway"] = Server("gateway", proc, port, f"http://127.0.0.1:{mport}/metrics")
-        wait_serving(f"127.0.0.1:{port}", "glmimage.v1.GatewayService", proc, 60)
+        wait_serving(f"127.0.0.1:{port}", SERVICES["gateway"], 60)
 
         rport = free_port()
         proc = spawn("gateway.rest", "--port", str(rport), "--gateway-address", f"127.0.0.1:{port}",
@@ -109,11 +93,7 @@ def servers(tiny_checkpoint: Path) -> Iterator[dict[str, Server]]:
             if proc.poll() is None:
                 proc.terminate()
         for proc in started:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            reap(proc, 60)
 
 
 @pytest.fixture(scope="module")

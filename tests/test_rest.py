@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import datetime
 import io
-import ipaddress
 import json
 import re
 import socket
@@ -21,10 +19,6 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from fastapi import FastAPI
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given
@@ -45,6 +39,7 @@ from glmimage.v1 import gateway_service_pb2 as gw
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
 from services.runtime.errors import InvalidArgument, ServiceError
 from services.runtime.server import OWN_ERROR_KEY, rich_status
+from tests.support.certs import Pki
 
 try:
     import schemathesis
@@ -1099,64 +1094,6 @@ async def test_same_key_on_rest_and_gateway_with_the_sdk(backend: Backend) -> No
 # --- TLS to the gateway -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-    other_ca: Path  # a CA that signed nothing here: the gateway's certificate must not verify with it
-
-
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
-def _issue(
-    name: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None, *, server: bool = False
-) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A self-signed CA when issuer is None, else a leaf signed by issuer (server or client usage)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder().subject_name(subject).public_key(key.public_key())
-               .serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=1)))
-    if issuer is None:
-        builder = builder.issuer_name(subject).add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        return builder.sign(key, hashes.SHA256()), key
-    issuer_cert, issuer_key = issuer
-    builder = builder.issuer_name(issuer_cert.subject).add_extension(
-        x509.BasicConstraints(ca=False, path_length=None), True)
-    usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-    builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), False)
-    if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-    return builder.sign(issuer_key, hashes.SHA256()), key
-
-
-def make_pki(directory: Path) -> Pki:
-    ca = _issue("test CA", None)
-    server = _issue("gateway", ca, server=True)
-    client = _issue("rest", ca)
-    other = _issue("other CA", None)
-    files = {
-        "ca": ca[0].public_bytes(serialization.Encoding.PEM),
-        "server_cert": server[0].public_bytes(serialization.Encoding.PEM),
-        "server_key": _pem_key(server[1]),
-        "client_cert": client[0].public_bytes(serialization.Encoding.PEM),
-        "client_key": _pem_key(client[1]),
-        "other_ca": other[0].public_bytes(serialization.Encoding.PEM),
-    }
-    for name, data in files.items():
-        (directory / f"{name}.pem").write_bytes(data)
-    return Pki(**{name: directory / f"{name}.pem" for name in files})
-
-
 @dataclass
 class TlsBackend:
     address: str
@@ -1164,16 +1101,12 @@ class TlsBackend:
 
 
 @pytest_asyncio.fixture(scope="module")
-async def tls_backend(backend: Backend, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TlsBackend]:
+async def tls_backend(backend: Backend, pki: Pki) -> AsyncIterator[TlsBackend]:
     """The same fake gateway servicer on a second port that demands mutual TLS."""
-    pki = make_pki(tmp_path_factory.mktemp("pki"))
     server = grpc.aio.server()
     gw_grpc.add_GatewayServiceServicer_to_server(backend.servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(backend.health, server)
-    credentials = grpc.ssl_server_credentials(
-        [(pki.server_key.read_bytes(), pki.server_cert.read_bytes())],
-        root_certificates=pki.ca.read_bytes(), require_client_auth=True)
-    port = server.add_secure_port("127.0.0.1:0", credentials)
+    port = server.add_secure_port("127.0.0.1:0", pki.server_credentials(mutual=True))
     await server.start()
     try:
         yield TlsBackend(f"127.0.0.1:{port}", pki)

@@ -15,11 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.cluster import SERVICES, wait_serving
+from tests.support.cluster import MODULES, SERVICES, reap, wait_serving
 
 pytestmark = pytest.mark.e2e
 
-MODULES = {"ar": "services.ar", "denoiser": "services.denoiser", "gateway": "gateway", "rest": "gateway.rest"}
 DEAD = "127.0.0.1:1"  # nothing listens there: the gateway and the REST front start without their upstreams
 FLAGS = {"ar": ["--torch-threads", "1", "--device", "cpu"], "denoiser": ["--torch-threads", "1", "--device", "cpu"],
          "gateway": ["--ar", DEAD], "rest": ["--gateway-address", DEAD]}
@@ -91,11 +90,7 @@ def _check(runs: list[_Run]) -> None:
     for run in runs:  # all started at once: each gets its signal when it reaches its phase
         _ready(run)
         run.popen.send_signal(run.sig)
-        try:
-            run.popen.wait(60)
-        except subprocess.TimeoutExpired:
-            run.popen.kill()
-            run.popen.wait()
+        reap(run.popen, 60)
     problems = []
     for run in runs:
         out = run.output()

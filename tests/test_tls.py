@@ -1,26 +1,21 @@
-"""TLS on every gRPC hop, with mutual TLS: a real AR, denoiser (tiny model) and gateway, certificates made here."""
+"""TLS on every gRPC hop, with mutual TLS: a real AR, denoiser (tiny model) and gateway, certificates made at test
+time (tests/support/certs.py)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import ipaddress
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.scheduler import SchedulerConfig
 from gateway.servicer import GatewayServicer
-from glmimage.v1 import ar_service_pb2_grpc, denoiser_service_pb2_grpc, gateway_service_pb2, gateway_service_pb2_grpc
+from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
+from services.runtime.executor import SerialExecutor
 from services.runtime.server import common_server_args, start_server
 from services.runtime.tls import (
     ClientTls,
@@ -30,82 +25,16 @@ from services.runtime.tls import (
     make_channel,
     server_tls_from_args,
 )
-
-
-@dataclass(frozen=True)
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-    rogue_cert: Path  # a client certificate from another CA
-    rogue_key: Path
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _issue(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, issuer_key: ec.EllipticCurvePrivateKey,
-           *, ca: bool = False, server: bool = False) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    if not ca:
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _write(path: Path, cert: x509.Certificate | None = None, key: ec.EllipticCurvePrivateKey | None = None) -> Path:
-    if cert is not None:
-        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    else:
-        assert key is not None
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return path
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    d = tmp_path_factory.mktemp("pki")
-    ca_key, rogue_ca_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = _issue("glmimage test CA", ca_key, _name("glmimage test CA"), ca_key, ca=True)
-    server_key, client_key, rogue_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
-    return Pki(
-        ca=_write(d / "ca.pem", ca),
-        server_cert=_write(d / "server.pem", _issue("server", server_key, ca.subject, ca_key, server=True)),
-        server_key=_write(d / "server.key", key=server_key),
-        client_cert=_write(d / "client.pem", _issue("gateway", client_key, ca.subject, ca_key)),
-        client_key=_write(d / "client.key", key=client_key),
-        rogue_cert=_write(d / "rogue.pem", _issue("rogue", rogue_key, _name("rogue CA"), rogue_ca_key)),
-        rogue_key=_write(d / "rogue.key", key=rogue_key))
+from tests.support.certs import Pki
+from tests.support.servers import serve_ar, serve_denoiser
 
 
 @pytest.fixture
 async def mtls_gateway(pki: Pki, ar_engine, denoise_engine, denoiser_server) -> AsyncIterator[int]:
-    from services.ar.servicer import ArServicer
-    from services.denoiser.servicer import DenoiserServicer
-    from services.runtime.executor import SerialExecutor
-
     server_tls = ServerTls(cert=pki.server_cert, key=pki.server_key, client_ca=pki.ca)
-    ar_servicer = ArServicer(ar_engine, SerialExecutor("tls-ar"))
+    ar = await serve_ar(ar_engine, SerialExecutor("tls-ar"), tls=server_tls)
     # The session denoiser's executor: one engine must never run two jobs at once.
-    dn_servicer = DenoiserServicer(denoise_engine, denoiser_server.servicer.executor)
-    ar = await start_server(lambda s: ar_service_pb2_grpc.add_ArServiceServicer_to_server(ar_servicer, s),
-                            ["glmimage.v1.ArService"], "127.0.0.1:0", tls=server_tls)
-    dn = await start_server(
-        lambda s: denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server(dn_servicer, s),
-        ["glmimage.v1.DenoiserService"], "127.0.0.1:0", tls=server_tls)
-    for server in (ar, dn):
-        await server.set_serving(True)
+    dn = await serve_denoiser(denoise_engine, denoiser_server.servicer.executor, tls=server_tls)
     config = GatewayConfig(ar_addresses=(f"127.0.0.1:{ar.port}",), denoiser_addresses=(f"127.0.0.1:{dn.port}",),
                            scheduler=SchedulerConfig(ar_batch_delay=0.0), request_timeout=60,
                            client_tls=ClientTls(ca=pki.ca, cert=pki.client_cert, key=pki.client_key))
@@ -143,13 +72,8 @@ async def test_mutual_tls_end_to_end_and_refusals(pki: Pki, mtls_gateway: int) -
 async def test_one_denoiser_on_tls_beside_plaintext_ones(pki: Pki, ar_server, denoiser_server, denoise_engine,
                                                          second_denoiser_server) -> None:
     """A pool moving to TLS one worker at a time: the gateway dials each upstream as its address says."""
-    from services.denoiser.servicer import DenoiserServicer
-
-    servicer = DenoiserServicer(denoise_engine, denoiser_server.servicer.executor)
-    tls_dn = await start_server(
-        lambda s: denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server(servicer, s),
-        ["glmimage.v1.DenoiserService"], "127.0.0.1:0", tls=ServerTls(pki.server_cert, pki.server_key, pki.ca))
-    await tls_dn.set_serving(True)
+    tls_dn = await serve_denoiser(denoise_engine, denoiser_server.servicer.executor,
+                                  tls=ServerTls(pki.server_cert, pki.server_key, pki.ca))
     tls_address = f"tls://127.0.0.1:{tls_dn.port}"
     config = GatewayConfig(ar_addresses=(f"127.0.0.1:{ar_server.port}",),
                            denoiser_addresses=(tls_address, f"127.0.0.1:{second_denoiser_server.port}"),
@@ -174,7 +98,7 @@ async def test_one_denoiser_on_tls_beside_plaintext_ones(pki: Pki, ar_server, de
             resp = await stub.GenerateImages(gateway_service_pb2.GenerateImagesRequest(
                 prompt='a "TLS" sign', n=2, height=64, width=64, seed=3), timeout=60)
             assert len(resp.images) == 2
-            assert servicer.last_job is not None  # the TLS denoiser ran one of the two
+            assert tls_dn.servicer.last_job is not None  # the TLS denoiser ran one of the two
     finally:
         for server in (gw, tls_dn):
             await server.stop(None)

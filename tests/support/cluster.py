@@ -136,11 +136,16 @@ class Cluster:
                 proc.popen.terminate()
         for proc in self.procs.values():
             if proc.popen:
-                try:
-                    proc.popen.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.popen.kill()
-                    proc.popen.wait()
+                reap(proc.popen, 30)
+
+
+def reap(popen: subprocess.Popen, timeout: float) -> int:
+    """Wait for a process told to stop; kill it if it is not gone within `timeout`. Its exit code."""
+    try:
+        return popen.wait(timeout)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        return popen.wait()
 
 
 def wait_serving(address: str, service: str, timeout: float = 120) -> None:
@@ -187,8 +192,4 @@ def running_stack(run_dir: Path, denoisers: int = 2, extra_args: tuple[str, ...]
     finally:
         if proc.poll() is None:
             proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            reap(proc, 60)
