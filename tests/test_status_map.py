@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from gateway.downstream import client_message
 from gateway.rest.errors import from_rpc_error
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
@@ -71,3 +72,9 @@ async def test_a_domain_error_keeps_its_meaning_over_every_hop(raising_stub, kin
     assert (api.status, api.type, api.code) == (*HTTP[err.code()], err.code().name.lower())
     # Our server composed the text (and marked it so): REST shows it as is.
     assert api.message == f"{kind.name.lower()} happened"
+    # The gateway relaying it from a worker: a refusal keeps the worker's text, anything else is told in its words.
+    told = client_message("denoiser", err)
+    if kind is ErrorKind.INVALID_ARGUMENT:
+        assert told == api.message
+    else:
+        assert told.startswith("the denoiser ") and "happened" not in told
