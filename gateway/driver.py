@@ -15,7 +15,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -57,6 +57,7 @@ class _Pending:
     future: asyncio.Future[Outcome]
     stream: StreamOptions | None
     timing: Timing
+    expired: bool = False  # cancelled because its deadline passed: it ends as a deadline, not as cancelled
 
 
 class Driver:
@@ -164,8 +165,9 @@ class Driver:
 
     async def generate(self, request_id: str, request: gateway_service_pb2.GenerateImagesRequest,
                        height: int, width: int, n: int, timeout: float,
-                       stream: StreamOptions | None = None) -> Outcome:
-        """Admit a request and wait for it. Cancelling the awaiting task cancels the request downstream."""
+                       stream: StreamOptions | None = None, expired: Callable[[], bool] | None = None) -> Outcome:
+        """Admit a request and wait for it. Cancelling the awaiting task cancels the request downstream; when
+        ``expired()`` says the cancel came from the caller's deadline, the request ends as a deadline."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         pending = _Pending(request=request, height=height, width=width, n=n, future=loop.create_future(),
@@ -182,7 +184,9 @@ class Driver:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
             if not pending.future.done():
-                self._feed(sch.RequestCancelled(now=time.monotonic(), request_id=request_id))
+                pending.expired = expired is not None and expired()
+                message = "deadline exceeded" if pending.expired else "cancelled by client"
+                self._feed(sch.RequestCancelled(now=time.monotonic(), request_id=request_id, message=message))
             if pending.future.done() and not pending.future.cancelled():
                 pending.future.exception()  # the caller is gone: mark the "cancelled" failure as seen
             raise
@@ -255,10 +259,12 @@ class Driver:
                     pending.future.set_result(Outcome(images=action.results, priors=action.ar_outputs))
             case sch.FailRequest():
                 pending = self._pending.get(action.request_id)
-                self.observe.failed(action.code)
+                # A call its deadline cancelled ends as a deadline, as its client sees it, not as "cancelled".
+                kind = sch.ErrorKind.DEADLINE_EXCEEDED if pending and pending.expired else action.code
+                self.observe.failed(kind)
                 if pending and not pending.future.done():
-                    pending.future.set_exception(RequestFailed(action.code, action.message, action.field))
-                log.info("request %s failed: %s: %s", action.request_id, action.code.name, action.message)
+                    pending.future.set_exception(RequestFailed(kind, action.message, action.field))
+                log.info("request %s failed: %s: %s", action.request_id, kind.name, action.message)
             case _:
                 raise TypeError(f"unknown scheduler action {action!r}")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import astuple
 
 import grpc
@@ -22,6 +22,8 @@ from services.runtime.errors import InvalidArgument, error_for
 from services.runtime.logs import request_id_var
 
 log = logging.getLogger(__name__)
+
+DEADLINE_SLACK_S = 0.1
 
 STATE_TO_PROTO = {
     sch.WorkerState.AVAILABLE: gateway_service_pb2.WORKER_STATE_AVAILABLE,
@@ -74,6 +76,14 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         remaining = context.time_remaining()
         return self.config.request_timeout if remaining is None else min(self.config.request_timeout, remaining)
 
+    @staticmethod
+    def _expired(context: grpc.aio.ServicerContext) -> Callable[[], bool]:
+        """Whether a cancelled call was ended by its deadline: its client reads DEADLINE_EXCEEDED, and so should
+        the gateway's outcome. gRPC tells the server only that the call was cancelled, and the client's deadline
+        passes a little before the server's copy of it (counted from the call's arrival): a cancel within
+        DEADLINE_SLACK_S of the deadline is the deadline."""
+        return lambda: (remaining := context.time_remaining()) is not None and remaining <= DEADLINE_SLACK_S
+
     def _response(self, outcome: Outcome, height: int, width: int) -> gateway_service_pb2.GenerateImagesResponse:
         images = [gateway_service_pb2.GeneratedImage(index=i, image=img.image, seed=prior.seed, usage=prior.usage)
                   for i, (img, prior) in enumerate(zip(outcome.images, outcome.priors, strict=True))]
@@ -86,7 +96,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         n, height, width = astuple(check_generate(request, self.config))
         try:
             outcome = await self.driver.generate(request_id_var.get(), request, height, width, n,
-                                                 self._timeout(context))
+                                                 self._timeout(context), expired=self._expired(context))
         except RequestFailed as exc:
             raise error_for(exc.code, exc.message, exc.field) from None
         except asyncio.CancelledError:
@@ -125,7 +135,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
         task = asyncio.ensure_future(self.driver.generate(
             request_id_var.get(), request.request, height, width, n, self._timeout(context),
-            stream=StreamOptions(partial_images=request.partial_images, relay=relay)))
+            stream=StreamOptions(partial_images=request.partial_images, relay=relay), expired=self._expired(context)))
         task.add_done_callback(lambda _: events.put_nowait(done))
         # A client that goes away while this generator is parked at a yield does not cancel the generator's
         # frame, so the call's own end cancels the request too.
