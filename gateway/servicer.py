@@ -199,6 +199,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         except ValueError:
             canonical = address
         if not self.driver.remove_worker(address) and not self.driver.remove_worker(canonical):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"address: {address} is not a worker of this gateway")
+            # Echoed bounded: a status message travels in a header, and gRPC refuses ones past 16 KiB.
+            shown = address if len(address) <= 300 else f"{address[:300]}... ({len(address)} characters)"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"address: {shown} is not a worker of this gateway")
         log.info("admin: removed worker %s (draining)", address)
         return gateway_service_pb2.RemoveWorkerResponse()
