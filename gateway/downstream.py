@@ -110,7 +110,7 @@ def ar_batch(action: sch.DispatchArBatch, rids: Sequence[str],
 
 def denoise_request(action: sch.DispatchDenoise, p: gateway_service_pb2.GenerateImagesRequest, height: int,
                     width: int) -> denoiser_service_pb2.DenoiseRequest:
-    """One output's denoise job, at the size the client asked for (the denoiser crops to it)."""
+    """One output's denoise job, at the size the client asked for."""
     prior: ar_service_pb2.PriorOutput = action.ar_output
     return denoiser_service_pb2.DenoiseRequest(
         prompt=p.prompt, prior_tokens=prior.tokens, height=height, width=width,
