@@ -140,9 +140,14 @@ class Downstream:
             self.sideline(worker, failed.sideline, err.code())
         return failed
 
-    async def ar_batch(self, worker: Worker, action: sch.DispatchArBatch,
+    async def ar_batch(self, worker: Worker | None, action: sch.DispatchArBatch,
                        members: Sequence[tuple[str, gateway_service_pb2.GenerateImagesRequest, Timing]]) -> sch.Event:
         """Run the batch for ``members`` (request id, request, its timing), the requests still waiting for it."""
+        if worker is None:
+            return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id,
+                                     message="the AR server went away")
+        if not members:  # nobody is waiting for this batch any more: do not make the AR run it
+            return sch.ArBatchSucceeded(now=time.monotonic(), batch_id=action.batch_id, outputs={})
         rids = [rid for rid, _, _ in members]
         batch = ar_batch(action, rids, [request for _, request, _ in members])
         timeout = self.ar_timeouts.timeout(action.height, action.width)

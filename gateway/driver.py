@@ -275,15 +275,9 @@ class Driver:
     # reaches the scheduler, and the slot is freed: a call that died silently once wedged the AR for good.
 
     async def _run_ar_batch(self, action: sch.DispatchArBatch) -> sch.Event:
-        worker = self._workers.get(action.worker)
         # A request cancelled since dispatch is left out; the scheduler drops it when the batch returns anyway.
         members = [(rid, p.request, p.timing) for rid in action.request_ids if (p := self._pending.get(rid))]
-        if worker is None:
-            return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id,
-                                     message="the AR server went away")
-        if not members:  # nobody is waiting for this batch any more: do not make the AR run it
-            return sch.ArBatchSucceeded(now=time.monotonic(), batch_id=action.batch_id, outputs={})
-        return await self.downstream.ar_batch(worker, action, members)
+        return await self.downstream.ar_batch(self._workers.get(action.worker), action, members)
 
     def _ar_task_done(self, action: sch.DispatchArBatch, task: asyncio.Task) -> None:
         if self._ar_calls.get(action.batch_id) is task:
@@ -322,8 +316,7 @@ class Driver:
                                            message="internal error in the gateway", code=sch.ErrorKind.INTERNAL))
 
     def _call_ended(self, task: asyncio.Task, what: str, cancelled: sch.Event | None, crashed: sch.Event) -> None:
-        """Feed the event ending a call's task: its result, else ``cancelled`` or ``crashed`` for a task that
-        was cancelled (None: nothing to report) or raised."""
+        """Feed the event ending a call's task: its result, ``cancelled`` (None: none) or ``crashed`` (it raised)."""
         if task.cancelled():
             event = cancelled
         elif (exc := task.exception()) is not None:
