@@ -1,9 +1,10 @@
 """Prometheus metrics of the gateway.
 
-Histograms and outcome counters are observed by the driver on the event-loop thread (prometheus-client objects
-are thread-safe). Queue depths, worker states and the scheduler's own counters are read at scrape time from a
-state the driver publishes after every event: the scrape runs on the HTTP server's thread and must never walk
-the scheduler's live dicts. The HPA scales denoisers on ``glmimage_gateway_queue_outputs{stage="denoise"}``.
+Histograms and outcome counters are observed by the driver (through gateway.observe) on the event-loop thread
+(prometheus-client objects are thread-safe). Queue depths, worker states and the scheduler's own counters are read
+at scrape time from a state the driver publishes after every event: the scrape runs on the HTTP server's thread and
+must never walk the scheduler's live dicts. The HPA scales denoisers on
+``glmimage_gateway_queue_outputs{stage="denoise"}``.
 """
 from __future__ import annotations
 

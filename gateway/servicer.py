@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import astuple
 
 import grpc
@@ -23,6 +23,8 @@ from services.runtime.limits import Limits
 from services.runtime.logs import request_id_var
 
 log = logging.getLogger(__name__)
+
+DEADLINE_SLACK_S = 0.1
 
 STATE_TO_PROTO = {
     sch.WorkerState.AVAILABLE: gateway_service_pb2.WORKER_STATE_AVAILABLE,
@@ -75,6 +77,14 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         remaining = context.time_remaining()
         return self.config.request_timeout if remaining is None else min(self.config.request_timeout, remaining)
 
+    @staticmethod
+    def _expired(context: grpc.aio.ServicerContext) -> Callable[[], bool]:
+        """Whether a cancelled call was ended by its deadline: its client reads DEADLINE_EXCEEDED, and so should
+        the gateway's outcome. gRPC tells the server only that the call was cancelled, and the client's deadline
+        passes a little before the server's copy of it (counted from the call's arrival): a cancel within
+        DEADLINE_SLACK_S of the deadline is the deadline."""
+        return lambda: (remaining := context.time_remaining()) is not None and remaining <= DEADLINE_SLACK_S
+
     def _response(self, outcome: Outcome, height: int, width: int) -> gateway_service_pb2.GenerateImagesResponse:
         images = [gateway_service_pb2.GeneratedImage(index=i, image=img.image, seed=prior.seed, usage=prior.usage)
                   for i, (img, prior) in enumerate(zip(outcome.images, outcome.priors, strict=True))]
@@ -87,7 +97,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         n, height, width = astuple(self._check(request, self.driver.limits()))
         try:
             outcome = await self.driver.generate(request_id_var.get(), request, height, width, n,
-                                                 self._timeout(context))
+                                                 self._timeout(context), expired=self._expired(context))
         except RequestFailed as exc:
             raise error_for(exc.code, exc.message, exc.field) from None
         except asyncio.CancelledError:
@@ -127,7 +137,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
         task = asyncio.ensure_future(self.driver.generate(
             request_id_var.get(), request.request, height, width, n, self._timeout(context),
-            stream=StreamOptions(partial_images=request.partial_images, relay=relay)))
+            stream=StreamOptions(partial_images=request.partial_images, relay=relay), expired=self._expired(context)))
         task.add_done_callback(lambda _: events.put_nowait(done))
         # A client that goes away while this generator is parked at a yield does not cancel the generator's
         # frame, so the call's own end cancels the request too.
@@ -198,6 +208,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         except ValueError:
             canonical = address
         if not self.driver.remove_worker(address) and not self.driver.remove_worker(canonical):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"address: {address} is not a worker of this gateway")
+            # Echoed bounded: a status message travels in a header, and gRPC refuses ones past 16 KiB.
+            shown = address if len(address) <= 300 else f"{address[:300]}... ({len(address)} characters)"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"address: {shown} is not a worker of this gateway")
         log.info("admin: removed worker %s (draining)", address)
         return gateway_service_pb2.RemoveWorkerResponse()

@@ -11,6 +11,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from PIL import Image
 
+from gateway import downstream
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.scheduler import SchedulerConfig
@@ -173,14 +174,14 @@ async def test_an_exception_in_an_ar_batch_fails_only_its_culprit_and_frees_the_
 async def test_an_exception_in_a_denoise_task_fails_its_request_and_frees_the_denoiser(
         ar_server, denoiser_server, monkeypatch: pytest.MonkeyPatch) -> None:
     async with running_gateway(ar_server, (denoiser_server,), SchedulerConfig(ar_batch_delay=0.0)) as (stub, driver):
-        build = driver._denoise_request
+        build = downstream.denoise_request
 
-        def explode(action, pending):
-            if pending.request.prompt == "boom":
+        def explode(action, request, height, width):
+            if request.prompt == "boom":
                 raise RuntimeError("boom")
-            return build(action, pending)
+            return build(action, request, height, width)
 
-        monkeypatch.setattr(driver, "_denoise_request", explode)
+        monkeypatch.setattr(downstream, "denoise_request", explode)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.GenerateImages(pb.GenerateImagesRequest(prompt="boom", height=64, width=64), timeout=30)
         assert err.value.code() == grpc.StatusCode.INTERNAL and "boom" not in err.value.details()

@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors and the gRPC -> HTTP status mapping."""
+"""OpenAI-shaped errors, and a gateway status as one (its HTTP status and OpenAI `type` are read from
+services.runtime.status, the map every hop shares)."""
 
 from __future__ import annotations
 
@@ -10,28 +11,9 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from services.runtime.server import OWN_ERROR_KEY, field_violation
+from services.runtime.status import row_of
 
 log = logging.getLogger("glmimage.rest")
-
-# grpc-gateway's table, plus the OpenAI error `type` a client would expect for each.
-GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
-    grpc.StatusCode.ABORTED: (409, "server_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "request_cancelled"),
-    grpc.StatusCode.INTERNAL: (500, "server_error"),
-    grpc.StatusCode.UNKNOWN: (500, "server_error"),
-    grpc.StatusCode.DATA_LOSS: (500, "server_error"),
-    grpc.StatusCode.UNIMPLEMENTED: (501, "server_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-}
 
 # The openai SDK honours Retry-After on 429; one second is the gateway's usual backoff.
 DEFAULT_RETRY_AFTER_S = 1
@@ -79,27 +61,13 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=dict(headers or {}))
 
 
-# Codes gRPC never produces on its own for a call: their text was written by a server of this suite.
-_ALWAYS_OWN = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                         grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
-                         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
-# In the client's terms, for a status whose text may be gRPC's own (it names addresses and library errors).
-_OWN_WORDS = {
-    grpc.StatusCode.UNAVAILABLE: "the image service is unavailable; retry later",
-    grpc.StatusCode.DEADLINE_EXCEEDED: "the request did not finish in time",
-    grpc.StatusCode.CANCELLED: "the request was cancelled",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "the image service is overloaded; retry later",
-    grpc.StatusCode.UNIMPLEMENTED: "the gateway does not support this call",
-}
-
-
 def client_text(err: grpc.aio.AioRpcError) -> str:
     """What the client may read of a gateway status: the text our servers composed, else our own words."""
-    code = err.code()
-    ours = code in _ALWAYS_OWN or any(k == OWN_ERROR_KEY for k, _ in err.trailing_metadata() or ())
+    row = row_of(err.code())
+    ours = row.own_text or any(k == OWN_ERROR_KEY for k, _ in err.trailing_metadata() or ())
     if ours and err.details():
         return err.details()
-    return _OWN_WORDS.get(code, "internal error in the image service")
+    return row.rest_text
 
 
 # A gateway request field (from an INVALID_ARGUMENT's google.rpc.BadRequest) -> the REST parameter a client sent.
@@ -124,14 +92,15 @@ def param_of(field: str) -> str | None:
 
 def from_rpc_error(err: grpc.aio.AioRpcError, request_id: str = "") -> APIError:
     code = err.code()
-    status, err_type = GRPC_TO_HTTP.get(code, (500, "server_error"))
+    row = row_of(code)
     headers: dict[str, str] = {}
-    if status == 429:
+    if row.http == 429:
         headers["Retry-After"] = _retry_after(err)
     message = client_text(err)
     if message != err.details():  # the original goes to the log, with the request id, never to the client
         log.warning("%s gateway call failed: %s: %s", request_id or "-", code.name, err.details())
-    return APIError(status, message, type=err_type, param=rest_param(err), code=code.name.lower(), headers=headers)
+    return APIError(row.http, message, type=row.openai_type, param=rest_param(err), code=row.openai_code,
+                    headers=headers)
 
 
 def _retry_after(err: grpc.aio.AioRpcError) -> str:

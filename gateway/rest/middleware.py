@@ -3,7 +3,6 @@ metrics and the last-resort 500. It runs before FastAPI parses a body."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import re
 import time
@@ -14,6 +13,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.runtime.auth import bearer_token, key_hits
 
 from .errors import error_response
 from .metrics import RestMetrics
@@ -96,7 +97,8 @@ class FrontMiddleware:
         t0 = time.perf_counter()
         try:
             path: str = scope["path"]
-            if self.api_keys and path.startswith("/v1/") and not self._authorized(headers):
+            if self.api_keys and path.startswith("/v1/") and not any(key_hits(bearer_token(scope["headers"]),
+                                                                             self.api_keys)):
                 log.info("%s rejected: missing or invalid API key", rid)
                 resp = error_response(
                     401, "invalid or missing API key", type="authentication_error", code="invalid_api_key"
@@ -135,14 +137,6 @@ class FrontMiddleware:
             return str(getattr(route, "path", "unmatched"))
         known = {getattr(r, "path", None) for r in self.router.routes}
         return scope["path"] if scope["path"] in known else "unmatched"
-
-    def _authorized(self, headers: Mapping[str, str]) -> bool:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            return False
-        presented = token.strip().encode("latin-1", "replace")
-        # Compare against every key so timing does not reveal which prefix matched.
-        return any([hmac.compare_digest(presented, key) for key in self.api_keys])
 
 
 def _is_json(content_type: str) -> bool:

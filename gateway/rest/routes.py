@@ -85,9 +85,10 @@ async def generate_images(body: ImageGenerationRequest, request: Request, settin
     if settings.gateway_auth == "own":  # the gateway sees this front's key; the client's stays here
         metadata += bearer_metadata(settings.gateway_api_key)
     else:  # forwarded whether or not REST checks keys itself: the gateway may enforce its own
-        authorization = request.headers.get("authorization")
-        if authorization and _HEADER_VALUE_RE.fullmatch(authorization):
-            metadata += (("authorization", authorization),)
+        # A repeated one is not forwarded, as no key check on any hop accepts one (services.runtime.auth).
+        authorization = request.headers.getlist("authorization")
+        if len(authorization) == 1 and _HEADER_VALUE_RE.fullmatch(authorization[0]):
+            metadata += (("authorization", authorization[0]),)
     gen = translate.Generation(request=req, quality=quality, metadata=metadata, rid=rid)
     log.info(
         "%s generate n=%d size=%dx%d steps=%d format=%s stream=%s user=%r",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import time
@@ -54,6 +55,10 @@ def _completed_events(
     return events
 
 
+def _incomplete() -> APIError:
+    return APIError(502, "the gateway stream ended without a result", type="server_error", code="incomplete_stream")
+
+
 def _error_event(err: APIError) -> bytes:
     # The openai SDK raises APIError for any event whose data has an "error" object.
     body = {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
@@ -102,11 +107,14 @@ async def _stream_events(
             state[OUTCOME_STATUS_KEY] = 499
             return
         log.warning("%s gateway stream ended without a result", gen.rid)
-        yield _error_event(APIError(502, "the gateway stream ended without a result", type="server_error",
-                                    code="incomplete_stream"))
+        raise _incomplete()
     except APIError as err:
         log.info("%s stream failed: %d %s", gen.rid, err.status, err.message)
+        state[OUTCOME_STATUS_KEY] = err.status  # the 200 went out before the failure: count the failure
         yield _error_event(err)
+    except (asyncio.CancelledError, GeneratorExit):
+        state.setdefault(OUTCOME_STATUS_KEY, 499)  # closed before its end (the send failed): the client is gone
+        raise
     finally:
         guard.close()
 
@@ -132,6 +140,5 @@ async def stream(
         return Response(status_code=499)
     if first is grpc.aio.EOF:
         guard.close()
-        raise APIError(502, "the gateway stream ended without a result", type="server_error",
-                       code="incomplete_stream")
+        raise _incomplete()
     return sse.EventStreamResponse(_stream_events(guard, first, gen, settings, metrics, state))

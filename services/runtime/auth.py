@@ -1,8 +1,9 @@
 """Bearer credentials on gRPC servers: one interceptor, one table saying which role each method needs.
 
 A credential travels as ``authorization: Bearer <secret>`` metadata and is compared in constant time with every
-configured one. Methods the table does not name (grpc.health.v1, reflection) stay open, so probes and grpcurl
-discovery work without a credential.
+configured one, as UTF-8 bytes; a repeated one is refused. The REST front checks its API keys with the same two
+functions (bearer_token, key_hits), so both paths treat odd headers alike. Methods the table does not name
+(grpc.health.v1, reflection) stay open, so probes and grpcurl discovery work without a credential.
 
 Used by the gateway (user and admin keys on GatewayService, see gateway.auth) and by the AR and denoiser servers
 (the internal token the gateway presents on ArService and DenoiserService, see services.model.serving).
@@ -14,7 +15,7 @@ import argparse
 import hmac
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,16 +42,27 @@ class Role:
     also: tuple[str, ...] = ()
 
 
-def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes | None:
-    """The token of the first ``authorization`` entry if it is ``Bearer <token>``; None otherwise."""
-    for key, value in metadata or ():
-        if key == "authorization":
-            text = value if isinstance(value, str) else value.decode("latin-1")
-            scheme, _, token = text.partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip().encode()
-            return None
-    return None
+_AUTHORIZATION = ("authorization", b"authorization")
+
+
+def bearer_token(entries: Iterable[tuple[str | bytes, str | bytes]] | None) -> bytes | None:
+    """The secret of the one ``authorization: Bearer <secret>`` among ``entries`` (a call's gRPC metadata, or an
+    HTTP request's raw headers), as UTF-8 bytes. None when there is none, when it is not Bearer, and when there
+    are several: servers disagree on which one counts (the first, the last, all joined), so a repeated credential
+    is refused rather than guessed at, on every hop alike."""
+    values = [v for k, v in entries or () if k.lower() in _AUTHORIZATION]
+    if len(values) != 1:
+        return None
+    value = values[0] if isinstance(values[0], bytes) else values[0].encode("utf-8")
+    scheme, _, token = value.partition(b" ")
+    token = token.strip()
+    return token if scheme.lower() == b"bearer" and token else None
+
+
+def key_hits(token: bytes | None, keys: Sequence[bytes]) -> list[bool]:
+    """For each of ``keys`` (UTF-8 bytes), whether ``token`` is it. Every key is compared, in constant time and
+    without short-circuit, so the time taken does not tell which key nearly matched."""
+    return [token is not None and hmac.compare_digest(token, key) for key in keys]
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -94,11 +106,8 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
             return None
         if not role.keys:
             return None if role.off_message is None else (grpc.StatusCode.PERMISSION_DENIED, role.off_message)
-        token = bearer_token(metadata)
-        matched = set()
-        if token is not None:
-            hits = [hmac.compare_digest(token, key) for _, key in self._keys]
-            matched = {name for (name, _), hit in zip(self._keys, hits, strict=True) if hit}
+        hits = key_hits(bearer_token(metadata), [key for _, key in self._keys])
+        matched = {name for (name, _), hit in zip(self._keys, hits, strict=True) if hit}
         if matched & {role.name, *role.also}:
             return None
         if matched:

@@ -25,18 +25,11 @@ from grpc_status import rpc_status
 from services.runtime import keepalive
 from services.runtime.errors import ErrorKind, ServiceError
 from services.runtime.logs import new_request_id, request_id_var
+from services.runtime.status import code_of
 from services.runtime.tls import ServerTls, add_server_tls_args
 
 log = logging.getLogger(__name__)
 
-STATUS_OF = {
-    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,
-    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
-}
 REQUEST_ID_KEY = "x-request-id"
 # Trailing metadata on a status this suite's own code composed (a domain error): its text is meant for the client.
 # A status without it may come from gRPC itself (connection refused, a deadline seen by the client), whose text
@@ -86,7 +79,7 @@ _INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 def rich_status(exc: ServiceError) -> grpc.Status:
     """The status for a domain error: its code and message, for INVALID_ARGUMENT with a field a google.rpc.BadRequest
     field violation in the details (the description is the message without its "field: " lead), and our mark."""
-    code = STATUS_OF[exc.kind]
+    code = code_of(exc.kind)
     status = status_pb2.Status(code=code.value[0], message=exc.message)
     if exc.kind is ErrorKind.INVALID_ARGUMENT and exc.field:
         violation = error_details_pb2.BadRequest.FieldViolation(

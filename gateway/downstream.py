@@ -1,0 +1,222 @@
+"""The gateway's calls to its workers: the AR's GenerateBatch and a denoiser's Denoise or DenoiseStream, the
+requests they send, and a failed call read back in the scheduler's terms (what the client is told, which field
+it refused, whether to retry the job elsewhere and whether to sideline the worker).
+
+Nothing here decides or keeps state: the driver performs these calls for the scheduler and feeds back their ends.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from gateway import scheduler as sch
+from gateway.config import GatewayConfig
+from gateway.observe import Observer, Timing
+from gateway.timeouts import ArTimeouts, DenoiseTimeouts
+from gateway.workers import Worker, WorkerHealth
+from glmimage.v1 import ar_service_pb2, denoiser_service_pb2, gateway_service_pb2
+from services.runtime.server import field_violation
+from services.runtime.status import kind_of, row_of
+
+log = logging.getLogger("gateway.driver")
+
+Metadata = tuple[tuple[str, str], ...]
+
+# A denoise failure with these codes says nothing about the request itself: try another worker.
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+
+# Call failures that say more about the worker than about the job.
+SUSPECT_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
+
+_BATCH_FIELD = re.compile(r"^requests\[\d+\]\.")
+
+# Called with (image index, DenoiseStreamResponse carrying progress or partial_image).
+Relay = Callable[[int, denoiser_service_pb2.DenoiseStreamResponse], None]
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    partial_images: int  # previews per image, 0-3
+    relay: Relay
+
+
+def client_message(role: str, err: grpc.aio.AioRpcError) -> str:
+    """A worker failure in the client's terms. A refusal of the input keeps the worker's text: our own validation
+    wrote it and it names the field to fix. Otherwise the worker's details (gRPC's own text names addresses and
+    library errors) go to the gateway's log with the request ids, never to the client."""
+    row = row_of(err.code())
+    if row.refusal:
+        return err.details() or "invalid request"
+    return f"the {role} {row.worker_text}"
+
+
+def refused_field(err: grpc.aio.AioRpcError) -> tuple[str | None, str]:
+    """(field, message) of a worker's refusal of the client's input, the field read from the status' BadRequest
+    details. A batch member's field ("requests[1].prompt") is named as the client sent it ("prompt"), and the
+    message leads with that name; without details the worker's text goes as is."""
+    violation = field_violation(err)
+    if violation is None or not violation[0]:
+        return None, err.details() or "invalid request"
+    field = _BATCH_FIELD.sub("", violation[0])
+    return field, f"{field}: {violation[1]}"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failed worker call in the scheduler's terms."""
+
+    code: grpc.StatusCode
+    kind: sch.ErrorKind
+    message: str  # what the client is told
+    field: str | None = None  # the request field the worker refused
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in RETRYABLE_CODES
+
+    @property
+    def sideline(self) -> WorkerHealth | None:
+        """The health to sideline the worker with (until a health check answers again); None: leave it be."""
+        if self.code not in SUSPECT_CODES:
+            return None
+        return WorkerHealth.TIMED_OUT if self.code is grpc.StatusCode.DEADLINE_EXCEEDED else WorkerHealth.UNREACHABLE
+
+
+def failure(err: grpc.aio.AioRpcError, role: str, default: sch.ErrorKind) -> Failure:
+    """``err`` read back: a refusal of the input is the client's error and names its field; anything else is the
+    worker's, told as ``default``."""
+    kind = kind_of(err.code(), default)
+    if kind is sch.ErrorKind.INVALID_ARGUMENT:
+        field, message = refused_field(err)
+        return Failure(err.code(), kind, message, field)
+    return Failure(err.code(), kind, client_message(role, err))
+
+
+def ar_batch(action: sch.DispatchArBatch, rids: Sequence[str],
+             requests: Sequence[gateway_service_pb2.GenerateImagesRequest]) -> ar_service_pb2.GenerateBatchRequest:
+    """The AR batch for the requests ``rids`` (in that order), at the batch's rounded-up size."""
+    return ar_service_pb2.GenerateBatchRequest(requests=[ar_service_pb2.GenerateRequest(
+        prompt=p.prompt, n=p.n, height=action.height, width=action.width,
+        seed=p.seed if p.HasField("seed") else None, sampling=p.sampling, request_id=rid)
+        for rid, p in zip(rids, requests, strict=True)])
+
+
+def denoise_request(action: sch.DispatchDenoise, p: gateway_service_pb2.GenerateImagesRequest, height: int,
+                    width: int) -> denoiser_service_pb2.DenoiseRequest:
+    """One output's denoise job, at the size the client asked for."""
+    prior: ar_service_pb2.PriorOutput = action.ar_output
+    return denoiser_service_pb2.DenoiseRequest(
+        prompt=p.prompt, prior_tokens=prior.tokens, height=height, width=width,
+        num_inference_steps=p.num_inference_steps,
+        guidance_scale=p.guidance_scale if p.HasField("guidance_scale") else None,
+        seed=prior.seed, output_format=p.output_format,
+        output_compression=p.output_compression if p.HasField("output_compression") else None,
+        request_id=action.job.request_id)
+
+
+class Downstream:
+    """Performs the workers' calls for the driver. Each returns the scheduler event that reports its end; a call
+    that timed out or broke first sidelines its worker (through ``sideline``), *before* its job is requeued, so the
+    retry goes elsewhere."""
+
+    def __init__(self, config: GatewayConfig, observe: Observer,
+                 sideline: Callable[[Worker, WorkerHealth, grpc.StatusCode], None]) -> None:
+        self.metadata: Metadata = config.worker_metadata
+        self.observe = observe
+        self.sideline = sideline
+        self.ar_timeouts = ArTimeouts(config.ar_timeout)
+        self.denoise_timeouts = DenoiseTimeouts(config.denoise_timeout)
+
+    def _failure(self, worker: Worker, err: grpc.aio.AioRpcError, role: str, default: sch.ErrorKind) -> Failure:
+        failed = failure(err, role, default)
+        if failed.sideline is not None:
+            self.sideline(worker, failed.sideline, err.code())
+        return failed
+
+    async def ar_batch(self, worker: Worker | None, action: sch.DispatchArBatch,
+                       members: Sequence[tuple[str, gateway_service_pb2.GenerateImagesRequest, Timing]]) -> sch.Event:
+        """Run the batch for ``members`` (request id, request, its timing), the requests still waiting for it."""
+        if worker is None:
+            return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id,
+                                     message="the AR server went away")
+        if not members:  # nobody is waiting for this batch any more: do not make the AR run it
+            return sch.ArBatchSucceeded(now=time.monotonic(), batch_id=action.batch_id, outputs={})
+        rids = [rid for rid, _, _ in members]
+        batch = ar_batch(action, rids, [request for _, request, _ in members])
+        timeout = self.ar_timeouts.timeout(action.height, action.width)
+        started = time.monotonic()
+        try:
+            response = await worker.stub.GenerateBatch(
+                batch, timeout=timeout, metadata=(("x-request-id", ",".join(rids)), *self.metadata))
+        except grpc.aio.AioRpcError as err:
+            log.warning("AR batch %d (%s) on %s failed after %.1fs: %s: %s", action.batch_id, ",".join(rids),
+                        worker.address, time.monotonic() - started, err.code().name, err.details())
+            # The AR names the field within its batch ("requests[1].prompt"); the client sent one request.
+            failed = self._failure(worker, err, "AR server", sch.ErrorKind.UNAVAILABLE)
+            return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id, message=failed.message,
+                                     code=failed.kind, field=failed.field)
+        now = time.monotonic()
+        self.ar_timeouts.observe(action.height, action.width, now - started)
+        self.observe.ar_done((timing for _, _, timing in members), started, now)
+        # A short reply leaves some requests without outputs; the scheduler fails exactly those (INTERNAL).
+        outputs = {rid: list(r.outputs) for rid, r in zip(rids, response.responses, strict=False)}
+        return sch.ArBatchSucceeded(now=now, batch_id=action.batch_id, outputs=outputs)
+
+    async def denoise(self, worker: Worker, action: sch.DispatchDenoise,
+                      request: gateway_service_pb2.GenerateImagesRequest, height: int, width: int,
+                      stream: StreamOptions | None) -> sch.Event:
+        """Run one output's job, unary or (``stream`` given) streamed with its events relayed."""
+        job = action.job
+        job_request = denoise_request(action, request, height, width)
+        metadata = (("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"), *self.metadata)
+        timeout = self.denoise_timeouts.timeout(job_request.num_inference_steps, height, width)
+        started = time.monotonic()
+        try:
+            response = await _denoise(worker, job_request, metadata, timeout, stream, job.index)
+        except grpc.aio.AioRpcError as err:
+            log.warning("denoise %s on %s failed after %.1fs (timeout %.1fs): %s: %s", metadata[0][1],
+                        worker.address, time.monotonic() - started, timeout, err.code().name, err.details())
+            failed = self._failure(worker, err, "denoiser", sch.ErrorKind.INTERNAL)
+            return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address, message=failed.message,
+                                     retryable=failed.retryable, code=failed.kind, field=failed.field)
+        if response is None:
+            return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
+                                     message="the denoise stream ended without a result", retryable=True)
+        now = time.monotonic()
+        timings = response.timings
+        self.denoise_timeouts.observe(job_request.num_inference_steps, response.steps_completed, height, width,
+                                      timings.denoise_seconds, timings.decode_seconds + timings.encode_seconds)
+        self.observe.denoise_done(now - started)
+        return sch.DenoiseSucceeded(now=now, job=job, worker=worker.address, result=response)
+
+
+async def _denoise(worker: Worker, request: denoiser_service_pb2.DenoiseRequest, metadata: Metadata,
+                   timeout: float, stream: StreamOptions | None, index: int
+                   ) -> denoiser_service_pb2.DenoiseResponse | None:
+    """The job's result, or None if a stream ended without it."""
+    if stream is None:
+        return await worker.stub.Denoise(request, timeout=timeout, metadata=metadata)
+    call = worker.stub.DenoiseStream(
+        denoiser_service_pb2.DenoiseStreamRequest(job=request, partial_images=stream.partial_images),
+        timeout=timeout, metadata=metadata)
+    try:
+        async for message in call:
+            if message.WhichOneof("event") == "result":
+                return message.result
+            # Relayed synchronously: once CancelDenoise has cancelled the task, nothing stale gets through.
+            stream.relay(index, message)
+    except grpc.aio.AioRpcError as err:
+        if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        # A denoiser without the streaming RPC (an older build, mid rolling upgrade): the caller still gets
+        # the image, only without progress and previews for it.
+        log.warning("denoiser %s has no DenoiseStream; running the job unary", worker.address)
+        return await worker.stub.Denoise(request, timeout=timeout, metadata=metadata)
+    return None
