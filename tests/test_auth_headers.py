@@ -13,7 +13,7 @@ from gateway.auth import gateway_interceptor
 from gateway.rest.app import create_app
 from gateway.rest.settings import RestSettings
 from services.runtime.auth import bearer_token
-from tests.test_gateway_control import Gateway, request, rpc_error, running_gateway, sim_cluster
+from tests.support.sim_gateway import Gateway, request, rpc_error, running_gateway, sim_cluster
 
 KEY = "clé-für-tests-ü"  # not ASCII
 KEY_UTF8 = b"Bearer " + KEY.encode("utf-8")

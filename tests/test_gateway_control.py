@@ -15,7 +15,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.sim_backends import SimDenoiser, serve_sim_denoiser
 from gateway.auth import api_keys_from
@@ -38,6 +37,7 @@ from tests.support.sim_gateway import (
     request,
     rpc_error,
     running_gateway,
+    scrape,
     sim_cluster,
     wait_for,
 )
@@ -295,12 +295,6 @@ async def test_dns_membership_resolves_localhost(cluster: SimCluster) -> None:
 
 
 # ---- metrics ---------------------------------------------------------------------------------------------------
-
-
-def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = generate_latest(registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 async def test_metrics_follow_queues_workers_and_outcomes(cluster: SimCluster) -> None:

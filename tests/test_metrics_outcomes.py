@@ -21,8 +21,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.rest.app import create_app
 from gateway.rest.settings import RestSettings
 from glmimage.v1 import gateway_service_pb2 as pb
-from tests.test_gateway_control import Cluster, Gateway, request, rpc_error, running_gateway, scrape, sim_cluster
-from tests.test_rest import RawClient
+from tests.support.asgi import RawClient
+from tests.support.sim_gateway import Gateway, SimCluster, request, rpc_error, running_gateway, scrape, sim_cluster
 
 DEADLINE_S = 1.0
 HELD = {"num_inference_steps": 4}  # past the first step, the gate holds it
@@ -30,7 +30,7 @@ HELD = {"num_inference_steps": 4}  # past the first step, the gate holds it
 
 @dataclass
 class Stack:
-    cluster: Cluster
+    cluster: SimCluster
     gateway: Gateway
     registry: CollectorRegistry
 
