@@ -54,11 +54,19 @@ def test_png_level_comes_from_the_request_else_the_server_default() -> None:
     assert _zlib_level_flag(encode(image, ImageFormat.PNG, None, default_png_level=0)) == 0
     assert _zlib_level_flag(encode(image, ImageFormat.PNG, None, default_png_level=6)) == 2
     assert _zlib_level_flag(encode(image, ImageFormat.PNG, None, default_png_level=9)) == 3
-    # A request's output_compression (0-100) wins over the server default.
-    assert _zlib_level_flag(encode(image, ImageFormat.PNG, 100, default_png_level=0)) == 3
-    stored = encode(image, ImageFormat.PNG, 0, default_png_level=9)
+    # A request's output_compression (0-100) wins over the server default; 0 compresses most, 100 least.
+    assert _zlib_level_flag(encode(image, ImageFormat.PNG, 0, default_png_level=0)) == 3
+    stored = encode(image, ImageFormat.PNG, 100, default_png_level=9)
     assert _zlib_level_flag(stored) == 0 and len(stored) > 256 * 256 * 3
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(stored))), np.asarray(image))  # lossless at any level
+
+
+@pytest.mark.parametrize("fmt", list(ImageFormat))
+def test_output_compression_runs_the_same_way_for_every_format(fmt) -> None:
+    # OpenAI's convention: 100 (its default) is the least compressed, so the largest file; 0 the smallest.
+    image = _photo_like()
+    sizes = [len(encode(image, fmt, c)) for c in (0, 50, 100)]
+    assert sizes[0] <= sizes[1] < sizes[2], sizes
 
 
 @pytest.mark.parametrize("fmt, pil_format", [(ImageFormat.JPEG, "JPEG"), (ImageFormat.WEBP, "WEBP")])

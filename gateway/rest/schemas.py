@@ -48,7 +48,8 @@ class ImageGenerationRequest(BaseModel):
         None, description="Image encoding: png (default), jpeg or webp."
     )
     output_compression: int | None = Field(
-        None, ge=0, le=100, description="Compression level 0-100 for jpeg and webp."
+        None, ge=0, le=100, description="0-100, as in OpenAI: 100 is the least compressed. JPEG/WebP quality; for "
+        "lossless PNG the zlib level (0 -> 9, 100 -> 0). Unset: quality 90, or the server's PNG level."
     )
     background: Literal["auto", "opaque", "transparent"] | None = Field(
         None, description="`auto` or `opaque`; transparent backgrounds are not supported."

@@ -26,13 +26,17 @@ PNG_LEVELS = range(10)
 
 
 def png_level(compression: int | None, default: int = DEFAULT_PNG_LEVEL) -> int:
-    """OpenAI's output_compression (0-100) scaled to zlib's 0-9; the server's configured level when unset."""
-    return default if compression is None else round(compression * 9 / 100)
+    """OpenAI's output_compression (0-100) as zlib's level; the server's configured level when unset.
+
+    The same direction as JPEG/WebP quality: 100 (OpenAI's default) compresses least (zlib 0, stored: fastest,
+    largest), 0 compresses most (zlib 9). PNG stays lossless at every level; only size and time change."""
+    return default if compression is None else round((100 - compression) * 9 / 100)
 
 
 def encode(image: Image.Image, fmt: ImageFormat, compression: int | None = None,
            default_png_level: int = DEFAULT_PNG_LEVEL) -> bytes:
-    """compression is OpenAI's output_compression, 0-100: quality for JPEG/WebP, scaled to zlib 0-9 for PNG."""
+    """compression is OpenAI's output_compression, 0-100, 100 the least compressed: quality for JPEG/WebP, zlib
+    level 9 (at 0) to 0 (at 100) for PNG."""
     buf = io.BytesIO()
     quality = DEFAULT_QUALITY if compression is None else compression
     if fmt is ImageFormat.PNG:

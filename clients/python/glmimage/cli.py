@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-o", "--output-dir", type=Path, default=Path("."), help="directory for the images")
     gen.add_argument("--name", default="image", help="file name stem: <name>-<i>.<ext> (default: image)")
     gen.add_argument("--format", choices=sorted(FORMATS), default=None, help="image encoding (default png)")
-    gen.add_argument("--compression", type=int, default=None, help="jpeg/webp compression, 0-100")
+    gen.add_argument("--compression", type=int, default=None, help="0-100, 100 the least compressed")
     gen.add_argument("--seed", type=int, default=None, help="output i uses seed + i")
     gen.add_argument("--steps", type=int, default=None, help="denoising steps")
     gen.add_argument("--guidance", type=float, default=None, help="guidance scale")
