@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 # The exchange types live in gateway/scheduler_types.py; they are re-exported here (see __all__) for every user.
+from gateway import scheduler_types
 from gateway.scheduler_types import (
     Action,
     ArBatchFailed,
@@ -61,37 +62,7 @@ from gateway.scheduler_types import (
 # Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
 from services.runtime.errors import ErrorKind
 
-__all__ = [
-    "Action",
-    "ArBatchFailed",
-    "ArBatchSucceeded",
-    "CancelArBatch",
-    "CancelDenoise",
-    "CompleteRequest",
-    "Counters",
-    "DenoiseFailed",
-    "DenoiseSucceeded",
-    "DispatchArBatch",
-    "DispatchDenoise",
-    "ErrorKind",
-    "Event",
-    "FailRequest",
-    "JobId",
-    "RequestArrived",
-    "RequestCancelled",
-    "Scheduler",
-    "SchedulerConfig",
-    "Snapshot",
-    "Tick",
-    "WorkerAdded",
-    "WorkerHealthy",
-    "WorkerNotServing",
-    "WorkerRemoved",
-    "WorkerRole",
-    "WorkerSnapshot",
-    "WorkerState",
-    "WorkerUnhealthy",
-]
+__all__ = [*scheduler_types.__all__, "Scheduler"]  # the exchange types, re-exported with the machine
 
 
 _EVENT_TYPES: tuple[type, ...] = get_args(Event)

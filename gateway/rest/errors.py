@@ -41,24 +41,15 @@ class APIError(Exception):
         self.headers = dict(headers or {})
 
     def response(self) -> JSONResponse:
-        return error_response(
-            self.status, self.message, type=self.type, param=self.param, code=self.code, headers=self.headers
-        )
+        # Messages may quote client input; lone surrogates would break the UTF-8 encoder.
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        body = {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-def error_response(
-    status: int,
-    message: str,
-    *,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> JSONResponse:
-    # Messages may quote client input; lone surrogates would break the UTF-8 encoder.
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
+def error_response(status: int, message: str, **fields: Any) -> JSONResponse:
+    """An OpenAI error body: ``fields`` are APIError's (type, param, code, headers)."""
+    return APIError(status, message, **fields).response()
 
 
 def client_text(err: grpc.aio.AioRpcError) -> str:

@@ -116,30 +116,29 @@ class ImagesResponse(BaseModel):
     usage: ImagesUsage
 
 
-class ImageGenPartialImageEvent(BaseModel):
-    """SSE `image_generation.partial_image`: a preview decoded from the current latents."""
+class _ImageEvent(BaseModel):
+    """What every image event of the stream carries."""
 
-    type: Literal["image_generation.partial_image"]
     b64_json: str
     created_at: int
     size: str
     quality: str
     background: Literal["opaque"]
     output_format: OutputFormat
+
+
+class ImageGenPartialImageEvent(_ImageEvent):
+    """SSE `image_generation.partial_image`: a preview decoded from the current latents."""
+
+    type: Literal["image_generation.partial_image"]
     partial_image_index: int = Field(description="0-based, per image.")
     image_index: int = Field(description="Extension: which of the `n` images this preview belongs to.")
 
 
-class ImageGenCompletedEvent(BaseModel):
+class ImageGenCompletedEvent(_ImageEvent):
     """SSE `image_generation.completed`: one per image; the usage is that image's, so the events add up."""
 
     type: Literal["image_generation.completed"]
-    b64_json: str
-    created_at: int
-    size: str
-    quality: str
-    background: Literal["opaque"]
-    output_format: OutputFormat
     usage: ImagesUsage
     image_index: int = Field(description="Extension: which of the `n` images this is.")
 

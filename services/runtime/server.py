@@ -168,18 +168,22 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {rid})",
                                 trailing_metadata=_OWN)
 
+        async def _admit(request, context) -> None:
+            """Before any handler: the request id, malformed bytes refused, no new call while draining."""
+            request_id_var.set(rid)
+            if isinstance(request, _Malformed):
+                await _malformed(context, request)
+            if work is not None and work.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica",
+                                    trailing_metadata=_OWN)
+            if work is not None:
+                work.track(context)
+
         if handler.unary_unary:
             inner_uu = handler.unary_unary
 
             async def unary_unary(request, context):
-                request_id_var.set(rid)
-                if isinstance(request, _Malformed):
-                    await _malformed(context, request)
-                if work is not None and work.draining:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica",
-                                        trailing_metadata=_OWN)
-                if work is not None:
-                    work.track(context)
+                await _admit(request, context)
                 try:
                     return await inner_uu(request, context)
                 except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -193,14 +197,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner_us = handler.unary_stream
 
             async def unary_stream(request, context):
-                request_id_var.set(rid)
-                if isinstance(request, _Malformed):
-                    await _malformed(context, request)
-                if work is not None and work.draining:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica",
-                                        trailing_metadata=_OWN)
-                if work is not None:
-                    work.track(context)
+                await _admit(request, context)
                 try:
                     stream = inner_us(request, context)
                     if inspect.isasyncgen(stream):
