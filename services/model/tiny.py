@@ -2,6 +2,19 @@
 
 It is written once with `save_pretrained` in the real checkpoint layout, so both services load it through
 exactly the code path used for `--model-path /path/to/GLM-Image`. Nothing is downloaded.
+
+Image editing (tiny-v2; tests/test_tiny_edit.py), as the installed diffusers/transformers do it:
+- AR: a chat of one user turn, content = the reference image items, then the text, through
+  `processor.apply_chat_template(chats, tokenize=True, target_h=H, target_w=W, padding=..., return_dict=True,
+  return_tensors="pt")`. A reference of h x w (sides multiples of 32) adds (h/32)*(w/32) `<|image|>` tokens plus its
+  start/end markers to input_ids and attention_mask; `image_grid_thw` lists every reference's grid, then ONE target
+  grid (1, H/32, W/32) (t2i: target + preview); `images_per_sample` = references + 1. Plan: the target grid only,
+  max_new_tokens = (H/32)*(W/32) + 1. One generate call shares one target size and one reference count.
+- Reference priors: `get_image_features(pixel_values, reference_grids).pooler_output` (a list of (C, h, w)) straight
+  into `get_image_tokens`, each image's codes upsampled 2x; grids doubled in h and w.
+- DiT: `pipe(prompt, image=[[PIL...]], prior_token_ids=(1, H/16*W/16), prior_token_image_ids=[codes of all
+  references], source_image_grid_thw=[(n_refs, 3)], height, width)` with no AR parts; `image` is required (the VAE
+  encodes it at its own size), so each reference's VAE patch grid must equal its doubled AR grid.
 """
 from __future__ import annotations
 
@@ -15,10 +28,16 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 # Bump when the architecture below changes, so stale caches are rebuilt rather than half-loaded.
-TINY_VERSION = "tiny-v1"
-# Visual codebook: AR lm_head vision vocab == DiT prior embedding size (real model: 16512 / 16384).
+TINY_VERSION = "tiny-v2"
+# Visual codebook: AR lm_head vision vocab == VQ codebook == DiT prior embedding size (real: 16512 / 16384 / 16384).
 CODEBOOK = 128
-# Content-only template, as the real processor effectively uses for t2i.
+# Vision patch edge, as the real model: the processor halves a reference then cuts it into 16-pixel patches, so one
+# VQ token covers 32 pixels; upsampled 2x it lands on the DiT's 16-pixel latent patch (VAE 8 x transformer patch 2).
+VISION_PATCH = 16
+# The vision encoder hidden size is what the VQ quantises (its latent_channels).
+VISION_HIDDEN = 32
+# Content-only template, as the real processor effectively uses: each image item is <image start><|image|><image end>;
+# the processor widens <|image|> to one token per vision patch and appends the target grid marker(s) itself.
 CHAT_TEMPLATE = (
     "{%- for m in messages -%}{%- if m.content is string -%}{{ m.content }}{%- else -%}"
     "{%- for item in m.content -%}{%- if item.type == 'image' -%}<|dit_token_16384|><|image|><|dit_token_16385|>"
@@ -79,16 +98,21 @@ def build_tiny_pipeline(seed: int = 0):
     )
 
     ar_tok = _build_ar_tokenizer()
-    processor = GlmImageProcessor(image_processor=GlmImageImageProcessorPil(), tokenizer=ar_tok,
-                                  chat_template=CHAT_TEMPLATE)
+    # One patch per token and no temporal frames: the vision patch embed reads 3 x 16 x 16 values per patch and the VQ
+    # emits one code per patch. min_pixels stays small so a tiny-sized reference is not upscaled (an upscaled reference
+    # yields more VQ codes than its VAE latent has patches, and the DiT cannot add them).
+    image_processor = GlmImageImageProcessorPil(patch_size=VISION_PATCH, temporal_patch_size=1, merge_size=1,
+                                                min_pixels=32 * 32, max_pixels=1024 * 1024)
+    processor = GlmImageProcessor(image_processor=image_processor, tokenizer=ar_tok, chat_template=CHAT_TEMPLATE)
     torch.manual_seed(seed)
     ar = GlmImageForConditionalGeneration(GlmImageConfig(
         text_config=dict(vocab_size=len(ar_tok), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
                          vision_vocab_size=CODEBOOK, rope_parameters={"mrope_section": (4, 2, 2)},
                          pad_token_id=ar_tok.pad_token_id, eos_token_id=ar_tok.eos_token_id),
-        vision_config=dict(depth=2, hidden_size=32, num_heads=2, image_size=32, patch_size=8, intermediate_size=32),
-        vq_config=dict(embed_dim=32, num_embeddings=CODEBOOK, latent_channels=32),
+        vision_config=dict(depth=2, hidden_size=VISION_HIDDEN, num_heads=2, image_size=4 * VISION_PATCH,
+                           patch_size=VISION_PATCH, spatial_merge_size=1, intermediate_size=32),
+        vq_config=dict(embed_dim=32, num_embeddings=CODEBOOK, latent_channels=VISION_HIDDEN),
         image_token_id=ar_tok.convert_tokens_to_ids("<|image|>"),
         image_start_token_id=ar_tok.bos_token_id, image_end_token_id=ar_tok.eos_token_id)).eval()
     glyph_tok = ByT5Tokenizer()  # byte-level: needs no vocab file, like the real checkpoint's ByT5
