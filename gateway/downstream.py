@@ -19,7 +19,7 @@ from gateway.config import GatewayConfig
 from gateway.observe import Observer, Timing
 from gateway.timeouts import ArTimeouts, DenoiseTimeouts
 from gateway.workers import Worker, WorkerHealth
-from glmimage.v1 import ar_service_pb2, denoiser_service_pb2, gateway_service_pb2
+from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2, gateway_service_pb2
 from services.runtime.server import field_violation
 from services.runtime.status import kind_of, row_of
 
@@ -99,26 +99,37 @@ def failure(err: grpc.aio.AioRpcError, role: str, default: sch.ErrorKind) -> Fai
     return Failure(err.code(), kind, client_message(role, err))
 
 
+@dataclass(frozen=True)
+class ArOutput:
+    """One output of an AR batch, as the scheduler carries it (opaquely) to the output's denoise jobs: its prior
+    tokens and, for an edit, the tokens of the request's reference images, which the denoiser needs with them."""
+
+    prior: ar_service_pb2.PriorOutput
+    references: Sequence[common_pb2.ReferenceTokens] = ()
+
+
 def ar_batch(action: sch.DispatchArBatch, rids: Sequence[str],
              requests: Sequence[gateway_service_pb2.GenerateImagesRequest]) -> ar_service_pb2.GenerateBatchRequest:
     """The AR batch for the requests ``rids`` (in that order), at the batch's rounded-up size."""
     return ar_service_pb2.GenerateBatchRequest(requests=[ar_service_pb2.GenerateRequest(
         prompt=p.prompt, n=p.n, height=action.height, width=action.width,
-        seed=p.seed if p.HasField("seed") else None, sampling=p.sampling, request_id=rid)
+        seed=p.seed if p.HasField("seed") else None, sampling=p.sampling, request_id=rid,
+        reference_images=p.reference_images)
         for rid, p in zip(rids, requests, strict=True)])
 
 
 def denoise_request(action: sch.DispatchDenoise, p: gateway_service_pb2.GenerateImagesRequest, height: int,
                     width: int) -> denoiser_service_pb2.DenoiseRequest:
     """One output's denoise job, at the size the client asked for."""
-    prior: ar_service_pb2.PriorOutput = action.ar_output
+    out: ArOutput = action.ar_output  # type: ignore[assignment]
+    prior = out.prior
     return denoiser_service_pb2.DenoiseRequest(
         prompt=p.prompt, prior_tokens=prior.tokens, height=height, width=width,
         num_inference_steps=p.num_inference_steps,
         guidance_scale=p.guidance_scale if p.HasField("guidance_scale") else None,
         seed=prior.seed, output_format=p.output_format,
         output_compression=p.output_compression if p.HasField("output_compression") else None,
-        request_id=action.job.request_id)
+        request_id=action.job.request_id, reference_images=p.reference_images, references=out.references)
 
 
 class Downstream:
@@ -166,7 +177,8 @@ class Downstream:
         self.ar_timeouts.observe(action.height, action.width, now - started)
         self.observe.ar_done((timing for _, _, timing in members), started, now)
         # A short reply leaves some requests without outputs; the scheduler fails exactly those (INTERNAL).
-        outputs = {rid: list(r.outputs) for rid, r in zip(rids, response.responses, strict=False)}
+        outputs = {rid: [ArOutput(o, tuple(r.references)) for o in r.outputs]
+                   for rid, r in zip(rids, response.responses, strict=False)}
         return sch.ArBatchSucceeded(now=now, batch_id=action.batch_id, outputs=outputs)
 
     async def denoise(self, worker: Worker, action: sch.DispatchDenoise,

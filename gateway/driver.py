@@ -195,7 +195,8 @@ class Driver:
         self._pending[request_id] = pending
         # Both stages round sizes up to multiples of 32, so requests that differ below that share AR batches.
         self._feed(sch.RequestArrived(now=now, request_id=request_id, n=n, height=round_up(height),
-                                      width=round_up(width), deadline=now + timeout))
+                                      width=round_up(width), deadline=now + timeout,
+                                      solo=bool(request.reference_images)))
         try:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
@@ -272,7 +273,8 @@ class Driver:
                 pending = self._pending.get(action.request_id)
                 self.observe.completed(action, pending and pending.timing)
                 if pending and not pending.future.done():
-                    pending.future.set_result(Outcome(images=action.results, priors=action.ar_outputs))
+                    pending.future.set_result(Outcome(images=action.results,
+                                                               priors=[o.prior for o in action.ar_outputs]))
             case sch.FailRequest():
                 pending = self._pending.get(action.request_id)
                 # A call its deadline cancelled ends as a deadline, as its client sees it, not as "cancelled".

@@ -62,7 +62,7 @@ class Observer:
             return
         m.requests.labels("ok").inc()
         m.images.inc(len(action.results))
-        priors: Sequence[ar_service_pb2.PriorOutput] = action.ar_outputs
+        priors: Sequence[ar_service_pb2.PriorOutput] = [o.prior for o in action.ar_outputs]
         m.tokens.labels("prompt").inc(sum(p.usage.prompt_tokens for p in priors))
         m.tokens.labels("completion").inc(sum(p.usage.completion_tokens for p in priors))
         if timing is not None:

@@ -107,7 +107,8 @@ class _Request:
     stage: _Stage = _Stage.PENDING_AR
     ar_batch: int | None = None
     ar_failures: int = 0
-    solo: bool = False  # it shared a batch the AR refused as bad input: it goes alone from now on
+    # An edit, or it shared a batch the AR refused as bad input: it goes alone (from now on).
+    solo: bool = False
     ar_outputs: tuple[object, ...] = ()
     done: int = 0
 
@@ -296,6 +297,7 @@ class Scheduler:
             arrived_at=self._now,
             attempt_base=base,
             outputs=[_Output(index=i, attempt=base) for i in range(ev.n)],
+            solo=ev.solo,
         )
         self._active[rid] = req
         self.counters.admitted += 1
@@ -580,7 +582,7 @@ class Scheduler:
         best: tuple[tuple[float, int], tuple[int, int]] | None = None
         for key, q in self._pending_ar.items():
             oldest = self._oldest(q)
-            full = sum(r.n for r in q) >= cfg.ar_batch_max_outputs
+            full = sum(r.n for r in q) >= cfg.ar_batch_max_outputs or q[0].solo  # nothing may join a solo one
             eligible = full or self._now >= oldest[0] + cfg.ar_batch_delay
             if eligible and (best is None or oldest < best[0]):
                 best = (oldest, key)

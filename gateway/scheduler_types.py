@@ -113,6 +113,8 @@ class RequestArrived:
     height: int
     width: int
     deadline: float | None = None  # absolute, same monotonic clock as ``now``
+    # Its AR batch holds it alone (an edit: its reference images make its prompt unlike any other's).
+    solo: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from services.runtime.limits import (
     check_output_compression,
     check_partial_images,
     check_prompt,
+    check_reference_images,
     check_sampling,
     check_seed,
     check_steps,
@@ -55,4 +56,6 @@ def check_generate(r: gateway_service_pb2.GenerateImagesRequest, limits: Limits,
         check_sampling(sp.temperature if sp.HasField("temperature") else None,
                        sp.top_p if sp.HasField("top_p") else None,
                        sp.top_k if sp.HasField("top_k") else None)
+    if r.reference_images:  # an edit: count, bytes and each header's format and pixels, before anything decodes
+        check_reference_images([image.data for image in r.reference_images], limits)
     return Checked(n=n, height=height, width=width)

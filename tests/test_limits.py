@@ -32,6 +32,7 @@ from services.runtime.limits import (
     AR_FIELDS,
     DENOISER_FIELDS,
     FIELDS,
+    REFERENCE_FIELDS,
     SEED_SPACE,
     Limits,
     add_limit_args,
@@ -49,6 +50,7 @@ DENOISER_FLAGS = ["--max-prompt-chars", "400", "--max-pixels", str(256 * 256), "
 EXPECTED = Limits(max_prompt_chars=300, max_n=4, max_pixels=256 * 256, max_steps=7, max_guidance=9.0,
                   max_batch_outputs=32, max_partial_images=2)
 PROMPT = "a red cube"
+REFERENCE_DEFAULTS = {name: getattr(Limits, name) for name in REFERENCE_FIELDS}
 
 
 # ---- the model itself ------------------------------------------------------------------------------------------
@@ -131,12 +133,12 @@ async def test_workers_and_gateway_advertise_their_limits(stack: Cluster) -> Non
     async with grpc.aio.insecure_channel(stack.procs["ar"].address) as ch:
         ar = await ar_service_pb2_grpc.ArServiceStub(ch).GetLimits(ar_service_pb2.ArServiceGetLimitsRequest())
     assert advertised(ar.limits) == {"max_prompt_chars": 300, "max_n": 4, "max_pixels": 512 * 512,
-                                     "max_batch_outputs": 32}
+                                     "max_batch_outputs": 32, **REFERENCE_DEFAULTS}
     async with grpc.aio.insecure_channel(stack.procs["denoiser"].address) as ch:
         den = await denoiser_service_pb2_grpc.DenoiserServiceStub(ch).GetLimits(
             denoiser_service_pb2.DenoiserServiceGetLimitsRequest())
     assert advertised(den.limits) == {"max_prompt_chars": 400, "max_pixels": 256 * 256, "max_steps": 7,
-                                      "max_guidance": 9.0, "max_partial_images": 2}
+                                      "max_guidance": 9.0, "max_partial_images": 2, **REFERENCE_DEFAULTS}
     async with grpc.aio.insecure_channel(stack.procs["gateway"].address) as ch:
         gw = await gateway_service_pb2_grpc.GatewayServiceStub(ch).GetLimits(pb.GetLimitsRequest())
     assert from_proto(gw.limits) == EXPECTED

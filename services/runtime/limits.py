@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterable, Mapping
+import io
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from glmimage.v1 import common_pb2
@@ -44,6 +45,13 @@ class Limits:
     # Output rows in one AR model batch (the sum of n over a GenerateBatch call): bounds KV-cache memory.
     max_batch_outputs: int = 32
     max_partial_images: int = 3  # OpenAI's partial_images range is 0-3
+    # Edits: OpenAI's images.edit takes up to 16 images. Per file and per request byte bounds keep every hop's
+    # message under the 64 MiB the gateway's worker channels carry; the pixel bound is read from the header, so a
+    # small file that claims a huge image (a decompression bomb) is refused before anything decodes it.
+    max_reference_images: int = 16
+    max_reference_bytes: int = 8 << 20
+    max_reference_total_bytes: int = 32 << 20
+    max_reference_pixels: int = 4096 * 4096
 
     def tightened(self, bounds: Mapping[str, float]) -> Limits:
         """These limits, lowered to ``bounds`` where those are tighter (a field not named stays as it is)."""
@@ -63,8 +71,10 @@ class Limits:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Limits))
 # What each server applies, and so advertises: the gateway must not take a default it never checks as a bound.
-AR_FIELDS = ("max_prompt_chars", "max_n", "max_pixels", "max_batch_outputs")
-DENOISER_FIELDS = ("max_prompt_chars", "max_pixels", "max_steps", "max_guidance", "max_partial_images")
+REFERENCE_FIELDS = ("max_reference_images", "max_reference_bytes", "max_reference_total_bytes", "max_reference_pixels")
+AR_FIELDS = ("max_prompt_chars", "max_n", "max_pixels", "max_batch_outputs", *REFERENCE_FIELDS)
+DENOISER_FIELDS = ("max_prompt_chars", "max_pixels", "max_steps", "max_guidance", "max_partial_images",
+                   *REFERENCE_FIELDS)
 
 
 def advertised(message: common_pb2.Limits) -> dict[str, float]:
@@ -170,6 +180,49 @@ def check_partial_images(count: int, limits: Limits) -> None:
         raise InvalidArgument("partial_images", f"must be between 0 and {limits.max_partial_images}, got {count}")
 
 
+# Reference images are decoded by Pillow; these are the formats the API accepts (OpenAI's: PNG, JPEG, WebP).
+REFERENCE_FORMATS = ("PNG", "JPEG", "WEBP")
+# The model's processor resizes references keeping their aspect ratio, up to this much (GLM-Image's smart_resize).
+MAX_REFERENCE_ASPECT = 4.0
+
+
+def check_reference_images(images: Sequence[bytes], limits: Limits) -> list[tuple[int, int]]:
+    """Each reference's (width, height) from its header, or InvalidArgument naming it (``reference_images[i]``).
+
+    Only the header is read here: nothing is decoded, so a file that claims more than max_reference_pixels costs
+    nothing. A file whose header is sound but whose data is not (truncated) fails where it is decoded, with the
+    same field named.
+    """
+    from PIL import Image, UnidentifiedImageError  # servers only: the SDK never checks images
+
+    if len(images) > limits.max_reference_images:
+        raise InvalidArgument("reference_images",
+                              f"{len(images)} images; an edit takes at most {limits.max_reference_images}")
+    total = sum(len(data) for data in images)
+    if total > limits.max_reference_total_bytes:
+        raise InvalidArgument("reference_images", f"{total} bytes in all; the limit is "
+                                                  f"{limits.max_reference_total_bytes}")
+    sizes = []
+    for i, data in enumerate(images):
+        name = f"reference_images[{i}]"
+        if len(data) > limits.max_reference_bytes:
+            raise InvalidArgument(name, f"is {len(data)} bytes; the limit is {limits.max_reference_bytes}")
+        try:
+            with Image.open(io.BytesIO(data)) as image:  # lazy: parses the header, decodes nothing
+                fmt, (width, height) = image.format, image.size
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+            raise InvalidArgument(name, "is not a PNG, JPEG or WebP image") from None
+        if fmt not in REFERENCE_FORMATS:
+            raise InvalidArgument(name, f"is {fmt}; use PNG, JPEG or WebP")
+        if width < 1 or height < 1 or width * height > limits.max_reference_pixels:
+            raise InvalidArgument(name, f"declares {width}x{height} pixels; the limit is "
+                                        f"{limits.max_reference_pixels} pixels")
+        if max(width, height) > MAX_REFERENCE_ASPECT * min(width, height):
+            raise InvalidArgument(name, f"{width}x{height} is more elongated than {MAX_REFERENCE_ASPECT:g}:1")
+        sizes.append((width, height))
+    return sizes
+
+
 def check_output_compression(value: int | None) -> None:
     if value is not None and not 0 <= value <= MAX_OUTPUT_COMPRESSION:
         raise InvalidArgument("output_compression",
@@ -187,6 +240,10 @@ FLAG_HELP = {
     "max_guidance": "guidance scale",
     "max_batch_outputs": "output rows in one AR model batch (the sum of n over a GenerateBatch call)",
     "max_partial_images": "partial previews of one streamed image",
+    "max_reference_images": "reference images of one edit",
+    "max_reference_bytes": "bytes of one reference image file",
+    "max_reference_total_bytes": "bytes of all the reference images of one edit",
+    "max_reference_pixels": "pixels a reference image may declare in its header (checked before decoding)",
 }
 
 

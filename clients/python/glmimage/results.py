@@ -144,6 +144,11 @@ class Limits:
     max_guidance: float
     max_batch_outputs: int
     max_partial_images: int
+    # Edits: reference images per request, bytes per image and in all, pixels an image's header may declare.
+    max_reference_images: int
+    max_reference_bytes: int
+    max_reference_total_bytes: int
+    max_reference_pixels: int
 
     @classmethod
     def from_proto(cls, m: common_pb2.Limits) -> Limits:

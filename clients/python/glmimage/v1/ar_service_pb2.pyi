@@ -18,7 +18,7 @@ class ArServiceGetLimitsResponse(_message.Message):
     def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "n", "height", "width", "seed", "sampling", "request_id")
+    __slots__ = ("prompt", "n", "height", "width", "seed", "sampling", "request_id", "reference_images")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_IMAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     n: int
     height: int
@@ -33,7 +34,8 @@ class GenerateRequest(_message.Message):
     seed: int
     sampling: _common_pb2.SamplingParams
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    reference_images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceImage]
+    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ...) -> None: ...
 
 class PriorOutput(_message.Message):
     __slots__ = ("tokens", "seed", "usage")
@@ -46,20 +48,22 @@ class PriorOutput(_message.Message):
     def __init__(self, tokens: _Optional[_Union[_common_pb2.TokenRow, _Mapping]] = ..., seed: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("outputs", "height", "width", "grid_height", "grid_width", "usage")
+    __slots__ = ("outputs", "height", "width", "grid_height", "grid_width", "usage", "references")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     GRID_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     GRID_WIDTH_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[PriorOutput]
     height: int
     width: int
     grid_height: int
     grid_width: int
     usage: _common_pb2.Usage
-    def __init__(self, outputs: _Optional[_Iterable[_Union[PriorOutput, _Mapping]]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., grid_height: _Optional[int] = ..., grid_width: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    references: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceTokens]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[PriorOutput, _Mapping]]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., grid_height: _Optional[int] = ..., grid_width: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., references: _Optional[_Iterable[_Union[_common_pb2.ReferenceTokens, _Mapping]]] = ...) -> None: ...
 
 class GenerateBatchRequest(_message.Message):
     __slots__ = ("requests",)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18glmimage/v1/common.proto\x12\x0bglmimage.v1\"\x80\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\"!\n\x08TokenRow\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_k\"\xc2\x02\n\x06Limits\x12\x1d\n\x10max_prompt_chars\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05max_n\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nmax_pixels\x18\x03 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\tmax_steps\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x19\n\x0cmax_guidance\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11max_batch_outputs\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1f\n\x12max_partial_images\x18\x07 \x01(\rH\x06\x88\x01\x01\x42\x13\n\x11_max_prompt_charsB\x08\n\x06_max_nB\r\n\x0b_max_pixelsB\x0c\n\n_max_stepsB\x0f\n\r_max_guidanceB\x14\n\x12_max_batch_outputsB\x15\n\x13_max_partial_images*o\n\x0bImageFormat\x12\x1c\n\x18IMAGE_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10IMAGE_FORMAT_PNG\x10\x01\x12\x15\n\x11IMAGE_FORMAT_JPEG\x10\x02\x12\x15\n\x11IMAGE_FORMAT_WEBP\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18glmimage/v1/common.proto\x12\x0bglmimage.v1\"\x96\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x06 \x01(\r\"!\n\x08TokenRow\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\x1e\n\x0eReferenceImage\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"a\n\x0fReferenceTokens\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.glmimage.v1.TokenRow\x12\x13\n\x0bgrid_height\x18\x02 \x01(\r\x12\x12\n\ngrid_width\x18\x03 \x01(\r\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_k\"\xba\x04\n\x06Limits\x12\x1d\n\x10max_prompt_chars\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05max_n\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nmax_pixels\x18\x03 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\tmax_steps\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x19\n\x0cmax_guidance\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11max_batch_outputs\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1f\n\x12max_partial_images\x18\x07 \x01(\rH\x06\x88\x01\x01\x12!\n\x14max_reference_images\x18\x08 \x01(\rH\x07\x88\x01\x01\x12 \n\x13max_reference_bytes\x18\t \x01(\x04H\x08\x88\x01\x01\x12!\n\x14max_reference_pixels\x18\n \x01(\x04H\t\x88\x01\x01\x12&\n\x19max_reference_total_bytes\x18\x0b \x01(\x04H\n\x88\x01\x01\x42\x13\n\x11_max_prompt_charsB\x08\n\x06_max_nB\r\n\x0b_max_pixelsB\x0c\n\n_max_stepsB\x0f\n\r_max_guidanceB\x14\n\x12_max_batch_outputsB\x15\n\x13_max_partial_imagesB\x17\n\x15_max_reference_imagesB\x16\n\x14_max_reference_bytesB\x17\n\x15_max_reference_pixelsB\x1c\n\x1a_max_reference_total_bytes*o\n\x0bImageFormat\x12\x1c\n\x18IMAGE_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10IMAGE_FORMAT_PNG\x10\x01\x12\x15\n\x11IMAGE_FORMAT_JPEG\x10\x02\x12\x15\n\x11IMAGE_FORMAT_WEBP\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENROW'].fields_by_name['token_ids']._loaded_options = None
   _globals['_TOKENROW'].fields_by_name['token_ids']._serialized_options = b'\020\001'
-  _globals['_IMAGEFORMAT']._serialized_start=652
-  _globals['_IMAGEFORMAT']._serialized_end=763
+  _globals['_IMAGEFORMAT']._serialized_start=1053
+  _globals['_IMAGEFORMAT']._serialized_end=1164
   _globals['_USAGE']._serialized_start=42
-  _globals['_USAGE']._serialized_end=170
-  _globals['_TOKENROW']._serialized_start=172
-  _globals['_TOKENROW']._serialized_end=205
-  _globals['_SAMPLINGPARAMS']._serialized_start=207
-  _globals['_SAMPLINGPARAMS']._serialized_end=325
-  _globals['_LIMITS']._serialized_start=328
-  _globals['_LIMITS']._serialized_end=650
+  _globals['_USAGE']._serialized_end=192
+  _globals['_TOKENROW']._serialized_start=194
+  _globals['_TOKENROW']._serialized_end=227
+  _globals['_REFERENCEIMAGE']._serialized_start=229
+  _globals['_REFERENCEIMAGE']._serialized_end=259
+  _globals['_REFERENCETOKENS']._serialized_start=261
+  _globals['_REFERENCETOKENS']._serialized_end=358
+  _globals['_SAMPLINGPARAMS']._serialized_start=360
+  _globals['_SAMPLINGPARAMS']._serialized_end=478
+  _globals['_LIMITS']._serialized_start=481
+  _globals['_LIMITS']._serialized_end=1051
 # @@protoc_insertion_point(module_scope)

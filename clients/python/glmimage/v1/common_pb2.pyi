@@ -2,8 +2,8 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -19,24 +19,42 @@ IMAGE_FORMAT_JPEG: ImageFormat
 IMAGE_FORMAT_WEBP: ImageFormat
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "reasoning_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "reasoning_tokens", "cached_tokens", "image_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     reasoning_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    image_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenRow(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReferenceImage(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class ReferenceTokens(_message.Message):
+    __slots__ = ("tokens", "grid_height", "grid_width")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRID_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    GRID_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    tokens: TokenRow
+    grid_height: int
+    grid_width: int
+    def __init__(self, tokens: _Optional[_Union[TokenRow, _Mapping]] = ..., grid_height: _Optional[int] = ..., grid_width: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k")
@@ -49,7 +67,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_prompt_chars", "max_n", "max_pixels", "max_steps", "max_guidance", "max_batch_outputs", "max_partial_images")
+    __slots__ = ("max_prompt_chars", "max_n", "max_pixels", "max_steps", "max_guidance", "max_batch_outputs", "max_partial_images", "max_reference_images", "max_reference_bytes", "max_reference_pixels", "max_reference_total_bytes")
     MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_N_FIELD_NUMBER: _ClassVar[int]
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +75,10 @@ class Limits(_message.Message):
     MAX_GUIDANCE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     MAX_PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REFERENCE_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REFERENCE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REFERENCE_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REFERENCE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_prompt_chars: int
     max_n: int
     max_pixels: int
@@ -64,4 +86,8 @@ class Limits(_message.Message):
     max_guidance: float
     max_batch_outputs: int
     max_partial_images: int
-    def __init__(self, max_prompt_chars: _Optional[int] = ..., max_n: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_guidance: _Optional[float] = ..., max_batch_outputs: _Optional[int] = ..., max_partial_images: _Optional[int] = ...) -> None: ...
+    max_reference_images: int
+    max_reference_bytes: int
+    max_reference_pixels: int
+    max_reference_total_bytes: int
+    def __init__(self, max_prompt_chars: _Optional[int] = ..., max_n: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_guidance: _Optional[float] = ..., max_batch_outputs: _Optional[int] = ..., max_partial_images: _Optional[int] = ..., max_reference_images: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_reference_pixels: _Optional[int] = ..., max_reference_total_bytes: _Optional[int] = ...) -> None: ...

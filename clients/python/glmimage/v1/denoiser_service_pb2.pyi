@@ -1,7 +1,8 @@
 from glmimage.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -17,7 +18,7 @@ class DenoiserServiceGetLimitsResponse(_message.Message):
     def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ...) -> None: ...
 
 class DenoiseRequest(_message.Message):
-    __slots__ = ("prompt", "prior_tokens", "height", "width", "num_inference_steps", "guidance_scale", "seed", "output_format", "output_compression", "request_id")
+    __slots__ = ("prompt", "prior_tokens", "height", "width", "num_inference_steps", "guidance_scale", "seed", "output_format", "output_compression", "request_id", "reference_images", "references")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PRIOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +29,8 @@ class DenoiseRequest(_message.Message):
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prior_tokens: _common_pb2.TokenRow
     height: int
@@ -38,7 +41,9 @@ class DenoiseRequest(_message.Message):
     output_format: _common_pb2.ImageFormat
     output_compression: int
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., prior_tokens: _Optional[_Union[_common_pb2.TokenRow, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    reference_images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceImage]
+    references: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceTokens]
+    def __init__(self, prompt: _Optional[str] = ..., prior_tokens: _Optional[_Union[_common_pb2.TokenRow, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., references: _Optional[_Iterable[_Union[_common_pb2.ReferenceTokens, _Mapping]]] = ...) -> None: ...
 
 class DenoiseTimings(_message.Message):
     __slots__ = ("denoise_seconds", "decode_seconds", "encode_seconds")

@@ -31,7 +31,7 @@ WORKER_ROLE_AR: WorkerRole
 WORKER_ROLE_DENOISER: WorkerRole
 
 class GenerateImagesRequest(_message.Message):
-    __slots__ = ("prompt", "n", "height", "width", "output_format", "output_compression", "num_inference_steps", "guidance_scale", "seed", "sampling", "request_id")
+    __slots__ = ("prompt", "n", "height", "width", "output_format", "output_compression", "num_inference_steps", "guidance_scale", "seed", "sampling", "request_id", "reference_images")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class GenerateImagesRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_IMAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     n: int
     height: int
@@ -54,7 +55,8 @@ class GenerateImagesRequest(_message.Message):
     seed: int
     sampling: _common_pb2.SamplingParams
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    reference_images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceImage]
+    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ...) -> None: ...
 
 class GeneratedImage(_message.Message):
     __slots__ = ("index", "image", "seed", "usage")
