@@ -112,6 +112,12 @@ class _Request:
     ar_outputs: tuple[object, ...] = ()
     done: int = 0
 
+    @property
+    def queue_key(self) -> tuple[int, int, int]:
+        """The AR queue it waits in: one per resolution, and one of its own when it goes alone (so it neither waits
+        behind a batching window nor holds one up)."""
+        return (self.height, self.width, self.seq if self.solo else 0)
+
 
 @dataclass(eq=False)
 class _Worker:
@@ -163,7 +169,8 @@ class Scheduler:
         self._maybe_abandoned: set[int] = set()  # batches that lost a request during the current event
         self._use_clock = itertools.count(1)  # logical clock for least-recently-used choices
         self._active: dict[str, _Request] = {}
-        self._pending_ar: dict[tuple[int, int], deque[_Request]] = {}
+        # (height, width, 0) -> the requests that may batch together; a solo request queues under its own key.
+        self._pending_ar: dict[tuple[int, int, int], deque[_Request]] = {}
         self._pending_ar_outputs = 0
         self._denoise_q: list[_QueueKey] = []
         self._batches: dict[int, _Batch] = {}
@@ -485,10 +492,10 @@ class Scheduler:
         """Remove an active request from every queue and cancel its in-flight denoise jobs."""
         del self._active[req.request_id]
         if req.stage is _Stage.PENDING_AR:
-            q = self._pending_ar[(req.height, req.width)]
+            q = self._pending_ar[req.queue_key]
             q.remove(req)
             if not q:
-                del self._pending_ar[(req.height, req.width)]
+                del self._pending_ar[req.queue_key]
             self._pending_ar_outputs -= req.n
         elif req.stage is _Stage.DENOISING:
             if any(o.state is _OutState.QUEUED for o in req.outputs):
@@ -528,7 +535,7 @@ class Scheduler:
 
     def _enqueue_ar(self, req: _Request, front: bool) -> None:
         req.stage = _Stage.PENDING_AR
-        q = self._pending_ar.setdefault((req.height, req.width), deque())
+        q = self._pending_ar.setdefault(req.queue_key, deque())
         if front:
             q.appendleft(req)
         else:
@@ -576,10 +583,10 @@ class Scheduler:
     def _oldest(q: deque[_Request]) -> tuple[float, int]:
         return min((r.arrived_at, r.seq) for r in q)
 
-    def _eligible_group(self) -> tuple[int, int] | None:
+    def _eligible_group(self) -> tuple[int, int, int] | None:
         """The resolution whose batch may leave now and whose oldest request is oldest."""
         cfg = self.config
-        best: tuple[tuple[float, int], tuple[int, int]] | None = None
+        best: tuple[tuple[float, int], tuple[int, int, int]] | None = None
         for key, q in self._pending_ar.items():
             oldest = self._oldest(q)
             full = sum(r.n for r in q) >= cfg.ar_batch_max_outputs or q[0].solo  # nothing may join a solo one

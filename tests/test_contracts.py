@@ -24,11 +24,32 @@ def test_committed_stubs_match_make_protos(tmp_path: Path) -> None:
     assert not mismatch and not errors, f"stale stubs {mismatch + errors}: run `make protos` and commit"
 
 
-def test_buf_lint_standard_is_clean() -> None:
+def _buf() -> str:
     buf = shutil.which("buf", path=str(Path(sys.executable).parent))
     if buf is None:
         pytest.fail("buf is not installed (it comes with the dev extra: buf-bin)")
-    result = subprocess.run([buf, "lint"], cwd=REPO / "protos", capture_output=True, text=True)
+    return buf
+
+
+def test_buf_lint_standard_is_clean() -> None:
+    result = subprocess.run([_buf(), "lint"], cwd=REPO / "protos", capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("source, against", [(None, "HEAD"), ("HEAD", "HEAD~1")],
+                         ids=["worktree-vs-HEAD", "HEAD-vs-previous"])
+def test_protos_are_wire_compatible_with_the_previous_commit(tmp_path: Path, source: str | None,
+                                                             against: str) -> None:
+    # buf's FILE rules (protos/buf.yaml): no field renumbered, retyped or removed, so old clients keep working.
+    if subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", against],
+                      capture_output=True).returncode:
+        pytest.skip(f"no {against} in this checkout (a shallow clone)")
+    protos = REPO / "protos"
+    if source is not None:  # that commit's protos, exported
+        subprocess.run(f"git -C {REPO} archive {source} protos | tar -x -C {tmp_path}", shell=True, check=True)
+        protos = tmp_path / "protos"
+    result = subprocess.run([_buf(), "breaking", str(protos), "--against", f"{REPO}/.git#ref={against},subdir=protos"],
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

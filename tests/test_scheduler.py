@@ -229,6 +229,19 @@ def test_full_batch_dispatches_immediately() -> None:
     assert s.snapshot().pending_ar_requests == 0
 
 
+def test_an_edit_runs_alone_at_once_and_nothing_joins_its_batch() -> None:
+    # An edit's reference images make its prompt unlike any other's: it leaves without the batching delay, alone,
+    # and the text-to-image requests around it batch among themselves.
+    s = make(ar_batch_max_outputs=8, ar_batch_delay=10.0, ar_max_inflight_batches=2)
+    up(s, "ar0", AR)
+    assert arrive(s, "t1", 1) == []
+    (edit,) = s.handle(RequestArrived(0.001, "e", 2, SIZE[0], SIZE[1], None, solo=True))
+    assert edit.request_ids == ("e",)
+    assert arrive(s, "t2", 1, now=0.002) == []  # still waiting for t1's window, without the edit
+    (batch,) = s.handle(Tick(10.0))
+    assert batch.request_ids == ("t1", "t2")
+
+
 def test_delay_dispatch_via_tick_and_next_wakeup() -> None:
     s = make(ar_batch_delay=0.005)
     up(s, "ar0", AR)
