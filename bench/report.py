@@ -98,6 +98,22 @@ def gateway(d: dict) -> str:
             "concurrency 1 and the requests/s at concurrency 32 to `bench/results/compare_gateway.json`.\n")
 
 
+def compare_gateway(d: dict) -> str:
+    labels = {"rest_added_p50_ms_c1": ("REST added latency p50, concurrency 1", " ms"),
+              "rest_rps_c32": ("REST requests/s, concurrency 32", "")}
+    rows = []
+    for name, (label, unit) in labels.items():
+        f = d["figures"][name]
+        rows.append(f"| {label} | {_f(f['base']['median'])}{unit} ({_f(f['base']['min'])}-{_f(f['base']['max'])}) | "
+                    f"{_f(f['head']['median'])}{unit} ({_f(f['head']['min'])}-{_f(f['head']['max'])}) | "
+                    f"**{_f(f['head_over_base'], 3)}** ({'higher' if f['higher_is_better'] else 'lower'} is better) |")
+    rounds = len(d["figures"]["rest_rps_c32"]["head"]["rounds"])
+    return ("## Gateway overhead, side by side with an earlier revision\n\n" + _header(d) +
+            f"\n`{d['base']['rev']}` ({d['base']['commit'][:10]}) against `{d['head']['rev']}` "
+            f"({d['head']['commit'][:10]}), {rounds} rounds each, alternating; medians (range).\n\n"
+            "| figure | base | head | head / base |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
 def e2e(d: dict) -> str:
     m = d["median"]
     return ("## End to end on the real tiny model (issue 8)\n\n" + _header(d) +
@@ -146,7 +162,7 @@ def main() -> None:
              "them). The machine is a shared 2-core CPU box, so absolute figures are noisy; ratios are measured side "
              "by side in one run and figures are medians.\n"]
     for name, fn in (("ar", ar), ("denoiser", denoiser), ("scheduler_sim", scheduler_sim), ("gateway", gateway),
-                     ("e2e", e2e), ("soak", soak)):
+                     ("compare_gateway", compare_gateway), ("e2e", e2e), ("soak", soak)):
         d = _load(name)
         parts.append(fn(d) if d else f"## {name}\n\nNot run yet: `.venv/bin/python -m bench.{name}`.\n")
     OUT.write_text("\n".join(parts))
