@@ -7,6 +7,8 @@ as a parameter reads to ruff as an unused import redefined (F401, F811).
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from tests.support.fake_gateway import FakeServer, serve_fake
 from tests.support.servers import serve_ar, serve_denoiser
 
 REPO = Path(__file__).resolve().parents[1]
+NODE_DIR = REPO / "clients" / "node"
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +50,20 @@ def fake(fake_server: FakeServer) -> FakeServer:
     """The module's scripted gateway, its calls and injected failures cleared."""
     fake_server.servicer.reset()
     return fake_server
+
+
+@pytest.fixture(scope="session")
+def node() -> str:
+    """The node binary, with the Node client's packages installed from its lock; skips when node is absent."""
+    found = shutil.which("node")
+    if found is None:
+        pytest.skip("node is not installed")
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        npm = shutil.which("npm")
+        assert npm, "node is installed but npm is not: install npm to fetch @grpc/grpc-js"
+        # Exactly the committed lock; nothing is cached in git (node_modules/ is ignored).
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True, timeout=600)
+    return found
 
 
 @pytest.fixture(scope="session")

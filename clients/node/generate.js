@@ -1,11 +1,13 @@
 #!/usr/bin/env node
-// Generate images through the GLM-Image GatewayService from Node.js.
+// Generate or edit images through the GLM-Image GatewayService from Node.js.
 //
 // The .proto contracts are loaded at run time from protos/glmimage/v1 (no generated code), which is what proves
 // they are language-neutral. Usage:
 //
 //   node generate.js --address 127.0.0.1:50050 --prompt "a red STOP sign" --size 256x256 --out out.png
+//   node generate.js --image a.png --image b.png --prompt "make the sign blue" --size 256x256 --out edit.png
 //
+// Each --image makes the call an edit: the file goes as it is, as one of the request's reference_images.
 // Writes the image(s) and prints {"files", "width", "height", "seeds", "usage"} as JSON on stdout.
 'use strict';
 
@@ -21,7 +23,7 @@ const PROTO_DIR = path.join(PROTO_ROOT, 'glmimage', 'v1');
 function usage(message) {
   if (message) console.error(`generate.js: ${message}`);
   (message ? console.error : console.log)('usage: node generate.js --prompt TEXT [--address HOST:PORT] [--size WxH] [-n N] [--seed S]\n' +
-    '                   [--steps K] [--out FILE.png] [--api-key KEY] [--timeout SECONDS]\n' +
+    '                   [--steps K] [--image REF.png ...] [--out FILE.png] [--api-key KEY] [--timeout SECONDS]\n' +
     '                   [--tls-ca CA.pem [--tls-cert CERT.pem --tls-key KEY.pem]]');
   process.exit(message ? 2 : 0);
 }
@@ -38,6 +40,7 @@ function parse() {
         n: { type: 'string', short: 'n', default: '1' },
         seed: { type: 'string' },
         steps: { type: 'string' },
+        image: { type: 'string', short: 'i', multiple: true },
         out: { type: 'string', short: 'o', default: 'out.png' },
         'api-key': { type: 'string', default: process.env.GLMIMAGE_API_KEY },
         timeout: { type: 'string', default: '600' },
@@ -56,7 +59,18 @@ function parse() {
   if (!prompt) usage('a prompt is required');
   const size = /^(\d+)x(\d+)$/i.exec(v.size);
   if (!size) usage(`--size must look like 256x256, got ${v.size}`);
-  return { ...v, prompt, width: Number(size[1]), height: Number(size[2]), n: Number(v.n) };
+  return { ...v, prompt, width: Number(size[1]), height: Number(size[2]), n: Number(v.n), images: readImages(v.image ?? []) };
+}
+
+// An edit's reference files, read as they are (never decoded here); a file that cannot be read is a usage error.
+function readImages(files) {
+  return files.map((file) => {
+    try {
+      return fs.readFileSync(file);
+    } catch (err) {
+      return usage(`cannot read --image ${file}: ${err.message}`);
+    }
+  });
 }
 
 function loadGatewayService() {
@@ -101,6 +115,8 @@ function main() {
   };
   if (args.seed !== undefined) request.seed = Number(args.seed);
   if (args.steps !== undefined) request.num_inference_steps = Number(args.steps);
+  // Reference images make it an edit (bytes fields take Buffers); the gateway checks their headers.
+  request.reference_images = args.images.map((data) => ({ data }));
   const metadata = new grpc.Metadata();
   if (args['api-key']) metadata.set('authorization', `Bearer ${args['api-key']}`);
   const deadline = new Date(Date.now() + Number(args.timeout) * 1000);

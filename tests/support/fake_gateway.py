@@ -2,7 +2,8 @@
 
 It records every call with its metadata and can fail the next calls of a method with chosen status codes; some
 prompts have special behaviour ("block", "midstream", "invalid"). Its images are not images: ``fake_image`` names
-what they hold, so a test can tell which prompt, index and seed an output came from.
+what they hold, so a test can tell which prompt, index and seed an output came from. An edit (reference images)
+counts IMAGE_TOKENS_PER_REFERENCE prompt tokens per reference, reported as image_tokens.
 """
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_reflection.v1alpha import reflection
 
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 
 DEFAULT_STEPS = 4
+IMAGE_TOKENS_PER_REFERENCE = 64
 EXT = {common_pb2.IMAGE_FORMAT_JPEG: b"JPEG", common_pb2.IMAGE_FORMAT_WEBP: b"WEBP"}
 
 
@@ -68,17 +71,19 @@ class FakeGateway(gateway_service_pb2_grpc.GatewayServiceServicer):
         n = r.n or 1
         height, width = r.height or 256, r.width or 256
         seed = r.seed if r.HasField("seed") else 1000
-        prompt_tokens = len(r.prompt.split())
+        image_tokens = IMAGE_TOKENS_PER_REFERENCE * len(r.reference_images)
+        prompt_tokens = len(r.prompt.split()) + image_tokens
         images = []
         for i in range(n):
             completion = (height // 16) * (width // 16) + 1
             usage = common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                                     total_tokens=prompt_tokens + completion)
+                                     total_tokens=prompt_tokens + completion, image_tokens=image_tokens)
             images.append(gateway_service_pb2.GeneratedImage(
                 index=i, image=fake_image(r.prompt, i, seed + i, r.output_format), seed=seed + i, usage=usage))
         total = common_pb2.Usage(prompt_tokens=sum(im.usage.prompt_tokens for im in images),
                                  completion_tokens=sum(im.usage.completion_tokens for im in images),
-                                 total_tokens=sum(im.usage.total_tokens for im in images))
+                                 total_tokens=sum(im.usage.total_tokens for im in images),
+                                 image_tokens=sum(im.usage.image_tokens for im in images))
         # Deliberately out of order: clients must sort by index.
         return gateway_service_pb2.GenerateImagesResponse(
             images=list(reversed(images)), usage=total, height=height, width=width,
@@ -140,11 +145,16 @@ class FakeServer:
 
 
 @contextlib.contextmanager
-def serve_fake(credentials: grpc.ServerCredentials | None = None) -> Iterator[FakeServer]:
-    """The scripted gateway on an ephemeral loopback port, plaintext or with `credentials`; stopped on exit."""
+def serve_fake(credentials: grpc.ServerCredentials | None = None, *,
+               with_reflection: bool = False) -> Iterator[FakeServer]:
+    """The scripted gateway on an ephemeral loopback port, plaintext or with `credentials`; stopped on exit.
+    ``with_reflection`` serves grpc reflection too, as the real servers do, so grpcurl can call it."""
     servicer = FakeGateway()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+    if with_reflection:
+        service = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+        reflection.enable_server_reflection((service, reflection.SERVICE_NAME), server)
     if credentials is None:
         port = server.add_insecure_port("127.0.0.1:0")
     else:

@@ -2,6 +2,7 @@
 
     glmimage generate "a red STOP sign" -n 2 --size 512x512 -o out/
     glmimage generate "a red STOP sign" --stream --partial-images 2 -o out/
+    glmimage edit photo.png -p "make the sign blue" --size 512x512 -o out/
     glmimage status
 
 Printing is this module's interface; errors go to stderr with a non-zero exit code.
@@ -9,6 +10,7 @@ Printing is this module's interface; errors go to stderr with a non-zero exit co
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -68,7 +70,7 @@ def _connection_args(parser: argparse.ArgumentParser, *, suppress: bool = False)
     g.add_argument("-v", "--verbose", action="store_true", default=default(False),
                    help="log retries and connection details to stderr")
     g.add_argument("--json", action="store_true", default=default(False),
-                   help="print the result as JSON (generate: files, seeds and usage)")
+                   help="print the result as JSON (generate, edit: files, seeds and usage)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,22 +82,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", parents=[conn], help="generate images and write them to a directory")
     gen.add_argument("prompt")
-    gen.add_argument("-n", type=int, default=1, help="number of images (1-10)")
-    gen.add_argument("--size", type=size_arg, default=None, metavar="WxH", help="e.g. 512x512 (default: the gateway's)")
-    gen.add_argument("-o", "--output-dir", type=Path, default=Path("."), help="directory for the images")
-    gen.add_argument("--name", default="image", help="file name stem: <name>-<i>.<ext> (default: image)")
-    gen.add_argument("--format", choices=sorted(FORMATS), default=None, help="image encoding (default png)")
-    gen.add_argument("--compression", type=int, default=None, help="0-100, 100 the least compressed")
-    gen.add_argument("--seed", type=int, default=None, help="output i uses seed + i")
-    gen.add_argument("--steps", type=int, default=None, help="denoising steps")
-    gen.add_argument("--guidance", type=float, default=None, help="guidance scale")
-    gen.add_argument("--stream", action="store_true", help="stream progress (a progress bar on stderr)")
-    gen.add_argument("--partial-images", type=int, default=0, choices=range(4), metavar="{0-3}",
-                     help="with --stream: previews per image, written as <name>-<i>.partial-<k>.<ext>")
+    _image_args(gen)
+    edit = sub.add_parser("edit", parents=[conn], help="edit images (the references) and write the outputs")
+    edit.add_argument("images", nargs="+", type=Path, metavar="IMAGE",
+                      help="reference image files (PNG, JPEG or WebP), sent as they are")
+    edit.add_argument("-p", "--prompt", required=True, help="what to make of the references")
+    _image_args(edit)
 
     sub.add_parser("status", parents=[conn], help="show the gateway's queues and workers")
     sub.add_parser("limits", parents=[conn], help="show the limits in force (what the gateway refuses past)")
     return parser
+
+
+def _image_args(parser: argparse.ArgumentParser) -> None:
+    """The output and request flags that generate and edit share."""
+    parser.add_argument("-n", type=int, default=1, help="number of images (1-10)")
+    parser.add_argument("--size", type=size_arg, default=None, metavar="WxH",
+                        help="e.g. 512x512 (default: the gateway's)")
+    parser.add_argument("-o", "--output-dir", type=Path, default=Path("."), help="directory for the images")
+    parser.add_argument("--name", default="image", help="file name stem: <name>-<i>.<ext> (default: image)")
+    parser.add_argument("--format", choices=sorted(FORMATS), default=None, help="image encoding (default png)")
+    parser.add_argument("--compression", type=int, default=None, help="0-100, 100 the least compressed")
+    parser.add_argument("--seed", type=int, default=None, help="output i uses seed + i")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps")
+    parser.add_argument("--guidance", type=float, default=None, help="guidance scale")
+    parser.add_argument("--stream", action="store_true", help="stream progress (a progress bar on stderr)")
+    parser.add_argument("--partial-images", type=int, default=0, choices=range(4), metavar="{0-3}",
+                        help="with --stream: previews per image, written as <name>-<i>.partial-<k>.<ext>")
 
 
 def client_from(args: argparse.Namespace) -> Client:
@@ -134,6 +147,11 @@ class ProgressBar:
 
 
 def _generate(args: argparse.Namespace, client: Client) -> int:
+    """generate and edit: the same flags, files and output; an edit also sends its reference images."""
+    if args.command == "edit":
+        run, stream = functools.partial(client.edit, args.images), functools.partial(client.edit_stream, args.images)
+    else:
+        run, stream = client.generate, client.generate_stream
     kwargs = dict(n=args.n, size=args.size, output_format=args.format, output_compression=args.compression,
                   seed=args.seed, steps=args.steps, guidance=args.guidance)
     ext = {"jpeg": "jpg"}.get(args.format or "png", args.format or "png")
@@ -142,7 +160,7 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
         bar = ProgressBar(args.n, sys.stderr)
         result: GenerationResult | None = None
         try:
-            for event in client.generate_stream(args.prompt, partial_images=args.partial_images, **kwargs):
+            for event in stream(args.prompt, partial_images=args.partial_images, **kwargs):
                 if isinstance(event, Progress):
                     bar.update(event)
                 elif isinstance(event, PartialImage):
@@ -158,7 +176,7 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
         if result is None:  # generate_stream raises first; kept so a broken server cannot crash the CLI
             raise ValueError("the stream ended without a result")
     else:
-        result = client.generate(args.prompt, **kwargs)
+        result = run(args.prompt, **kwargs)
     paths = result.save(args.output_dir, args.name)
     if args.json:
         print(json.dumps({"files": [str(p) for p in paths], "partial_files": [str(p) for p in partial_paths],
@@ -172,7 +190,8 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
         print(f"wrote {path}  (partial)")
     u = result.usage
     print(f"usage: prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
-          f"total_tokens={u.total_tokens} cached_tokens={u.cached_tokens} images={len(paths)}")
+          f"total_tokens={u.total_tokens} cached_tokens={u.cached_tokens} image_tokens={u.image_tokens} "
+          f"images={len(paths)}")
     return 0
 
 
@@ -214,7 +233,7 @@ def _limits(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
-COMMANDS = {"generate": _generate, "status": _status, "limits": _limits}
+COMMANDS = {"generate": _generate, "edit": _generate, "status": _status, "limits": _limits}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

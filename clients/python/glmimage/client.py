@@ -11,16 +11,18 @@ Only grpcio and protobuf are needed. Both clients share the same options:
     >>> with Client("127.0.0.1:50050") as client:
     ...     result = client.generate("a red STOP sign", n=2, size="256x256", seed=1)
     ...     result.save("out/")
+    ...     edited = client.edit(["out/image-0.png"], "make it blue", size="256x256")
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import IO, Any, TypedDict, TypeVar, Unpack
 
 import grpc
 
@@ -48,7 +50,8 @@ from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grp
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_RETRY", "FORMATS", "NO_RETRY", "AsyncClient", "Client", "Completed",
            "GenerationResult", "GlmImageError", "Limits", "PartialImage", "Progress", "RetryPolicy", "Status",
            "StreamEvent",
-           "TlsConfig", "Usage", "WorkerInfo", "build_request", "build_stream_request", "parse_size"]
+           "ImageInput", "ImageOptions", "TlsConfig", "Usage", "WorkerInfo", "build_request",
+           "build_stream_request", "parse_size", "read_images"]
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +121,54 @@ def parse_size(size: str | Sequence[int] | None) -> tuple[int, int]:
     return int(width), int(height)
 
 
+# A reference image of an edit: a path, the file's bytes, or a binary file object (read to its end).
+ImageInput = str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes]
+
+
+class ImageOptions(TypedDict, total=False):
+    """The keyword arguments of `Client.edit` and `edit_stream` (and their async twins), as `generate` takes them."""
+
+    n: int
+    size: str | Sequence[int] | None
+    output_format: str | None
+    output_compression: int | None
+    seed: int | None
+    steps: int | None
+    guidance: float | None
+
+
+def read_images(images: ImageInput | Sequence[ImageInput]) -> list[bytes]:
+    """The encoded bytes of each reference image, as given: nothing is decoded or checked here (the gateway
+    checks count, sizes and formats). One image may be passed alone; an empty list is a ValueError."""
+    single = isinstance(images, str | os.PathLike | bytes | bytearray | memoryview) or hasattr(images, "read")
+    items = [images] if single else list(images)  # type: ignore[list-item]
+    if not items:
+        raise ValueError("an edit needs at least one reference image")
+    return [_read_image(item) for item in items]
+
+
+def _read_image(image: ImageInput) -> bytes:
+    if isinstance(image, bytes | bytearray | memoryview):
+        return bytes(image)
+    if isinstance(image, str | os.PathLike):
+        with open(image, "rb") as f:
+            return f.read()
+    data = image.read()
+    if not isinstance(data, bytes):
+        raise TypeError(f"a reference image file must be opened in binary mode, got {type(data).__name__}")
+    return data
+
+
 def build_request(prompt: str, *, n: int = 1, size: str | Sequence[int] | None = None,
                   output_format: str | None = None, output_compression: int | None = None,
                   seed: int | None = None, steps: int | None = None, guidance: float | None = None,
-                  request_id: str = "") -> gateway_service_pb2.GenerateImagesRequest:
+                  request_id: str = "", images: Sequence[bytes] = ()) -> gateway_service_pb2.GenerateImagesRequest:
+    """A GenerateImagesRequest; ``images`` (encoded files, see `read_images`) make it an edit."""
     width, height = parse_size(size)
     fmt = common_pb2.IMAGE_FORMAT_UNSPECIFIED if output_format is None else formats.by_name(output_format).proto
-    req = gateway_service_pb2.GenerateImagesRequest(prompt=prompt, n=n, height=height, width=width,
-                                                    output_format=fmt, num_inference_steps=steps or 0,
-                                                    request_id=request_id)
+    req = gateway_service_pb2.GenerateImagesRequest(
+        prompt=prompt, n=n, height=height, width=width, output_format=fmt, num_inference_steps=steps or 0,
+        request_id=request_id, reference_images=[common_pb2.ReferenceImage(data=data) for data in images])
     if output_compression is not None:
         req.output_compression = output_compression
     if seed is not None:
@@ -239,6 +281,17 @@ class Client(_Base):
         """Generate ``n`` images; ``size`` is ``"WxH"`` or ``(w, h)`` (None: the gateway default)."""
         req = build_request(prompt, n=n, size=size, output_format=output_format,
                             output_compression=output_compression, seed=seed, steps=steps, guidance=guidance)
+        return self._generate(req, timeout, request_id)
+
+    def edit(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, timeout: float | None = None,
+             request_id: str | None = None, **options: Unpack[ImageOptions]) -> GenerationResult:
+        """Edit: ``n`` images from ``prompt`` and the reference ``images`` (paths, bytes or binary files, sent as
+        they are); the other options as for `generate`. Give ``size``: it is the size of the outputs."""
+        req = build_request(prompt, images=read_images(images), **options)
+        return self._generate(req, timeout, request_id)
+
+    def _generate(self, req: gateway_service_pb2.GenerateImagesRequest, timeout: float | None,
+                  request_id: str | None) -> GenerationResult:
         resp = self._call("GenerateImages", self._stub.GenerateImages, req, timeout, request_id)
         return GenerationResult.from_proto(resp)
 
@@ -254,6 +307,17 @@ class Client(_Base):
         """
         req = build_stream_request(prompt, partial_images=partial_images, n=n, size=size, output_format=output_format,
                                    output_compression=output_compression, seed=seed, steps=steps, guidance=guidance)
+        return self._stream(req, timeout, request_id)
+
+    def edit_stream(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, partial_images: int = 0,
+                    timeout: float | None = None, request_id: str | None = None,
+                    **options: Unpack[ImageOptions]) -> Iterator[StreamEvent]:
+        """`edit` as a stream, with the events of `generate_stream`."""
+        req = build_stream_request(prompt, partial_images=partial_images, images=read_images(images), **options)
+        return self._stream(req, timeout, request_id)
+
+    def _stream(self, req: gateway_service_pb2.GenerateImagesStreamRequest, timeout: float | None,
+                request_id: str | None) -> Iterator[StreamEvent]:
         deadline = self._deadline(timeout)
         metadata = self._metadata(request_id)
         attempt = 0
@@ -337,17 +401,38 @@ class AsyncClient(_Base):
                        timeout: float | None = None, request_id: str | None = None) -> GenerationResult:
         req = build_request(prompt, n=n, size=size, output_format=output_format,
                             output_compression=output_compression, seed=seed, steps=steps, guidance=guidance)
+        return await self._generate(req, timeout, request_id)
+
+    async def edit(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, timeout: float | None = None,
+                   request_id: str | None = None, **options: Unpack[ImageOptions]) -> GenerationResult:
+        """As `Client.edit`. Paths and files are read before the call, in the event loop's thread."""
+        req = build_request(prompt, images=read_images(images), **options)
+        return await self._generate(req, timeout, request_id)
+
+    async def _generate(self, req: gateway_service_pb2.GenerateImagesRequest, timeout: float | None,
+                        request_id: str | None) -> GenerationResult:
         resp = await self._call("GenerateImages", self._stub.GenerateImages, req, timeout, request_id)
         return GenerationResult.from_proto(resp)
 
-    async def generate_stream(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
-                              partial_images: int = 0, output_format: str | None = None,
-                              output_compression: int | None = None, seed: int | None = None,
-                              steps: int | None = None, guidance: float | None = None, timeout: float | None = None,
-                              request_id: str | None = None) -> AsyncIterator[StreamEvent]:
+    def generate_stream(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
+                        partial_images: int = 0, output_format: str | None = None,
+                        output_compression: int | None = None, seed: int | None = None, steps: int | None = None,
+                        guidance: float | None = None, timeout: float | None = None,
+                        request_id: str | None = None) -> AsyncIterator[StreamEvent]:
         """As `Client.generate_stream`, as an async iterator."""
         req = build_stream_request(prompt, partial_images=partial_images, n=n, size=size, output_format=output_format,
                                    output_compression=output_compression, seed=seed, steps=steps, guidance=guidance)
+        return self._stream(req, timeout, request_id)
+
+    def edit_stream(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, partial_images: int = 0,
+                    timeout: float | None = None, request_id: str | None = None,
+                    **options: Unpack[ImageOptions]) -> AsyncIterator[StreamEvent]:
+        """As `Client.edit_stream`, as an async iterator."""
+        req = build_stream_request(prompt, partial_images=partial_images, images=read_images(images), **options)
+        return self._stream(req, timeout, request_id)
+
+    async def _stream(self, req: gateway_service_pb2.GenerateImagesStreamRequest, timeout: float | None,
+                      request_id: str | None) -> AsyncIterator[StreamEvent]:
         deadline = self._deadline(timeout)
         metadata = self._metadata(request_id)
         attempt = 0

@@ -27,15 +27,15 @@ class Usage:
     total_tokens: int = 0
     reasoning_tokens: int = 0
     cached_tokens: int = 0
+    image_tokens: int = 0  # of prompt_tokens, those from an edit's reference images (0 for text-to-image)
 
     @classmethod
     def from_proto(cls, u: common_pb2.Usage) -> Usage:
-        return cls(u.prompt_tokens, u.completion_tokens, u.total_tokens, u.reasoning_tokens, u.cached_tokens)
+        return cls(**{f.name: getattr(u, f.name) for f in fields(cls)})
 
     def as_dict(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens, "reasoning_tokens": self.reasoning_tokens,
-                "cached_tokens": self.cached_tokens}
+        """The proto's field names and values (what grpcurl and the Node client print)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
