@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,19 +17,6 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
 NODE_DIR = REPO / "clients" / "node"
 PROMPT = 'a red "STOP" sign'
-
-
-@pytest.fixture(scope="module")
-def node() -> str:
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed")
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        npm = shutil.which("npm")
-        assert npm, "node is installed but npm is not: install npm to fetch @grpc/grpc-js"
-        # Exactly the committed lock; nothing is cached in git (node_modules/ is ignored).
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True, timeout=600)
-    return node
 
 
 @pytest.fixture(scope="module")
