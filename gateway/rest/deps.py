@@ -1,0 +1,41 @@
+"""FastAPI dependencies shared by the routers: the settings, the metrics, the gateway connection and the app's
+creation time, all from app.state (set up by create_app and its lifespan)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from . import upstream
+from .metrics import RestMetrics
+from .schemas import ErrorResponse
+from .settings import RestSettings
+
+
+def get_settings(request: Request) -> RestSettings:
+    return request.app.state.settings
+
+
+def get_metrics(request: Request) -> RestMetrics:
+    return request.app.state.metrics
+
+
+def get_gateway(request: Request) -> upstream.Gateway:
+    return request.app.state.gateway
+
+
+def get_created(request: Request) -> int:
+    """When the app was made: the models' `created`."""
+    return request.app.state.created
+
+
+Settings = Annotated[RestSettings, Depends(get_settings)]
+Metrics = Annotated[RestMetrics, Depends(get_metrics)]
+GatewayDep = Annotated[upstream.Gateway, Depends(get_gateway)]
+Created = Annotated[int, Depends(get_created)]
+
+# The OpenAI-shaped error answers every image route may give.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 429, 499, 500, 503, 504)
+}
