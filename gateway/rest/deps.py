@@ -7,9 +7,9 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from . import upstream
+from . import sse, upstream
 from .metrics import RestMetrics
-from .schemas import ErrorResponse
+from .schemas import ErrorResponse, ImagesResponse
 from .settings import RestSettings
 
 
@@ -39,3 +39,21 @@ Created = Annotated[int, Depends(get_created)]
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 429, 499, 500, 503, 504)
 }
+
+
+def image_responses(partial_event: str, completed_event: str) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI responses of an image route: JSON, or with `stream: true` these events (models by name, added
+    to the document by create_app), and the errors."""
+    return {
+        200: {
+            "model": ImagesResponse,
+            "description": f"JSON, or with `stream: true` server-sent events (`event: <type>`, `data: <json>`): "
+            f"{partial_event}, then one {completed_event} per image; a failure after the first event is sent as "
+            "an `error` event holding an ErrorResponse.",
+            "content": {sse.MEDIA_TYPE: {"schema": {"oneOf": [
+                {"$ref": f"#/components/schemas/{partial_event}"},
+                {"$ref": f"#/components/schemas/{completed_event}"},
+            ]}}},
+        },
+        **ERROR_RESPONSES,
+    }

@@ -15,12 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.auth import bearer_metadata
 
-from . import dispatch, sse, translate
+from . import dispatch, translate
 from . import limits as rest_limits
-from .deps import ERROR_RESPONSES, Created, GatewayDep, Metrics, Settings
+from .deps import Created, GatewayDep, Metrics, Settings, image_responses
 from .errors import APIError
 from .middleware import request_id
-from .schemas import ErrorResponse, ImageGenerationRequest, ImagesResponse, ModelCard, ModelList
+from .schemas import ErrorResponse, ImageGenerationRequest, ModelCard, ModelList
 
 log = logging.getLogger("glmimage.rest")
 
@@ -30,19 +30,7 @@ router = APIRouter()
 @router.post(
     "/v1/images/generations",
     response_class=JSONResponse,
-    responses={
-        200: {
-            "model": ImagesResponse,
-            "description": "JSON, or with `stream: true` server-sent events (`event: <type>`, `data: <json>`): "
-            "ImageGenPartialImageEvent, then one ImageGenCompletedEvent per image; a failure after the first "
-            "event is sent as an `error` event holding an ErrorResponse.",
-            "content": {sse.MEDIA_TYPE: {"schema": {"oneOf": [
-                {"$ref": "#/components/schemas/ImageGenPartialImageEvent"},
-                {"$ref": "#/components/schemas/ImageGenCompletedEvent"},
-            ]}}},
-        },
-        **ERROR_RESPONSES,
-    },
+    responses=image_responses("ImageGenPartialImageEvent", "ImageGenCompletedEvent"),
     summary="Create images from a prompt",
 )
 async def generate_images(body: ImageGenerationRequest, request: Request, settings: Settings, metrics: Metrics,
