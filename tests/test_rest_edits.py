@@ -2,10 +2,12 @@
 (tests/support/edit_gateway.py), its bad input (always 4xx naming the param), its body bounds and its OpenAPI."""
 from __future__ import annotations
 
+import base64
 import dataclasses
 import io
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,6 +15,8 @@ import openai
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from openai.types import ImageEditCompletedEvent, ImageEditPartialImageEvent
 from PIL import Image
 
@@ -21,6 +25,7 @@ from gateway.rest.edits import auto_size
 from gateway.rest.errors import param_of
 from glmimage.v1 import gateway_service_pb2 as gw
 from services.runtime.limits import Limits
+from tests.support.cluster import running_stack
 from tests.support.edit_gateway import IMAGE_TOKENS_PER_REFERENCE, serve_edit_fake
 from tests.support.fake_gateway import FakeServer
 
@@ -288,6 +293,25 @@ async def test_a_body_over_the_total_bound_is_413_before_it_is_read(edit_server:
     assert edit_server.servicer.calls == []
 
 
+FIELD_NAMES = ["prompt", "n", "size", "quality", "output_format", "output_compression", "background", "stream",
+               "partial_images", "seed", "num_inference_steps", "guidance_scale", "model", "user", "image", "mask"]
+PARTS = st.one_of(
+    st.tuples(st.sampled_from(FIELD_NAMES), st.text(max_size=40)).map(lambda nv: _text(*nv)),
+    st.tuples(st.sampled_from(["image", "image[]", "prompt"]),
+              st.sampled_from([RED, _image(fmt="GIF"), _image((33, 200)), b"", b"\x89PNG\r\n\x1a\n"])
+              ).map(lambda nv: _file(nv[1], nv[0])),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(parts=st.lists(PARTS, min_size=1, max_size=6))
+async def test_fuzz_forms_never_5xx(client: httpx.AsyncClient, parts: list[Any]) -> None:
+    resp = await client.post(EDITS, files=parts)
+    assert resp.status_code < 500, resp.text
+    if resp.status_code != 200:
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
 def test_gateway_reference_fields_are_the_image_param() -> None:
     assert param_of("reference_images") == param_of("reference_images[3]") == "image"
     assert param_of("reference_imagesx") is None
@@ -313,3 +337,21 @@ async def test_openapi_documents_edits(client: httpx.AsyncClient) -> None:
     for name in ("ImageEditPartialImageEvent", "ImageEditCompletedEvent"):
         assert name in schemas
     assert gw.GenerateImagesRequest.DESCRIPTOR.fields_by_name["reference_images"].number == 12
+
+
+# --- the real stack -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_sdk_edit_on_the_real_stack(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The SDK's edit through the launcher's REST front, gateway, AR and denoiser (tiny model)."""
+    with running_stack(tmp_path, denoisers=1) as run, openai.OpenAI(
+            base_url=f"http://{run.addresses['rest']}/v1", api_key="x", max_retries=0, timeout=120) as sdk:
+        res = sdk.images.edit(image=[("wide.png", _image((96, 64)), "image/png"), ("sq.png", BLUE, "image/png")],
+                              prompt="make it blue", n=2, extra_body={"num_inference_steps": 2, "seed": 3})
+        assert res.size == "96x64" and len(res.data) == 2
+        for item in res.data:
+            assert Image.open(io.BytesIO(base64.b64decode(item.b64_json))).size == (96, 64)
+        assert res.usage is not None
+        details = res.usage.input_tokens_details
+        assert details.text_tokens + details.image_tokens == res.usage.input_tokens > 0
