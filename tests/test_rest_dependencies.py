@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 
+from gateway.rest.edits import router as edits_router
 from gateway.rest.routes import router
 
 
@@ -22,7 +23,7 @@ def _calls(dependant: Dependant) -> Iterator[object]:
 
 
 def test_every_route_dependency_is_a_coroutine() -> None:
-    routes = [r for r in router.routes if isinstance(r, APIRoute)]
+    routes = [r for rt in (router, edits_router) for r in rt.routes if isinstance(r, APIRoute)]
     assert routes
     sync = {f"{r.path}: {getattr(call, '__name__', call)}" for r in routes for call in _calls(r.dependant)
             if call is not None and not inspect.iscoroutinefunction(call)}

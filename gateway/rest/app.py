@@ -7,7 +7,8 @@ when the client asks for `stream: true`. It holds no model and no torch.
 
 This module only wires the parts together: settings (settings.py), the front ASGI layer (middleware.py), the
 gateway connection (upstream.py), the limits in force (limits.py), the JSON <-> gRPC translation (translate.py),
-the event stream (streaming.py, sse.py) and the routes (routes.py).
+the event stream (streaming.py, sse.py) and the routes (routes.py; edits.py; their shared parts in deps.py and
+dispatch.py).
 """
 
 from __future__ import annotations
@@ -27,12 +28,19 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from .edits import router as edits_router
 from .errors import APIError, error_response, from_validation_errors
 from .limits import LimitsCache, with_limits
 from .metrics import RestMetrics
 from .middleware import REQUEST_ID_HEADER, FrontMiddleware, request_id
 from .routes import router
-from .schemas import ImageGenCompletedEvent, ImageGenPartialImageEvent
+from .schemas import (
+    ImageEditCompletedEvent,
+    ImageEditPartialImageEvent,
+    ImageEditRequest,
+    ImageGenCompletedEvent,
+    ImageGenPartialImageEvent,
+)
 from .settings import GATEWAY_AUTH_MODES, RestSettings
 from .upstream import channel_credentials, open_gateway
 
@@ -73,7 +81,7 @@ def create_app(settings: RestSettings) -> FastAPI:
     app.state.metrics = metrics
     app.state.limits = LimitsCache()
     app.state.created = int(time.time())
-    app.add_middleware(FrontMiddleware, settings=settings, metrics=metrics, router=app.router)
+    app.add_middleware(FrontMiddleware, settings=settings, metrics=metrics, router=app.router, limits=app.state.limits)
     if settings.cors_origins:
         # Outside the front's layer: preflights carry no API key, and its own answers (401, 413...) get the headers.
         # Any request header (the SDK adds its x-stainless-* ones); no cookies, the API key is a header.
@@ -97,13 +105,17 @@ def create_app(settings: RestSettings) -> FastAPI:
         return error_response(exc.status_code, str(exc.detail), type=err_type, code=code, headers=exc.headers)
 
     app.include_router(router)
+    app.include_router(edits_router)
 
     def openapi() -> dict[str, Any]:
-        # FastAPI only documents models that routes return as JSON; add the SSE event models by hand.
+        # FastAPI only documents models that routes take or return as JSON; add the SSE event models and the
+        # multipart edit body by hand.
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             _, defs = models_json_schema(
-                [(ImageGenPartialImageEvent, "serialization"), (ImageGenCompletedEvent, "serialization")],
+                [(ImageGenPartialImageEvent, "serialization"), (ImageGenCompletedEvent, "serialization"),
+                 (ImageEditPartialImageEvent, "serialization"), (ImageEditCompletedEvent, "serialization"),
+                 (ImageEditRequest, "validation")],
                 ref_template="#/components/schemas/{model}",
             )
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})

@@ -62,7 +62,8 @@ def client_text(err: grpc.aio.AioRpcError) -> str:
 
 
 # A gateway request field (from an INVALID_ARGUMENT's google.rpc.BadRequest) -> the REST parameter a client sent.
-# height and width come from `size`; `sampling.*` (no REST parameter of its own) is named as is.
+# height and width come from `size`; `sampling.*` (no REST parameter of its own) is named as is; an edit's
+# `reference_images` and `reference_images[i]` are its `image` files.
 _REST_PARAM = {"height": "size", "width": "size", "prompt": "prompt", "n": "n", "seed": "seed",
                "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale",
                "output_format": "output_format", "output_compression": "output_compression",
@@ -78,6 +79,8 @@ def rest_param(err: grpc.aio.AioRpcError) -> str | None:
 
 def param_of(field: str) -> str | None:
     """A GenerateImagesRequest field in REST terms."""
+    if field == "reference_images" or field.startswith("reference_images["):
+        return "image"
     return field if field.startswith("sampling.") else _REST_PARAM.get(field)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -19,7 +21,7 @@ import grpc
 from gateway.validation import check_generate, check_partial_images
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.errors import InvalidArgument
-from services.runtime.limits import SEED_SPACE, Limits, from_proto
+from services.runtime.limits import SEED_SPACE, Limits, check_reference_images, from_proto
 
 from .errors import APIError, param_of
 
@@ -53,14 +55,35 @@ class LimitsCache:
             await self.refresh(stub, timeout)
 
 
-def check(req: gateway_service_pb2.GenerateImagesRequest, partial_images: int, limits: Limits) -> None:
-    """The gateway's own admission checks, answered as OpenAI's 400 with the REST ``param``."""
+@contextmanager
+def _as_api_error() -> Iterator[None]:
+    """InvalidArgument -> OpenAI's 400 naming the REST ``param``."""
     try:
+        yield
+    except InvalidArgument as exc:
+        raise APIError(400, str(exc), param=param_of(exc.field or ""), code="invalid_value") from None
+
+
+def check(req: gateway_service_pb2.GenerateImagesRequest, partial_images: int, limits: Limits) -> None:
+    """The gateway's own admission checks, an edit's reference images included (count, bytes, each header),
+    answered as OpenAI's 400 with the REST ``param``."""
+    with _as_api_error():
         # REST always sends a size, so the defaults are never used.
         check_generate(req, limits, default_height=req.height, default_width=req.width)
         check_partial_images(partial_images, limits)
-    except InvalidArgument as exc:
-        raise APIError(400, str(exc), param=param_of(exc.field or ""), code="invalid_value") from None
+
+
+def reference_sizes(images: Sequence[bytes], limits: Limits) -> list[tuple[int, int]]:
+    """Each reference's (width, height), read from its header only (what `size: auto` needs before the request
+    is built), or the 400 naming `image` that check() would give."""
+    with _as_api_error():
+        return check_reference_images(images, limits)
+
+
+def edit_body_bytes(limits: Limits, form_bytes: int) -> int:
+    """The largest multipart edit body: every reference at its bound in all, plus ``form_bytes`` (the JSON body
+    bound) for the text fields and the multipart framing."""
+    return limits.max_reference_total_bytes + form_bytes
 
 
 # REST field -> (JSON Schema keyword, the Limits value it advertises).
@@ -74,10 +97,16 @@ _ADVERTISED = {
 }
 
 
-def with_limits(doc: dict[str, Any], limits: Limits, model: str = "ImageGenerationRequest") -> dict[str, Any]:
-    """A copy of the OpenAPI document whose request schema states ``limits``."""
+def with_limits(doc: dict[str, Any], limits: Limits,
+                models: Sequence[str] = ("ImageGenerationRequest", "ImageEditRequest")) -> dict[str, Any]:
+    """A copy of the OpenAPI document whose request schemas state ``limits``."""
     doc = copy.deepcopy(doc)
-    props = doc.get("components", {}).get("schemas", {}).get(model, {}).get("properties", {})
+    for model in models:
+        _state_limits(doc.get("components", {}).get("schemas", {}).get(model, {}).get("properties", {}), limits)
+    return doc
+
+
+def _state_limits(props: dict[str, Any], limits: Limits) -> None:
     for name, (keyword, value) in _ADVERTISED.items():
         if name not in props:
             continue
@@ -85,8 +114,12 @@ def with_limits(doc: dict[str, Any], limits: Limits, model: str = "ImageGenerati
         for branch in props[name].get("anyOf", [props[name]]):
             if branch.get("type") in ("string", "integer", "number"):
                 branch[keyword] = value(limits)
+    if "image" in props:  # the edit's files
+        props["image"]["maxItems"] = limits.max_reference_images
+        props["image"]["x-max-bytes-each"] = limits.max_reference_bytes
+        props["image"]["x-max-bytes-total"] = limits.max_reference_total_bytes
+        props["image"]["x-max-pixels-each"] = limits.max_reference_pixels
     if "size" in props:
         props["size"]["x-max-pixels"] = limits.max_pixels
         props["size"]["description"] = (props["size"].get("description", "") +
                                         f" At most {limits.max_pixels} pixels after that rounding.")
-    return doc

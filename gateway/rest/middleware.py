@@ -1,5 +1,8 @@
 """The front layer, one pure ASGI middleware: request ids, API-key auth, body-size and content-type checks,
-metrics and the last-resort 500. It runs before FastAPI parses a body."""
+metrics and the last-resort 500. It runs before FastAPI parses a body.
+
+A JSON body is bounded by RestSettings.max_body_bytes; a multipart edit by the reference images' total bound in
+force (the gateway's limits) plus that much again for its text fields (limits.edit_body_bytes)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.runtime.auth import bearer_token, key_hits
 
 from .errors import error_response
+from .limits import LimitsCache, edit_body_bytes
 from .metrics import RestMetrics
 from .settings import RestSettings
 
@@ -30,6 +34,8 @@ OUTCOME_STATUS_KEY = "outcome_status"
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
 # Routes whose body is JSON: anything else there is answered 415 before the body is read.
 _JSON_BODY_ROUTES = frozenset({("POST", "/v1/images/generations")})
+# Routes whose body is multipart/form-data (file uploads), with a bound of their own.
+_MULTIPART_BODY_ROUTES = frozenset({("POST", "/v1/images/edits")})
 
 
 class _BodyTooLarge(StarletteHTTPException):
@@ -67,12 +73,19 @@ class FrontMiddleware:
     disconnect detection keeps working. Auth runs here, before FastAPI parses the body.
     """
 
-    def __init__(self, app: ASGIApp, settings: RestSettings, metrics: RestMetrics, router: APIRouter) -> None:
+    def __init__(self, app: ASGIApp, settings: RestSettings, metrics: RestMetrics, router: APIRouter,
+                 limits: LimitsCache) -> None:
         self.app = app
         self.metrics = metrics
         self.router = router
+        self.limits = limits
         self.api_keys = tuple(k.encode() for k in settings.api_keys)
         self.max_body_bytes = settings.max_body_bytes
+
+    def _body_limit(self, route: tuple[str, str]) -> int:
+        if route in _MULTIPART_BODY_ROUTES:  # the limits in force now: they follow the gateway's
+            return edit_body_bytes(self.limits.current, self.max_body_bytes)
+        return self.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -97,6 +110,8 @@ class FrontMiddleware:
         t0 = time.perf_counter()
         try:
             path: str = scope["path"]
+            route = (scope.get("method", ""), path)
+            body_limit = self._body_limit(route)
             if self.api_keys and path.startswith("/v1/") and not any(key_hits(bearer_token(scope["headers"]),
                                                                              self.api_keys)):
                 log.info("%s rejected: missing or invalid API key", rid)
@@ -104,18 +119,18 @@ class FrontMiddleware:
                     401, "invalid or missing API key", type="authentication_error", code="invalid_api_key"
                 )
                 await resp(scope, receive, send_wrapper)
-            elif _declared_length(headers) > self.max_body_bytes:
+            elif _declared_length(headers) > body_limit:
                 log.info("%s rejected: Content-Length %s over the limit", rid, headers["content-length"])
-                await _BodyTooLarge(self.max_body_bytes).response()(scope, receive, send_wrapper)
-            elif (scope.get("method"), path) in _JSON_BODY_ROUTES and not _json_or_no_body(headers):
+                await _BodyTooLarge(body_limit).response()(scope, receive, send_wrapper)
+            elif (wanted := _wrong_media_type(route, headers)) is not None:
                 given = headers.get("content-type", "")[:100]
                 log.info("%s rejected: body content type %r", rid, given)
                 why = f"Content-Type is {given!a}" if given else "the request has no Content-Type header"
-                resp = error_response(415, f"the request body must be application/json; {why}",
+                resp = error_response(415, f"the request body must be {wanted}; {why}",
                                       code="unsupported_media_type")
                 await resp(scope, receive, send_wrapper)
             else:
-                await self.app(scope, _bounded(receive, self.max_body_bytes), send_wrapper)
+                await self.app(scope, _bounded(receive, body_limit), send_wrapper)
         except Exception:
             log.exception("%s unhandled error on %s %s", rid, scope.get("method"), scope.get("path"))
             if not started:
@@ -137,6 +152,16 @@ class FrontMiddleware:
             return str(getattr(route, "path", "unmatched"))
         known = {getattr(r, "path", None) for r in self.router.routes}
         return scope["path"] if scope["path"] in known else "unmatched"
+
+
+def _wrong_media_type(route: tuple[str, str], headers: Mapping[str, str]) -> str | None:
+    """The media type the route wants, when the request's body is not of it (None: fine, or any body goes)."""
+    if route in _JSON_BODY_ROUTES and not _json_or_no_body(headers):
+        return "application/json"
+    media = headers.get("content-type", "").partition(";")[0].strip().lower()
+    if route in _MULTIPART_BODY_ROUTES and media != "multipart/form-data":
+        return "multipart/form-data"
+    return None
 
 
 def _is_json(content_type: str) -> bool:

@@ -1,14 +1,13 @@
-"""The API's routes, on one APIRouter; the settings, the gateway connection and the metrics come in as FastAPI
-dependencies (from app.state, set up by create_app and its lifespan)."""
+"""The generation, model and health routes, on one APIRouter (edits: edits.py); the settings, the gateway connection
+and the metrics come in as FastAPI dependencies (deps.py)."""
 
 from __future__ import annotations
 
 import logging
-import re
-from typing import Annotated, Any
+from typing import Any
 
 import grpc
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -16,66 +15,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.auth import bearer_metadata
 
+from . import dispatch, translate
 from . import limits as rest_limits
-from . import sse, streaming, translate, upstream
+from .deps import Created, GatewayDep, Metrics, Settings, image_responses
 from .errors import APIError
-from .metrics import RestMetrics
-from .middleware import REQUEST_ID_HEADER, request_id
-from .schemas import ErrorResponse, ImageGenerationRequest, ImagesResponse, ModelCard, ModelList
-from .settings import RestSettings
+from .middleware import request_id
+from .schemas import ErrorResponse, ImageGenerationRequest, ModelCard, ModelList
 
 log = logging.getLogger("glmimage.rest")
 
-_HEADER_VALUE_RE = re.compile(r"[\x20-\x7e]{1,8192}")
-
-
-# The dependencies are coroutines although they only read app.state: FastAPI runs a plain `def` dependency in
-# its thread pool, a thread hop per dependency per request (it cost the REST front ~30% of its throughput).
-async def get_settings(request: Request) -> RestSettings:
-    return request.app.state.settings
-
-
-async def get_metrics(request: Request) -> RestMetrics:
-    return request.app.state.metrics
-
-
-async def get_gateway(request: Request) -> upstream.Gateway:
-    return request.app.state.gateway
-
-
-async def get_created(request: Request) -> int:
-    """When the app was made: the models' `created`."""
-    return request.app.state.created
-
-
-Settings = Annotated[RestSettings, Depends(get_settings)]
-Metrics = Annotated[RestMetrics, Depends(get_metrics)]
-GatewayDep = Annotated[upstream.Gateway, Depends(get_gateway)]
-Created = Annotated[int, Depends(get_created)]
-
 router = APIRouter()
-
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 429, 499, 500, 503, 504)
-}
 
 
 @router.post(
     "/v1/images/generations",
     response_class=JSONResponse,
-    responses={
-        200: {
-            "model": ImagesResponse,
-            "description": "JSON, or with `stream: true` server-sent events (`event: <type>`, `data: <json>`): "
-            "ImageGenPartialImageEvent, then one ImageGenCompletedEvent per image; a failure after the first "
-            "event is sent as an `error` event holding an ErrorResponse.",
-            "content": {sse.MEDIA_TYPE: {"schema": {"oneOf": [
-                {"$ref": "#/components/schemas/ImageGenPartialImageEvent"},
-                {"$ref": "#/components/schemas/ImageGenCompletedEvent"},
-            ]}}},
-        },
-        **_ERROR_RESPONSES,
-    },
+    responses=image_responses("ImageGenPartialImageEvent", "ImageGenCompletedEvent"),
     summary="Create images from a prompt",
 )
 async def generate_images(body: ImageGenerationRequest, request: Request, settings: Settings, metrics: Metrics,
@@ -83,32 +38,15 @@ async def generate_images(body: ImageGenerationRequest, request: Request, settin
     rid = request_id(request)
     req, quality = translate.to_grpc(body, settings, rid)
     rest_limits.check(req, body.partial_images or 0, request.app.state.limits.current)
-    metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_HEADER, rid),)
-    if settings.gateway_auth == "own":  # the gateway sees this front's key; the client's stays here
-        metadata += bearer_metadata(settings.gateway_api_key)
-    else:  # forwarded whether or not REST checks keys itself: the gateway may enforce its own
-        # A repeated one is not forwarded, as no key check on any hop accepts one (services.runtime.auth).
-        authorization = request.headers.getlist("authorization")
-        if len(authorization) == 1 and _HEADER_VALUE_RE.fullmatch(authorization[0]):
-            metadata += (("authorization", authorization[0]),)
-    gen = translate.Generation(request=req, quality=quality, metadata=metadata, rid=rid)
+    gen = translate.Generation(request=req, quality=quality, metadata=dispatch.gateway_metadata(request, settings, rid),
+                               rid=rid)
     log.info(
         "%s generate n=%d size=%dx%d steps=%d format=%s stream=%s user=%r",
         rid, req.n, req.width, req.height, req.num_inference_steps, gen.output_format, bool(body.stream),
         body.user,
     )
-    if body.stream:
-        return await streaming.stream(gateway, gen, body.partial_images or 0, settings, metrics, request.receive,
-                                      request.scope["state"])
-    resp = await upstream.generate(gateway, gen, settings.request_timeout, request.receive)
-    if resp is None:
-        log.info("%s client disconnected; gateway call cancelled", rid)
-        return Response(status_code=499)
-    metrics.images.inc(len(resp.images))
-    result = translate.images_json(resp, gen, settings)
-    log.info("%s done: %d image(s), %d+%d tokens", rid, len(resp.images),
-             resp.usage.prompt_tokens, resp.usage.completion_tokens)
-    return JSONResponse(result)
+    return await dispatch.answer(gen, bool(body.stream), body.partial_images or 0, request, settings, metrics,
+                                 gateway)
 
 
 @router.get("/v1/models", response_model=ModelList, summary="List the served model and its aliases")

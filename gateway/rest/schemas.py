@@ -78,11 +78,37 @@ class ImageGenerationRequest(BaseModel):
     )
 
 
+class ImageEditRequest(ImageGenerationRequest):
+    """Body of `POST /v1/images/edits`: multipart/form-data, every field but `image` a text field (read as JSON
+    would give it: `n=2`, `stream=true`). `mask` is refused (GLM-Image has no inpainting mask), and so is an
+    `image` that is text, not a file: image URLs are never fetched."""
+
+    model_config = ConfigDict(strict=False, extra="ignore", allow_inf_nan=False)
+
+    image: list[bytes] = Field(
+        min_length=1,
+        description="The reference image files (PNG, JPEG or WebP), 1 to 16 by default: as `image`, or repeated as "
+        "`image[]` (what the openai SDK sends for a list).",
+    )
+    size: str | None = Field(
+        None,
+        description="`WIDTHxHEIGHT` in pixels, or `auto` (the default): the first image's aspect ratio, at its own "
+        "pixel count (scaled down to the pixel limit), each side rounded to a multiple of 32.",
+    )
+    stream: bool | None = Field(
+        None,
+        description="`true`: answer with server-sent events, `image_edit.partial_image` events then one "
+        "`image_edit.completed` event per image (with that image's usage), instead of one JSON body.",
+    )
+
+
 class ImageData(BaseModel):
     b64_json: str = Field(description="Base64-encoded image bytes.")
 
 
 class InputTokensDetails(BaseModel):
+    """The input tokens split: text_tokens + image_tokens = input_tokens (image_tokens: an edit's references)."""
+
     text_tokens: int
     image_tokens: int
 
@@ -127,20 +153,42 @@ class _ImageEvent(BaseModel):
     output_format: OutputFormat
 
 
-class ImageGenPartialImageEvent(_ImageEvent):
-    """SSE `image_generation.partial_image`: a preview decoded from the current latents."""
+class _PartialImageEvent(_ImageEvent):
+    """A preview decoded from the current latents."""
 
-    type: Literal["image_generation.partial_image"]
     partial_image_index: int = Field(description="0-based, per image.")
     image_index: int = Field(description="Extension: which of the `n` images this preview belongs to.")
 
 
-class ImageGenCompletedEvent(_ImageEvent):
+class _CompletedEvent(_ImageEvent):
+    """One per image; the usage is that image's, so the events add up."""
+
+    usage: ImagesUsage
+    image_index: int = Field(description="Extension: which of the `n` images this is.")
+
+
+class ImageGenPartialImageEvent(_PartialImageEvent):
+    """SSE `image_generation.partial_image`: a preview decoded from the current latents."""
+
+    type: Literal["image_generation.partial_image"]
+
+
+class ImageGenCompletedEvent(_CompletedEvent):
     """SSE `image_generation.completed`: one per image; the usage is that image's, so the events add up."""
 
     type: Literal["image_generation.completed"]
-    usage: ImagesUsage
-    image_index: int = Field(description="Extension: which of the `n` images this is.")
+
+
+class ImageEditPartialImageEvent(_PartialImageEvent):
+    """SSE `image_edit.partial_image`: a preview decoded from the current latents."""
+
+    type: Literal["image_edit.partial_image"]
+
+
+class ImageEditCompletedEvent(_CompletedEvent):
+    """SSE `image_edit.completed`: one per image (only these carry usage: that image's, so the events add up)."""
+
+    type: Literal["image_edit.completed"]
 
 
 class ErrorDetail(BaseModel):

@@ -1,4 +1,4 @@
-"""`stream: true`: GenerateImagesStream messages -> OpenAI image-generation server-sent events."""
+"""`stream: true`: GenerateImagesStream messages -> OpenAI image-generation (or image-edit) server-sent events."""
 
 from __future__ import annotations
 
@@ -25,8 +25,6 @@ from .upstream import CallGuard, Gateway
 
 log = logging.getLogger("glmimage.rest")
 
-PARTIAL_EVENT = "image_generation.partial_image"
-COMPLETED_EVENT = "image_generation.completed"
 ERROR_EVENT = "error"
 
 
@@ -37,6 +35,7 @@ def _completed_events(
     size = f"{resp.width or gen.request.width}x{resp.height or gen.request.height}"
     echo = gen.echo(size, FORMAT_NAMES.get(resp.output_format, gen.output_format))
     per_image = all(img.HasField("usage") for img in resp.images)
+    completed = f"{gen.events}.completed"
     events = []
     for i, img in enumerate(resp.images):
         if per_image:
@@ -44,8 +43,8 @@ def _completed_events(
         else:  # a gateway without per-image usage: the whole bill on the last event keeps the sum right
             last = i == len(resp.images) - 1
             usage = usage_json(resp.usage if last else common_pb2.Usage(), len(resp.images) if last else 0, settings)
-        events.append(sse.event(COMPLETED_EVENT, {
-            "type": COMPLETED_EVENT,
+        events.append(sse.event(completed, {
+            "type": completed,
             "b64_json": base64.b64encode(img.image).decode("ascii"),
             "created_at": int(time.time()),
             **echo,
@@ -73,9 +72,10 @@ async def _stream_events(
     metrics: RestMetrics,
     state: dict[str, Any],
 ) -> AsyncIterator[bytes]:
-    """GenerateImagesStream messages -> OpenAI image-generation events. Progress becomes SSE comments
+    """GenerateImagesStream messages -> OpenAI image events. Progress becomes SSE comments
     (OpenAI has no progress event; comments are ignored by clients and keep proxies from timing out)."""
     call: grpc.aio.UnaryStreamCall = guard.call  # type: ignore[assignment]
+    partial = f"{gen.events}.partial_image"
     partial_echo = gen.echo(f"{gen.request.width}x{gen.request.height}", gen.output_format)
     msg: Any = first
     try:
@@ -86,8 +86,8 @@ async def _stream_events(
                 yield sse.comment(f"progress image={p.image_index} step={p.step}/{p.total_steps}")
             elif kind == "partial_image":
                 part = msg.partial_image
-                yield sse.event(PARTIAL_EVENT, {
-                    "type": PARTIAL_EVENT,
+                yield sse.event(partial, {
+                    "type": partial,
                     "b64_json": base64.b64encode(part.image).decode("ascii"),
                     "created_at": int(time.time()),
                     **partial_echo,

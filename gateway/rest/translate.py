@@ -104,11 +104,13 @@ def to_grpc(
 
 
 def usage_json(u: common_pb2.Usage, image_count: int, settings: RestSettings) -> dict[str, Any]:
+    # Of the prompt tokens, an edit's reference images contributed image_tokens (0 for a generation).
+    image_tokens = min(u.image_tokens, u.prompt_tokens)
     usage: dict[str, Any] = {
         "input_tokens": u.prompt_tokens,
         "output_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens or u.prompt_tokens + u.completion_tokens,
-        "input_tokens_details": {"text_tokens": u.prompt_tokens, "image_tokens": 0},
+        "input_tokens_details": {"text_tokens": u.prompt_tokens - image_tokens, "image_tokens": image_tokens},
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "reasoning_tokens": u.reasoning_tokens,
@@ -122,12 +124,13 @@ def usage_json(u: common_pb2.Usage, image_count: int, settings: RestSettings) ->
 
 @dataclass
 class Generation:
-    """What one /v1/images/generations call needs to answer: the gRPC request and the echoed settings."""
+    """What one generation or edit call needs to answer: the gRPC request and the echoed settings."""
 
     request: gateway_service_pb2.GenerateImagesRequest
     quality: str
     metadata: tuple[tuple[str, str], ...]
     rid: str
+    events: str = "image_generation"  # the stream's event names: "<events>.partial_image", "<events>.completed"
 
     @property
     def output_format(self) -> str:

@@ -1,0 +1,52 @@
+"""What every image route does once it holds a checked GenerateImagesRequest: the gateway call's metadata (request
+id, and the client's or this front's key), the call itself, and the answer as JSON or as server-sent events."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from services.runtime.auth import bearer_metadata
+
+from . import streaming, translate, upstream
+from .metrics import RestMetrics
+from .middleware import REQUEST_ID_HEADER
+from .settings import RestSettings
+
+log = logging.getLogger("glmimage.rest")
+
+_HEADER_VALUE_RE = re.compile(r"[\x20-\x7e]{1,8192}")
+
+
+def gateway_metadata(request: Request, settings: RestSettings, rid: str) -> tuple[tuple[str, str], ...]:
+    """The request id, and the key the gateway sees (settings.gateway_auth)."""
+    metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_HEADER, rid),)
+    if settings.gateway_auth == "own":  # the gateway sees this front's key; the client's stays here
+        return metadata + bearer_metadata(settings.gateway_api_key)
+    # Forwarded whether or not REST checks keys itself: the gateway may enforce its own. A repeated one is not
+    # forwarded, as no key check on any hop accepts one (services.runtime.auth).
+    authorization = request.headers.getlist("authorization")
+    if len(authorization) == 1 and _HEADER_VALUE_RE.fullmatch(authorization[0]):
+        metadata += (("authorization", authorization[0]),)
+    return metadata
+
+
+async def answer(gen: translate.Generation, stream: bool, partial_images: int, request: Request,
+                 settings: RestSettings, metrics: RestMetrics, gateway: upstream.Gateway) -> Response:
+    """Run the gateway call for ``gen``: events when ``stream``, else one ImagesResponse JSON (499 when the
+    client went away first)."""
+    if stream:
+        return await streaming.stream(gateway, gen, partial_images, settings, metrics, request.receive,
+                                      request.scope["state"])
+    resp = await upstream.generate(gateway, gen, settings.request_timeout, request.receive)
+    if resp is None:
+        log.info("%s client disconnected; gateway call cancelled", gen.rid)
+        return Response(status_code=499)
+    metrics.images.inc(len(resp.images))
+    result = translate.images_json(resp, gen, settings)
+    log.info("%s done: %d image(s), %d+%d tokens", gen.rid, len(resp.images),
+             resp.usage.prompt_tokens, resp.usage.completion_tokens)
+    return JSONResponse(result)

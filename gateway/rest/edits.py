@@ -1,0 +1,128 @@
+"""`POST /v1/images/edits`: OpenAI's image edit, multipart as the openai SDK sends it.
+
+The files become the request's reference images; everything else takes the generation's path: the same
+translation (translate.to_grpc), the same admission checks (limits.check, the references' count, bytes and headers
+included) and the same call and answer (dispatch.answer), with `image_edit.*` events when streaming. The body is
+bounded before it is read (middleware.py, limits.edit_body_bytes); nothing here fetches a URL or decodes an image.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from glmimage.v1 import common_pb2
+from services.runtime.limits import SIZE_MULTIPLE, Limits
+
+from . import dispatch, translate
+from . import limits as rest_limits
+from .deps import GatewayDep, Metrics, Settings, image_responses
+from .errors import APIError, from_validation_errors
+from .middleware import request_id
+from .schemas import ImageEditRequest
+
+log = logging.getLogger("glmimage.rest")
+
+EDITS_PATH = "/v1/images/edits"
+# A single file comes as `image`, a list as `image[]` (the openai SDK's array format); both are taken, in order.
+IMAGE_FIELDS = ("image", "image[]")
+# An edit has about twenty text fields; a form with many more is not one (the parser stops there).
+_MAX_FIELDS = 64
+
+router = APIRouter()
+
+
+def auto_size(width: int, height: int, max_pixels: int) -> tuple[int, int]:
+    """`size: auto`: the first reference's aspect ratio at its own pixel count, scaled down to ``max_pixels`` when
+    larger, each side rounded to the nearest multiple of 32 (at least 32). A 96x64 reference gives 96x64."""
+    scale = min(1.0, math.sqrt(max_pixels / (width * height)))
+    # Half up (not round()'s half to even), so that the same aspect always rounds the same way.
+    w, h = (max(1, math.floor(side * scale / SIZE_MULTIPLE + 0.5)) * SIZE_MULTIPLE for side in (width, height))
+    while w * h > max_pixels and max(w, h) > SIZE_MULTIPLE:  # rounding up passed the budget: trim the longer side
+        if w >= h:
+            w -= SIZE_MULTIPLE
+        else:
+            h -= SIZE_MULTIPLE
+    return w, h
+
+
+async def _parse_form(request: Request, limits: Limits, max_part_bytes: int) -> FormData:
+    """The multipart form; Starlette's refusals (malformed, too many parts) as OpenAI's 400."""
+    try:
+        # One file over the count lets a 17th image (or a mask) reach the checks that name it.
+        return await request.form(max_files=limits.max_reference_images + 1, max_fields=_MAX_FIELDS,
+                                  max_part_size=max_part_bytes)
+    except StarletteHTTPException as exc:
+        if exc.status_code != 400:  # 413 from the body bound: answered as it is
+            raise
+        param = "image" if "files" in str(exc.detail) else None
+        raise APIError(400, f"invalid multipart body: {exc.detail}", param=param, code="invalid_value") from None
+
+
+async def _read_images(form: FormData, limits: Limits) -> list[bytes]:
+    """The uploaded reference files' bytes, each under the per-file bound before it is read."""
+    if "mask" in form:
+        raise APIError(400, "mask is not supported: GLM-Image has no inpainting mask; describe the edit in the prompt",
+                       param="mask", code="unsupported_value")
+    uploads = [value for name in IMAGE_FIELDS for value in form.getlist(name)]
+    if not uploads:
+        raise APIError(400, "missing required parameter: 'image'", param="image", code="missing_required_parameter")
+    for upload in uploads:
+        if not isinstance(upload, UploadFile):
+            raise APIError(400, "image must be an uploaded file (PNG, JPEG or WebP); image URLs are not fetched",
+                           param="image", code="invalid_type")
+        if upload.size is not None and upload.size > limits.max_reference_bytes:
+            raise APIError(413, f"image {upload.filename!a} is {upload.size} bytes; the limit is "
+                           f"{limits.max_reference_bytes} bytes per file", param="image", code="file_too_large")
+    return [await upload.read() for upload in uploads]  # type: ignore[union-attr]
+
+
+def _validate(form: FormData, images: list[bytes]) -> ImageEditRequest:
+    fields: dict[str, Any] = {name: value for name, value in form.items() if name not in IMAGE_FIELDS}
+    try:
+        return ImageEditRequest.model_validate({**fields, "image": images})
+    except ValidationError as exc:  # locations as FastAPI gives them for a body
+        raise from_validation_errors([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+
+
+@router.post(
+    EDITS_PATH,
+    response_class=JSONResponse,
+    responses=image_responses("ImageEditPartialImageEvent", "ImageEditCompletedEvent"),
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "multipart/form-data": {"schema": {"$ref": "#/components/schemas/ImageEditRequest"}},
+    }}},
+    summary="Create images from reference images and a prompt",
+)
+async def edit_images(request: Request, settings: Settings, metrics: Metrics, gateway: GatewayDep) -> Response:
+    rid = request_id(request)
+    limits: Limits = request.app.state.limits.current
+    form = await _parse_form(request, limits, settings.max_body_bytes)
+    try:
+        images = await _read_images(form, limits)
+        body = _validate(form, images)
+    finally:
+        await form.close()  # the spooled upload files
+    if body.size in (None, "auto"):  # the first reference's header only; check() below checks them all
+        [(width, height)] = rest_limits.reference_sizes(images[:1], limits)
+        width, height = auto_size(width, height, limits.max_pixels)
+        body = body.model_copy(update={"size": f"{width}x{height}"})
+    req, quality = translate.to_grpc(body, settings, rid)
+    req.reference_images.extend(common_pb2.ReferenceImage(data=data) for data in images)
+    rest_limits.check(req, body.partial_images or 0, limits)
+    gen = translate.Generation(request=req, quality=quality, metadata=dispatch.gateway_metadata(request, settings, rid),
+                               rid=rid, events="image_edit")
+    log.info(
+        "%s edit images=%d (%d bytes) n=%d size=%dx%d steps=%d format=%s stream=%s user=%r",
+        rid, len(images), sum(map(len, images)), req.n, req.width, req.height, req.num_inference_steps,
+        gen.output_format, bool(body.stream), body.user,
+    )
+    return await dispatch.answer(gen, bool(body.stream), body.partial_images or 0, request, settings, metrics,
+                                 gateway)
