@@ -2,7 +2,9 @@
 
 Knows nothing of gRPC. Runs one job at a time (the pipeline keeps per-call state); callers serialize.
 A job can be stopped between steps through its JobControl (cancel event, deadline), checked in the
-pipeline's step callback, which also reports progress and takes the partial previews.
+pipeline's step callback, which also reports progress and takes the partial previews. An edit (reference images
+with their AR tokens: services.denoiser.conditioning) runs the same loop, the references VAE-encoded into the DiT's
+KV cache first.
 """
 from __future__ import annotations
 
@@ -10,13 +12,22 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from PIL import Image
 
+from services.denoiser.conditioning import (
+    TOKEN_PATCH,
+    ReferenceTokens,
+    check_codes,
+    check_references,
+    is_reference_pass,
+    pipeline_inputs,
+    prepare_images,
+)
 from services.denoiser.encoding import DEFAULT_PNG_LEVEL, ImageFormat, encode
 from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
@@ -37,7 +48,6 @@ from services.runtime.limits import (
 
 log = logging.getLogger(__name__)
 
-TOKEN_PATCH = 16  # one prior token per 16x16 pixels
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,10 @@ class DenoiseJob:
     output_format: ImageFormat = ImageFormat.PNG
     output_compression: int | None = None
     partial_images: int = 0
+    # An edit: each reference's file and its AR tokens, one of each per reference in the same order (as on the
+    # wire: validate() refuses mismatched counts). Both empty: text-to-image.
+    reference_images: Sequence[bytes] = ()
+    references: Sequence[ReferenceTokens] = ()
 
 
 @dataclass(frozen=True)
@@ -160,9 +174,8 @@ class DenoiseEngine:
         if len(job.token_ids) != expected:
             raise InvalidArgument("prior_tokens", f"has {len(job.token_ids)} ids; {h}x{w} needs "
                                                   f"({h}/16)*({w}/16) = {expected}")
-        if job.token_ids and not (0 <= min(job.token_ids) and max(job.token_ids) < self.codebook_size):
-            bad = next(t for t in job.token_ids if not 0 <= t < self.codebook_size)
-            raise InvalidArgument("prior_tokens", f"id {bad} is outside [0, {self.codebook_size})")
+        check_codes(job.token_ids, "prior_tokens", self.codebook_size)
+        check_references(job.reference_images, job.references, lim, self.codebook_size)
         check_steps(job.steps, lim)
         steps = job.steps or self.settings.default_steps
         guidance = self.settings.default_guidance if job.guidance_scale is None else job.guidance_scale
@@ -175,7 +188,8 @@ class DenoiseEngine:
 
     @torch.inference_mode()
     def run(self, job: DenoiseJob, control: JobControl | None = None) -> DenoiseResult:
-        """Denoise, decode and encode a validated job; raises Cancelled or DeadlineExceeded once control asks."""
+        """Denoise, decode and encode a validated job; raises Cancelled or DeadlineExceeded once control asks, and
+        InvalidArgument for a reference whose header passed validate() but whose data does not decode."""
         control = control or JobControl()
         t0 = time.perf_counter()
         latents = self.denoise(job, control)
@@ -191,16 +205,23 @@ class DenoiseEngine:
 
     @torch.inference_mode()
     def denoise(self, job: DenoiseJob, control: JobControl | None = None) -> torch.Tensor:
-        """The denoising loop alone: the final latents at the model size (multiples of 32)."""
+        """The denoising loop alone (after encoding an edit's references): the final latents at the model size
+        (multiples of 32)."""
         control = control or JobControl()
         h, w = round_up(job.height), round_up(job.width)
+        # Decoded here, on the worker thread, rather than in validate() on the caller's event loop.
+        conditioning = pipeline_inputs(prepare_images(job.reference_images, job.references), job.references,
+                                       self.device)
         previews = {step: index for index, step in enumerate(preview_steps(job.steps, job.partial_images))}
-        # A step is timed from its first transformer call to its callback, so neither the glyph encoding
-        # before the loop nor preview decoding inside a callback counts as step time.
+        # A step is timed from its first transformer call to its callback, so neither the glyph encoding nor an
+        # edit's reference passes before the loop, nor preview decoding inside a callback, counts as step time.
         step_start: list[float | None] = [None]
 
-        def on_transformer_call(module, args) -> None:
-            if step_start[0] is None:
+        def on_transformer_call(module, args, kwargs) -> None:
+            if is_reference_pass(kwargs):
+                # Before the loop: neither step time nor a place to wait, so many references still stop promptly.
+                control.check("while encoding the references")
+            elif step_start[0] is None:
                 step_start[0] = time.perf_counter()
 
         def on_step_end(pipe, index: int, timestep, callback_kwargs: dict) -> dict:
@@ -216,14 +237,14 @@ class DenoiseEngine:
             return callback_kwargs
 
         control.check("before the first step")
-        hook = self.pipe.transformer.register_forward_pre_hook(on_transformer_call)
+        hook = self.pipe.transformer.register_forward_pre_hook(on_transformer_call, with_kwargs=True)
         try:
             return self.pipe(
                 prompt=job.prompt,
                 prior_token_ids=torch.tensor([job.token_ids], dtype=torch.long, device=self.device),
                 height=h, width=w, num_inference_steps=job.steps, guidance_scale=job.guidance_scale,
                 generator=torch.Generator(device=self.device).manual_seed(job.seed),
-                output_type="latent", callback_on_step_end=on_step_end,
+                output_type="latent", callback_on_step_end=on_step_end, **conditioning,
             ).images
         finally:
             hook.remove()

@@ -16,6 +16,7 @@ import grpc
 
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.denoiser import metrics
+from services.denoiser.conditioning import ReferenceTokens
 from services.denoiser.encoding import ImageFormat
 from services.denoiser.engine import (
     DenoiseEngine,
@@ -60,7 +61,10 @@ def job_from_proto(msg: denoiser_service_pb2.DenoiseRequest, partial_images: int
         seed=msg.seed if msg.HasField("seed") else None,
         output_format=FORMAT_FROM_PROTO[msg.output_format],
         output_compression=msg.output_compression if msg.HasField("output_compression") else None,
-        partial_images=partial_images)
+        partial_images=partial_images,
+        reference_images=[image.data for image in msg.reference_images],
+        references=[ReferenceTokens(token_ids=list(r.tokens.token_ids), grid_height=r.grid_height,
+                                    grid_width=r.grid_width) for r in msg.references])
 
 
 def result_to_proto(r: DenoiseResult) -> denoiser_service_pb2.DenoiseResponse:
@@ -217,6 +221,10 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
             if record.steps_at_cancel is not None:
                 metrics.STEPS_AFTER_CANCEL.observe(record.steps_done - record.steps_at_cancel)
             log.info("job stopped after %d of %d step(s)", record.steps_done, record.steps)
+        elif isinstance(error, InvalidArgument):
+            # A reference whose header passed validation but whose data does not decode: found on the worker,
+            # where references are decoded, still the request's fault.
+            record.outcome = Outcome.INVALID
         elif error is not None:
             record.outcome = Outcome.FAILED
             if record.cancel_reason is not None:  # nobody is left to report it to
