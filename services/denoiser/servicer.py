@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from glmimage import formats
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.denoiser import metrics
 from services.denoiser.conditioning import ReferenceTokens
@@ -35,17 +36,9 @@ from services.runtime.limits import DENOISER_FIELDS
 
 log = logging.getLogger(__name__)
 
-FORMAT_FROM_PROTO = {
-    common_pb2.IMAGE_FORMAT_UNSPECIFIED: ImageFormat.PNG,
-    common_pb2.IMAGE_FORMAT_PNG: ImageFormat.PNG,
-    common_pb2.IMAGE_FORMAT_JPEG: ImageFormat.JPEG,
-    common_pb2.IMAGE_FORMAT_WEBP: ImageFormat.WEBP,
-}
-FORMAT_TO_PROTO = {
-    ImageFormat.PNG: common_pb2.IMAGE_FORMAT_PNG,
-    ImageFormat.JPEG: common_pb2.IMAGE_FORMAT_JPEG,
-    ImageFormat.WEBP: common_pb2.IMAGE_FORMAT_WEBP,
-}
+# The one format map (glmimage.formats); IMAGE_FORMAT_UNSPECIFIED means its default, PNG.
+FORMAT_FROM_PROTO = {**{f.proto: ImageFormat(f.name) for f in formats.BY_NAME.values()},
+                     common_pb2.IMAGE_FORMAT_UNSPECIFIED: ImageFormat(formats.DEFAULT.name)}
 
 
 def job_from_proto(msg: denoiser_service_pb2.DenoiseRequest, partial_images: int = 0) -> DenoiseJob:
@@ -69,7 +62,7 @@ def job_from_proto(msg: denoiser_service_pb2.DenoiseRequest, partial_images: int
 
 def result_to_proto(r: DenoiseResult) -> denoiser_service_pb2.DenoiseResponse:
     return denoiser_service_pb2.DenoiseResponse(
-        image=r.image, output_format=FORMAT_TO_PROTO[r.output_format], height=r.height, width=r.width,
+        image=r.image, output_format=r.output_format.spec.proto, height=r.height, width=r.width,
         steps_completed=r.steps_completed, seed=r.seed,
         timings=denoiser_service_pb2.DenoiseTimings(denoise_seconds=r.denoise_seconds,
                                                    decode_seconds=r.decode_seconds,
