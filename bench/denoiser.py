@@ -35,10 +35,10 @@ TORCH_THREADS = 2
 SIZES = (256, 512)
 ENCODE_SIZE = 1024
 PROMPT = 'A red sign that says "HELLO"'
-ENCODINGS = {  # name -> (format, output_compression): PNG levels are output_compression * 9 / 100
-    "png_level1": (ImageFormat.PNG, 11),
-    "png_level6": (ImageFormat.PNG, 67),
-    "png_level9": (ImageFormat.PNG, 100),
+ENCODINGS = {  # name -> (format, output_compression): PNG's zlib level is (100 - output_compression) * 9 / 100
+    "png_level1": (ImageFormat.PNG, 89),
+    "png_level6": (ImageFormat.PNG, 33),
+    "png_level9": (ImageFormat.PNG, 0),
     "jpeg_q90": (ImageFormat.JPEG, 90),
     "webp_q90": (ImageFormat.WEBP, 90),
 }
