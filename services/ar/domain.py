@@ -16,6 +16,7 @@ from services.runtime.limits import (
     Limits,
     check_n,
     check_prompt,
+    check_reference_images,
     check_sampling,
     check_seed,
     model_size,
@@ -39,6 +40,8 @@ class ArRequest:
     width: int
     seed: int | None = None
     sampling: Sampling = field(default_factory=Sampling)
+    # An edit: the reference files as the client sent them (encoded); empty for text-to-image.
+    reference_images: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Usage:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     cached_tokens: int = 0
+    image_tokens: int = 0  # of prompt_tokens, those the reference images contributed
 
     @property
     def total_tokens(self) -> int:
@@ -54,7 +58,8 @@ class Usage:
 
     def __add__(self, other: Usage) -> Usage:
         return Usage(self.prompt_tokens + other.prompt_tokens, self.completion_tokens + other.completion_tokens,
-                     self.reasoning_tokens + other.reasoning_tokens, self.cached_tokens + other.cached_tokens)
+                     self.reasoning_tokens + other.reasoning_tokens, self.cached_tokens + other.cached_tokens,
+                     self.image_tokens + other.image_tokens)
 
 
 @dataclass(frozen=True)
@@ -65,10 +70,21 @@ class PriorOutput:
 
 
 @dataclass(frozen=True)
+class ReferenceTokens:
+    """One reference image's VQ codes, upsampled 2x like the target's, on its (model size / 16) grid."""
+
+    token_ids: list[int]
+    grid_h: int
+    grid_w: int
+
+
+@dataclass(frozen=True)
 class ArResult:
     outputs: list[PriorOutput]
     height: int
     width: int
+    # An edit: its references' tokens, in request order, shared by every output.
+    references: tuple[ReferenceTokens, ...] = ()
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -82,7 +98,8 @@ class ArResult:
 
 @dataclass(frozen=True)
 class GridPlan:
-    """What the AR generates for one target size: a preview grid, then the large grid, then the end token."""
+    """What the AR generates for one target size: a preview grid (text-to-image only; 0 for an edit), then the
+    large grid, then the end token."""
 
     preview_tokens: int
     grid_h: int
@@ -138,7 +155,10 @@ def validate(req: ArRequest, limits: Limits) -> ArRequest:
     s = req.sampling
     check_sampling(s.temperature, s.top_p, s.top_k)
     check_seed(req.seed, n)
-    return ArRequest(prompt=req.prompt, n=n, height=height, width=width, seed=req.seed, sampling=s)
+    if req.reference_images:  # headers only: count, bytes, format, declared pixels, aspect
+        check_reference_images(req.reference_images, limits)
+    return ArRequest(prompt=req.prompt, n=n, height=height, width=width, seed=req.seed, sampling=s,
+                     reference_images=req.reference_images)
 
 
 def check_batch(requests: Sequence[ArRequest], limits: Limits, *, single: bool = False) -> None:
@@ -147,11 +167,23 @@ def check_batch(requests: Sequence[ArRequest], limits: Limits, *, single: bool =
         raise InvalidArgument("requests", "must not be empty")
     if len({(r.height, r.width) for r in requests}) > 1:
         raise InvalidArgument("requests", "all requests of a batch must have the same height and width")
+    if len({len(r.reference_images) for r in requests}) > 1:
+        # One model batch generates one plan: an edit's (target grid only) differs from text-to-image's.
+        raise InvalidArgument("requests", "all requests of a batch must give the same number of reference images")
     total = sum(r.n for r in requests)
     if total > limits.max_batch_outputs:
         raise InvalidArgument("n" if single else "requests",
                               f"{total} outputs exceed the batch cap (--max-batch-outputs "
                               f"{limits.max_batch_outputs}); split the batch")
+
+
+class RequestInvalid(InvalidArgument):
+    """A request of a batch refused while the batch ran (its reference data would not decode): ``index`` lets the
+    servicer name the field as the caller sent it (``requests[i].`` in a GenerateBatch)."""
+
+    def __init__(self, index: int, error: InvalidArgument) -> None:
+        super().__init__(error.field or "", error.description)
+        self.index = index
 
 
 def row_seeds(req: ArRequest, draw: int) -> list[int]:
@@ -180,7 +212,8 @@ def upsample_grid(large: Sequence[int], grid_h: int, grid_w: int) -> list[int]:
 
 
 def prior_output(generated: Sequence[int], plan: GridPlan, *, seed: int, prompt_tokens: int, cached_tokens: int = 0,
-                 eos_token_ids: Collection[int], codebook_size: int | None, index: int) -> PriorOutput:
+                 image_tokens: int = 0, eos_token_ids: Collection[int], codebook_size: int | None,
+                 index: int) -> PriorOutput:
     """Turn one generated row into the denoiser's prior tokens plus its usage; errors name the output."""
     used = completion_length(generated, eos_token_ids)
     large = list(generated[plan.preview_tokens:plan.preview_tokens + plan.large_tokens])
@@ -189,4 +222,5 @@ def prior_output(generated: Sequence[int], plan: GridPlan, *, seed: int, prompt_
     if codebook_size is not None and any(not 0 <= t < codebook_size for t in large):
         raise ServiceError(f"output {index}: the AR model produced ids outside the codebook [0, {codebook_size})")
     return PriorOutput(token_ids=upsample_grid(large, plan.grid_h, plan.grid_w), seed=seed,
-                       usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=used, cached_tokens=cached_tokens))
+                       usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=used, cached_tokens=cached_tokens,
+                                   image_tokens=image_tokens))

@@ -1,7 +1,9 @@
 """The local AR engine: GLM-Image's autoregressive stage through the real transformers classes.
 
 Every prompt of a batch and all their outputs run as one left-padded `model.generate` call; each row samples with
-its own generator (see sampling.py), so an output depends only on its prompt, size, sampling and seed.
+its own generator (see sampling.py), so an output depends only on its prompt, references, size, sampling and seed.
+An edit's rows carry its reference images (the model encodes them into the prompt) and generate the target grid
+only; the references' own tokens, which the denoiser needs, are computed once per request, not per output.
 Knows nothing of gRPC: it takes and returns dataclasses and raises domain errors.
 Not thread-safe (the model keeps per-call position caches): callers serialize calls.
 """
@@ -21,11 +23,14 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from services.ar.domain import (
     ArRequest,
     ArResult,
+    ReferenceTokens,
+    RequestInvalid,
     RunControl,
     Sampling,
     check_batch,
     prior_output,
     row_seeds,
+    upsample_grid,
     validate,
 )
 from services.ar.prompts import EncodedPrompt, PromptEncoder
@@ -33,6 +38,7 @@ from services.ar.sampling import ControlStop, RowParams, RowSampler, resolve
 from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.tiny import AR_PARTS
+from services.runtime.errors import InvalidArgument
 from services.runtime.limits import SEED_SPACE, Limits
 
 # Kept importable from here: the engine's public vocabulary.
@@ -96,13 +102,34 @@ class ArEngine:
     def validate(self, req: ArRequest) -> ArRequest:
         return validate(req, self.limits)
 
-    def _rows(self, requests: Sequence[ArRequest]) -> list[_Row]:
-        rows = []
+    def _encode(self, requests: Sequence[ArRequest]) -> list[EncodedPrompt]:
+        """Each request's prompt, once per request, not per output; a reference that does not decode fails the
+        batch, naming its request."""
+        prompts = []
         for i, req in enumerate(requests):
-            encoded = self.prompts.encode(req.prompt, req.height, req.width)  # once per prompt, not per output
+            try:
+                prompts.append(self.prompts.encode(req.prompt, req.height, req.width, req.reference_images))
+            except InvalidArgument as exc:
+                raise RequestInvalid(i, exc) from None
+        return prompts
+
+    def _rows(self, requests: Sequence[ArRequest], prompts: Sequence[EncodedPrompt]) -> list[_Row]:
+        rows = []
+        for i, (req, encoded) in enumerate(zip(requests, prompts, strict=True)):
             params = resolve(req.sampling, self.model_sampling)
             rows += [_Row(i, encoded, seed, params) for seed in row_seeds(req, secrets.randbelow(SEED_SPACE))]
         return rows
+
+    def _reference_tokens(self, prompt: EncodedPrompt) -> tuple[ReferenceTokens, ...]:
+        """An edit's references as the denoiser takes them: each one's VQ codes, upsampled 2x, grid doubled."""
+        if not prompt.references or prompt.pixel_values is None:
+            return ()
+        grids = prompt.reference_grids.to(self.device)
+        features = self.model.get_image_features(prompt.pixel_values.to(self.device), grids).pooler_output
+        codes = self.model.get_image_tokens(features, grids)
+        return tuple(ReferenceTokens(upsample_grid(chunk.tolist(), h, w), grid_h=2 * h, grid_w=2 * w)
+                     for chunk, (_, h, w) in zip(torch.split(codes, grids.prod(-1).tolist()), grids.tolist(),
+                                                 strict=True))
 
     def _batch_inputs(self, rows: Sequence[_Row]) -> dict[str, torch.Tensor]:
         """Left-pad every row to the longest prompt; the mask keeps padding out of attention and mrope positions
@@ -116,8 +143,12 @@ class ArEngine:
             attention_mask[i, width - n:] = 1
         grids = torch.cat([r.prompt.image_grid_thw for r in rows])
         images_per_sample = torch.tensor([r.prompt.image_grid_thw.shape[0] for r in rows], dtype=torch.long)
-        return {k: v.to(self.device) for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
-                                                  ("image_grid_thw", grids), ("images_per_sample", images_per_sample))}
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "image_grid_thw": grids,
+                  "images_per_sample": images_per_sample}
+        pixels = [r.prompt.pixel_values for r in rows if r.prompt.pixel_values is not None]
+        if pixels:  # an edit: every row's references, in row order (the model splits them by images_per_sample)
+            inputs["pixel_values"] = torch.cat(pixels)
+        return {k: v.to(self.device) for k, v in inputs.items()}
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[ArRequest], control: RunControl | None = None) -> list[ArResult]:
@@ -126,7 +157,8 @@ class ArEngine:
         if control is not None:
             control.check()  # dropped before it starts: the caller is gone
         t0 = time.perf_counter()
-        rows = self._rows(requests)
+        prompts = self._encode(requests)
+        rows = self._rows(requests, prompts)
         plan = rows[0].prompt.plan
         inputs = self._batch_inputs(rows)
         generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in rows]
@@ -143,11 +175,14 @@ class ArEngine:
         for i, (row, tokens) in enumerate(zip(rows, generated, strict=True)):
             outputs[row.request].append(prior_output(
                 tokens, plan, seed=row.seed, prompt_tokens=row.prompt.prompt_tokens,
-                eos_token_ids=self.eos_token_ids, codebook_size=self.codebook_size, index=i))
+                image_tokens=row.prompt.image_tokens, eos_token_ids=self.eos_token_ids,
+                codebook_size=self.codebook_size, index=i))
+        references = [self._reference_tokens(p) for p in prompts]
         r0 = requests[0]
-        log.info("AR batch: %d request(s), %d row(s) at %dx%d in %.2fs", len(requests), len(rows), r0.width,
-                 r0.height, time.perf_counter() - t0)
-        return [ArResult(outputs=o, height=r.height, width=r.width) for o, r in zip(outputs, requests, strict=True)]
+        log.info("AR batch: %d request(s) (%d reference image(s)), %d row(s) at %dx%d in %.2fs", len(requests),
+                 sum(p.references for p in prompts), len(rows), r0.width, r0.height, time.perf_counter() - t0)
+        return [ArResult(outputs=o, height=r.height, width=r.width, references=refs)
+                for o, r, refs in zip(outputs, requests, references, strict=True)]
 
     def warm_up(self) -> None:
         self.generate([ArRequest(prompt="warm-up", n=1, height=64, width=64, seed=0)])

@@ -11,7 +11,16 @@ import grpc
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, common_pb2
 from services.ar import metrics
 from services.ar.batcher import AdmissionQueue
-from services.ar.domain import ArBackend, ArRequest, ArResult, RunControl, Sampling, Usage, check_batch
+from services.ar.domain import (
+    ArBackend,
+    ArRequest,
+    ArResult,
+    RequestInvalid,
+    RunControl,
+    Sampling,
+    Usage,
+    check_batch,
+)
 from services.runtime.deadlines import rpc_deadline
 from services.runtime.errors import InvalidArgument
 from services.runtime.executor import SerialExecutor
@@ -29,13 +38,14 @@ def request_from_proto(msg: ar_service_pb2.GenerateRequest) -> ArRequest:
         seed=msg.seed if msg.HasField("seed") else None,
         sampling=Sampling(temperature=s.temperature if s.HasField("temperature") else None,
                           top_p=s.top_p if s.HasField("top_p") else None,
-                          top_k=s.top_k if s.HasField("top_k") else None))
+                          top_k=s.top_k if s.HasField("top_k") else None),
+        reference_images=tuple(image.data for image in msg.reference_images))
 
 
 def usage_to_proto(u: Usage) -> common_pb2.Usage:
     return common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                             total_tokens=u.total_tokens, reasoning_tokens=u.reasoning_tokens,
-                            cached_tokens=u.cached_tokens)
+                            cached_tokens=u.cached_tokens, image_tokens=u.image_tokens)
 
 
 def result_to_proto(result: ArResult) -> ar_service_pb2.GenerateResponse:
@@ -44,7 +54,15 @@ def result_to_proto(result: ArResult) -> ar_service_pb2.GenerateResponse:
         outputs=[ar_service_pb2.PriorOutput(tokens=common_pb2.TokenRow(token_ids=o.token_ids), seed=o.seed,
                                             usage=usage_to_proto(o.usage)) for o in result.outputs],
         height=result.height, width=result.width, grid_height=grid_h, grid_width=grid_w,
-        usage=usage_to_proto(result.usage))
+        usage=usage_to_proto(result.usage),
+        references=[common_pb2.ReferenceTokens(tokens=common_pb2.TokenRow(token_ids=r.token_ids),
+                                               grid_height=r.grid_h, grid_width=r.grid_w)
+                    for r in result.references])
+
+
+def in_batch(exc: InvalidArgument, index: int, single: bool) -> InvalidArgument:
+    """A request's refusal, its field named as the caller sent it: "requests[i].field" within a GenerateBatch."""
+    return exc if single else InvalidArgument(f"requests[{index}].{exc.field}", exc.description)
 
 
 class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
@@ -84,9 +102,7 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
             try:
                 reqs.append(self.engine.validate(request_from_proto(msg)))
             except InvalidArgument as exc:
-                if single:
-                    raise
-                raise InvalidArgument(f"requests[{i}].{exc.field}", exc.description) from None
+                raise in_batch(exc, i, single) from None
         check_batch(reqs, self.engine.limits, single=single)
         return reqs
 
@@ -100,7 +116,10 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
             waited = await self.admission.acquire(control.deadline)
             metrics.QUEUE_SECONDS.observe(waited)
             self.current = control
-            results = await self.admission.run_acquired(self._generate, reqs, control)
+            try:
+                results = await self.admission.run_acquired(self._generate, reqs, control)
+            except RequestInvalid as exc:  # a reference that would not decode, found on the worker thread
+                raise in_batch(exc, exc.index, single) from None
         except asyncio.CancelledError:
             # Client cancel or deadline: a queued call never starts; a running batch stops at its next step.
             control.cancel.set()

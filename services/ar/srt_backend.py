@@ -3,7 +3,8 @@
 The prompt is formatted locally with the checkpoint's processor (chat template + target-grid spec), so the
 server receives exactly the text the local engine would tokenize. A batch goes out as one request with list-valued
 `text` and `sampling_params` (one entry per output row, each with its own `sampling_seed`), which such servers
-batch themselves. Only the processor is loaded: no weights, no torch model.
+batch themselves. Only the processor is loaded: no weights, no torch model. Edits are refused (INVALID_ARGUMENT):
+their reference images enter the model as pixels, which a text prompt cannot carry.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from services.ar.domain import (
 )
 from services.ar.prompts import PromptEncoder
 from services.model.loading import checkpoint_root, require_parts
-from services.runtime.errors import DeadlineExceeded, ServiceError, Unavailable
+from services.runtime.errors import DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
 from services.runtime.limits import SEED_SPACE, Limits
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,9 @@ class SrtBackend:
         return cls(url, PromptEncoder.load(root), limits, timeout=timeout, codebook_size=_codebook_size(root))
 
     def validate(self, req: ArRequest) -> ArRequest:
+        if req.reference_images:
+            # The references enter the model as pixels (vision patches), which a text /generate call cannot carry.
+            raise InvalidArgument("reference_images", "the srt backend does not support edits")
         return validate(req, self.limits)
 
     def generate(self, requests: Sequence[ArRequest], control: RunControl | None = None) -> list[ArResult]:

@@ -17,7 +17,7 @@ import math
 from PIL import Image
 
 from services.runtime.errors import InvalidArgument
-from services.runtime.limits import SIZE_MULTIPLE
+from services.runtime.limits import MAX_REFERENCE_ASPECT, SIZE_MULTIPLE
 
 # What the reference is resized with: the processor itself uses bicubic.
 RESAMPLE = Image.Resampling.BICUBIC
@@ -34,25 +34,32 @@ def decode(data: bytes, field: str) -> Image.Image:
 
 
 def reference_model_size(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(width, height) the model sees a reference at: each side a multiple of 32, the aspect ratio kept as far as
-    that allows, the area within [min_pixels, max_pixels] so the image processor does not resize it again."""
-    area = width * height
+    """(width, height) the model sees a reference at, each side a multiple of 32, the aspect ratio kept as far as
+    that allows, such that the image processor leaves it as it is.
+
+    ``min_pixels``/``max_pixels`` are the processor's own (``size.shortest_edge``/``size.longest_edge``), read as its
+    smart_resize reads them: bounds on the short side (``sqrt(min_pixels)``) and on the long side
+    (``sqrt(max_pixels)``), not on the area. Within them smart_resize does not rescale, so its grid is exactly
+    size / 32 (size / 16 once doubled), and at most 4:1, which it refuses past.
+    """
+    shortest, longest = round(math.sqrt(min_pixels)), round(math.sqrt(max_pixels))
+    # smart_resize's scale: the short side up to `shortest`, then the long side down to `longest` (which wins).
     scale = 1.0
-    if area > max_pixels:
-        scale = math.sqrt(max_pixels / area)
-    elif area < min_pixels:
-        scale = math.sqrt(min_pixels / area)
-    w, h = _multiple(width * scale), _multiple(height * scale)
-    while w * h > max_pixels and max(w, h) > SIZE_MULTIPLE:  # rounding may have pushed it over: shave the longer
-        if w >= h:
-            w -= SIZE_MULTIPLE
+    if min(width, height) < shortest:
+        scale = shortest / min(width, height)
+    if max(width, height) * scale > longest:
+        scale = longest / max(width, height)
+    low = -(-shortest // SIZE_MULTIPLE) * SIZE_MULTIPLE
+    high = max(SIZE_MULTIPLE, longest // SIZE_MULTIPLE * SIZE_MULTIPLE)
+    # Rounding may cross a bound: clamp each side (the long-side bound wins should they conflict, as in smart_resize).
+    w, h = (min(max(_multiple(side * scale), low), high) for side in (width, height))
+    # Rounding a 4:1 image can pass 4:1 (188x47 -> 192x32): widen the short side, or shorten the long one.
+    while max(w, h) > MAX_REFERENCE_ASPECT * min(w, h):
+        grow_w = w < h
+        if min(w, h) + SIZE_MULTIPLE <= high:
+            w, h = (w + SIZE_MULTIPLE, h) if grow_w else (w, h + SIZE_MULTIPLE)
         else:
-            h -= SIZE_MULTIPLE
-    while w * h < min_pixels:
-        if w <= h:
-            w += SIZE_MULTIPLE
-        else:
-            h += SIZE_MULTIPLE
+            w, h = (w, h - SIZE_MULTIPLE) if grow_w else (w - SIZE_MULTIPLE, h)
     return w, h
 
 
@@ -62,5 +69,14 @@ def _multiple(value: float) -> int:
 
 def prepare(data: bytes, field: str, width: int, height: int) -> Image.Image:
     """The reference decoded and resized to exactly (width, height)."""
+    return _resized(decode(data, field), width, height)
+
+
+def prepare_for_model(data: bytes, field: str, min_pixels: int, max_pixels: int) -> Image.Image:
+    """The AR's side: the reference decoded once and resized to its ``reference_model_size``."""
     image = decode(data, field)
+    return _resized(image, *reference_model_size(*image.size, min_pixels, max_pixels))
+
+
+def _resized(image: Image.Image, width: int, height: int) -> Image.Image:
     return image if image.size == (width, height) else image.resize((width, height), RESAMPLE)
