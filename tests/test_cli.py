@@ -2,24 +2,14 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
 
 from tests.support.certs import Pki
 from tests.support.fake_gateway import FakeServer, fake_image, serve_fake
-
-
-def glmimage(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("GLMIMAGE_")} | (env or {})
-    # Bytes, decoded here: text mode would turn the progress bar's carriage returns into newlines.
-    done = subprocess.run([sys.executable, "-m", "glmimage.cli", *args], capture_output=True, timeout=60, cwd=cwd,
-                          env=environ)
-    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
+from tests.support.programs import glmimage
 
 
 def test_generate_writes_images_and_prints_usage(fake: FakeServer, tmp_path: Path) -> None:

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import re
 import shlex
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,11 +19,10 @@ import pytest
 from glmimage import AsyncClient, Client, Completed, GlmImageError, PartialImage, Progress
 from glmimage.v1 import common_pb2
 from tests.support.fake_gateway import IMAGE_TOKENS_PER_REFERENCE, FakeServer, fake_image, serve_fake
-from tests.test_cli import glmimage
+from tests.support.programs import glmimage, run_node, run_readme_grpcurl_edit
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-GENERATE_JS = REPO / "clients" / "node" / "generate.js"
 # Not decoded by any client: any bytes do, and distinct ones show which file went where.
 PNG_A = b"\x89PNG\r\n\x1a\n" + b"reference a"
 PNG_B = b"\x89PNG\r\n\x1a\n" + b"reference b"
@@ -192,28 +187,6 @@ def test_readme_cli_edit_runs_as_printed(fake: FakeServer, tmp_path: Path) -> No
 # --- grpcurl: the README's edit example ------------------------------------------------------------------------------
 
 
-def readme_grpcurl_edit() -> str:
-    """The README's grpcurl edit: the one shell line that pipes reference_images JSON into grpcurl."""
-    lines = [ln for ln in README.read_text().splitlines() if "grpcurl " in ln and "reference_images" in ln
-             and not ln.startswith("grpcurl ")]
-    assert len(lines) == 1, lines
-    return lines[0]
-
-
-def run_readme_grpcurl_edit(address: str, cwd: Path, reference: bytes) -> dict:
-    """The README's example as printed, in a shell, with `address` for make run's gateway and `reference` as the
-    file it reads; grpcurl comes from the interpreter's bin directory (the dev extra), as in test_grpcurl."""
-    command = readme_grpcurl_edit()
-    (path,) = re.findall(r"base64 < (\S+)", command)
-    (cwd / path).parent.mkdir(parents=True, exist_ok=True)
-    (cwd / path).write_bytes(reference)
-    env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run(["bash", "-c", command.replace("127.0.0.1:50050", address)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"{command}\n{done.stderr}"
-    return json.loads(done.stdout)
-
-
 @pytest.fixture(scope="module")
 def reflecting_fake() -> Iterator[FakeServer]:
     with serve_fake(with_reflection=True) as srv:
@@ -233,10 +206,6 @@ def test_readme_grpcurl_edit_sends_the_file(reflecting_fake: FakeServer, tmp_pat
 
 
 # --- the Node client -----------------------------------------------------------------------------------------------
-
-
-def run_node(node: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([node, str(GENERATE_JS), *args], capture_output=True, text=True, timeout=120)
 
 
 def test_node_edit_sends_each_image(node: str, fake: FakeServer, refs: list[Path], tmp_path: Path) -> None:
@@ -265,65 +234,3 @@ def test_node_edit_with_an_unreadable_image_is_a_usage_error(node: str, fake: Fa
     assert done.returncode == 2
     assert "missing.png" in done.stderr
     assert fake.servicer.calls == []
-
-
-# --- the real stack ------------------------------------------------------------------------------------------------
-
-
-def real_png(width: int, height: int) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (width, height), (200, 30, 30)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    from tests.support.cluster import running_stack
-
-    with running_stack(tmp_path_factory.mktemp("edit-stack"), denoisers=1) as run:
-        yield run.addresses
-
-
-@pytest.mark.e2e
-def test_real_stack_edit_from_the_sdk(stack: dict[str, str]) -> None:
-    from PIL import Image
-
-    with Client(stack["gateway"], timeout=300) as client:
-        result = client.edit([real_png(128, 96), real_png(64, 64)], "make it blue", n=2, size="128x96", seed=3)
-    assert len(result.images) == 2 and result.seeds == [3, 4]
-    for data in result.images:
-        with Image.open(io.BytesIO(data)) as image:
-            assert (image.format, image.size) == ("PNG", (128, 96))
-    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
-
-
-@pytest.mark.e2e
-@pytest.mark.xfail(strict=True, reason="the AR does not report Usage.image_tokens yet: drop this mark when it does")
-def test_real_stack_edit_reports_image_tokens(stack: dict[str, str]) -> None:
-    with Client(stack["gateway"], timeout=300) as client:
-        result = client.edit(real_png(64, 64), "make it blue", size="64x64")
-    assert 0 < result.usage.image_tokens < result.usage.prompt_tokens
-
-
-@pytest.mark.e2e
-def test_real_stack_readme_grpcurl_edit(stack: dict[str, str], tmp_path: Path) -> None:
-    reply = run_readme_grpcurl_edit(stack["gateway"], tmp_path, real_png(256, 256))
-    (image,) = reply["images"]
-    assert image["image"].startswith("iVBORw0KGgo")  # base64 of the PNG signature
-    assert int(reply["usage"]["completion_tokens"]) > 0
-
-
-
-@pytest.mark.e2e
-def test_real_stack_node_edit(node: str, stack: dict[str, str], tmp_path: Path) -> None:
-    from PIL import Image
-
-    ref = tmp_path / "ref.png"
-    ref.write_bytes(real_png(96, 64))
-    done = run_node(node, "--address", stack["gateway"], "--image", str(ref), "--prompt", "make it blue",
-                    "--size", "96x64", "--out", str(tmp_path / "edit.png"))
-    assert done.returncode == 0, done.stderr
-    with Image.open(tmp_path / "edit.png") as image:
-        assert (image.format, image.size) == ("PNG", (96, 64))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,11 +10,10 @@ import pytest
 
 from glmimage import Client
 from tests.support.cluster import running_stack
+from tests.support.programs import run_node
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[1]
-NODE_DIR = REPO / "clients" / "node"
 PROMPT = 'a red "STOP" sign'
 
 
@@ -24,10 +22,6 @@ def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     # One denoiser is enough here, and one model load fewer on a 2-core machine.
     with running_stack(tmp_path_factory.mktemp("node-stack"), denoisers=1) as run:
         yield run.addresses
-
-
-def run_node(node: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([node, str(NODE_DIR / "generate.js"), *args], capture_output=True, text=True, timeout=300)
 
 
 def test_node_client_writes_a_png_and_prints_usage(node: str, stack: dict[str, str], tmp_path: Path) -> None:

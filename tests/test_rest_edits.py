@@ -2,12 +2,9 @@
 (tests/support/edit_gateway.py), its bad input (always 4xx naming the param), its body bounds and its OpenAPI."""
 from __future__ import annotations
 
-import base64
 import dataclasses
-import io
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,24 +15,20 @@ from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types import ImageEditCompletedEvent, ImageEditPartialImageEvent
-from PIL import Image
 
 from gateway.rest.app import RestSettings, create_app
 from gateway.rest.edits import auto_size
 from gateway.rest.errors import param_of
 from glmimage.v1 import gateway_service_pb2 as gw
 from services.runtime.limits import Limits
-from tests.support.cluster import running_stack
 from tests.support.edit_gateway import IMAGE_TOKENS_PER_REFERENCE, serve_edit_fake
 from tests.support.fake_gateway import FakeServer
+from tests.support.images import image_file
 
 EDITS = "/v1/images/edits"
 
 
-def _image(size: tuple[int, int] = (64, 64), fmt: str = "PNG", color: tuple[int, int, int] = (200, 10, 10)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, format=fmt)
-    return buf.getvalue()
+_image = image_file
 
 
 RED, BLUE = _image(color=(255, 0, 0)), _image(color=(0, 0, 255))
@@ -337,21 +330,3 @@ async def test_openapi_documents_edits(client: httpx.AsyncClient) -> None:
     for name in ("ImageEditPartialImageEvent", "ImageEditCompletedEvent"):
         assert name in schemas
     assert gw.GenerateImagesRequest.DESCRIPTOR.fields_by_name["reference_images"].number == 12
-
-
-# --- the real stack -------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.e2e
-def test_sdk_edit_on_the_real_stack(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    """The SDK's edit through the launcher's REST front, gateway, AR and denoiser (tiny model)."""
-    with running_stack(tmp_path, denoisers=1) as run, openai.OpenAI(
-            base_url=f"http://{run.addresses['rest']}/v1", api_key="x", max_retries=0, timeout=120) as sdk:
-        res = sdk.images.edit(image=[("wide.png", _image((96, 64)), "image/png"), ("sq.png", BLUE, "image/png")],
-                              prompt="make it blue", n=2, extra_body={"num_inference_steps": 2, "seed": 3})
-        assert res.size == "96x64" and len(res.data) == 2
-        for item in res.data:
-            assert Image.open(io.BytesIO(base64.b64decode(item.b64_json))).size == (96, 64)
-        assert res.usage is not None
-        details = res.usage.input_tokens_details
-        assert details.text_tokens + details.image_tokens == res.usage.input_tokens > 0

@@ -210,7 +210,10 @@ def check_reference_images(images: Sequence[bytes], limits: Limits) -> list[tupl
         try:
             with Image.open(io.BytesIO(data)) as image:  # lazy: parses the header, decodes nothing
                 fmt, (width, height) = image.format, image.size
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        except Image.DecompressionBombError:  # Pillow's own guard, far above ours: the header claims a huge image
+            raise InvalidArgument(name, f"declares more pixels than the limit of {limits.max_reference_pixels}"
+                                  ) from None
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
             raise InvalidArgument(name, "is not a PNG, JPEG or WebP image") from None
         if fmt not in REFERENCE_FORMATS:
             raise InvalidArgument(name, f"is {fmt}; use PNG, JPEG or WebP")
