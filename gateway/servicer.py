@@ -37,14 +37,15 @@ ROLE_TO_PROTO = {sch.WorkerRole.AR: gateway_service_pb2.WORKER_ROLE_AR,
 ROLE_FROM_PROTO = {v: k for k, v in ROLE_TO_PROTO.items()}
 
 
+_USAGE_FIELDS = tuple(f.name for f in common_pb2.Usage.DESCRIPTOR.fields)
+
+
 def sum_usage(usages) -> common_pb2.Usage:
+    """Every counter of Usage summed: a field added to the message is summed too, never dropped."""
     total = common_pb2.Usage()
     for u in usages:
-        total.prompt_tokens += u.prompt_tokens
-        total.completion_tokens += u.completion_tokens
-        total.total_tokens += u.total_tokens
-        total.reasoning_tokens += u.reasoning_tokens
-        total.cached_tokens += u.cached_tokens
+        for name in _USAGE_FIELDS:
+            setattr(total, name, getattr(total, name) + getattr(u, name))
     return total
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError
@@ -57,9 +57,8 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
     def __add__(self, other: Usage) -> Usage:
-        return Usage(self.prompt_tokens + other.prompt_tokens, self.completion_tokens + other.completion_tokens,
-                     self.reasoning_tokens + other.reasoning_tokens, self.cached_tokens + other.cached_tokens,
-                     self.image_tokens + other.image_tokens)
+        # Every field, so one added later is summed too.
+        return Usage(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
 @dataclass(frozen=True)
