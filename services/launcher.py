@@ -1,8 +1,9 @@
 """`python -m services.launcher` (what `make run` starts): the whole suite on one machine, one process per server.
 
 AR server, denoisers, GatewayService and the REST front each run in their own process. The launcher starts
-them in dependency order, waits for each to report SERVING, prints the addresses, and on Ctrl-C or SIGTERM
-stops them all. Children also get SIGKILL from the kernel if the launcher itself dies, so none is orphaned.
+them in dependency order, waits for each to report SERVING, prints the addresses, restarts any that exits (on
+the same port, with a backoff and a restart budget: see supervisor.RestartPolicy), and on Ctrl-C or SIGTERM, and
+only then, stops them all. Children also get SIGKILL from the kernel if the launcher itself dies, so none is orphaned.
 This module is the command line and the suite's shape (which servers, with which flags, in which order); starting,
 health-gating and stopping processes is services/supervisor.py.
 """
@@ -135,16 +136,17 @@ async def run(args: argparse.Namespace) -> int:
               f"\n\n  try: curl -s http://{rest}/v1/images/generations -H 'Content-Type: application/json' "
               "-d '{\"prompt\":\"a red \\\"STOP\\\" sign\",\"n\":1,\"size\":\"256x256\"}'\n"
               "  Ctrl-C stops everything.", flush=True)
-        exited = asyncio.ensure_future(sup.wait_any_exit())
+        # From here on a child that exits is restarted (or given up, loudly): only a signal stops the stack.
+        supervising = asyncio.ensure_future(sup.supervise())
         stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if exited.done():
-            child = exited.result()
-            log.error("%s exited unexpectedly with code %s; stopping the stack", child.name,
-                      child.process.returncode)
-            code = 1
-        else:
-            exited.cancel()
+        await asyncio.wait({supervising, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if supervising.done():
+            supervising.result()  # a bug in the supervisor surfaces here; else every child was given up
+            log.error("every server has been given up; waiting for Ctrl-C or SIGTERM")
+            await stopping
+        # Cancelled before `stop`, so no restart races the shutdown.
+        supervising.cancel()
+        await asyncio.gather(supervising, return_exceptions=True)
     except StartupError as exc:
         log.error("%s", exc)
         code = 1

@@ -1,7 +1,8 @@
 """Process supervision for the launcher (services/launcher.py): spawn servers, gate on their health, stop them all.
 
 Every server module takes the same `--host/--port/--port-file/--log-level` flags, so a child is a module name plus
-its own flags. Children run through the die_with_parent trampoline, so none outlives the supervisor.
+its own flags. Children run through the die_with_parent trampoline, so none outlives the supervisor. Once the stack
+is up, `supervise` restarts a child that exits (same flags, same port, health-gated again) under a RestartPolicy.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +34,34 @@ class Child:
     port: int = 0
     metrics_port: int | None = None  # the --metrics-port it was given (the REST front: its own port)
     env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment
+    restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts (within the window)
+    given_up: bool = False  # crashed through its restart budget: left down
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def pin_port(self) -> None:
+        """Make a restart bind the port it got the first time (`--port 0` would pick a new one, and the gateway
+        and REST front hold the first address in their flags)."""
+        i = self.argv.index("--port")
+        self.argv[i + 1] = str(self.port)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How `Supervisor.supervise` restarts a child that exits: after a backoff that doubles with each restart
+    still inside `window` (from `initial_backoff` up to `max_backoff`), at most `max_restarts` times per `window`
+    seconds; past that the child is given up (a crash loop is reported, not hidden by endless restarts)."""
+    initial_backoff: float = 0.5
+    max_backoff: float = 10.0
+    max_restarts: int = 5
+    window: float = 60.0
+    startup_timeout: float = 120.0  # for each restart to bind its port and report healthy
+
+    def backoff(self, recent: int) -> float:
+        """The wait before a restart, given how many restarts already happened within the window."""
+        return min(self.max_backoff, self.initial_backoff * 2 ** recent)
 
 
 class StartupError(RuntimeError):
@@ -84,11 +110,31 @@ async def _wait_http_health(child: Child, deadline: float) -> None:
         await asyncio.sleep(0.1)
 
 
+async def _gate(child: Child, deadline: float) -> None:
+    """Its health check, cut short if the process exits meanwhile (the gRPC Watch would wait for the deadline)."""
+    check = asyncio.ensure_future(_wait_serving(child, deadline) if child.health_service is not None
+                                  else _wait_http_health(child, deadline))
+    exited = asyncio.ensure_future(child.process.wait())
+    try:
+        done, _ = await asyncio.wait({check, exited}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        exited.cancel()
+        if not check.done():
+            check.cancel()
+    if check not in done:
+        raise StartupError(f"{child.name} exited with code {child.process.returncode} during start-up")
+    try:
+        check.result()
+    except grpc.RpcError as exc:
+        raise StartupError(f"{child.name} did not become SERVING in time ({exc.code().name})") from exc
+
+
 class Supervisor:
     """The children in start order; `start` brings a group up together, `stop` takes them down in reverse."""
 
-    def __init__(self, host: str, log_level: str) -> None:
+    def __init__(self, host: str, log_level: str, restart: RestartPolicy | None = None) -> None:
         self.host, self.log_level = host, log_level
+        self.restart = restart or RestartPolicy()
         self.children: list[Child] = []
         self.run_dir = Path(tempfile.mkdtemp(prefix="glmimage-stack-"))
 
@@ -114,10 +160,13 @@ class Supervisor:
 
     async def start(self, group: list[Child], deadline: float) -> None:
         """Spawn `group` at once, then wait until every member has bound its port and reports healthy."""
+        for c in group:
+            c.port_file.unlink(missing_ok=True)  # a restart must wait for the new process's port, not the old one's
         await asyncio.gather(*(self._spawn(c) for c in group))
         await asyncio.gather(*(_wait_port(c, deadline) for c in group))
-        await asyncio.gather(*(_wait_serving(c, deadline) if c.health_service is not None
-                               else _wait_http_health(c, deadline) for c in group))
+        for c in group:
+            c.pin_port()
+        await asyncio.gather(*(_gate(c, deadline) for c in group))
 
     def addresses(self) -> dict[str, str]:
         return {c.name: c.address for c in self.children}
@@ -140,9 +189,39 @@ class Supervisor:
                     await child.process.wait()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
-    async def wait_any_exit(self) -> Child:
-        waits = {asyncio.ensure_future(c.process.wait()): c for c in self.children}
-        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        return waits[next(iter(done))]
+    async def supervise(self) -> None:
+        """Keep every started child running until cancelled (the launcher cancels it before `stop`); returns
+        only if every child has been given up."""
+        await asyncio.gather(*(self._keep_up(c) for c in self.children if c.process is not None))
+
+    async def _keep_up(self, child: Child) -> None:
+        policy, loop = self.restart, asyncio.get_running_loop()
+        while True:
+            await child.process.wait()
+            # A restart that fails to come up is a crash like any other: it counts against the same budget.
+            while True:
+                now = time.monotonic()
+                child.restarts = [t for t in child.restarts if now - t < policy.window]
+                code = child.process.returncode
+                if len(child.restarts) >= policy.max_restarts:
+                    child.given_up = True
+                    log.error("GIVING UP on %s: it exited (last code %s) %d times within %.0fs; it stays down, the "
+                              "rest of the stack keeps serving", child.name, code, len(child.restarts) + 1,
+                              policy.window)
+                    return
+                delay = policy.backoff(len(child.restarts))
+                log.error("%s exited unexpectedly with code %s; restarting it on port %d in %.1fs (restart %d of "
+                          "%d within %.0fs)", child.name, code, child.port, delay, len(child.restarts) + 1,
+                          policy.max_restarts, policy.window)
+                await asyncio.sleep(delay)
+                child.restarts.append(time.monotonic())
+                try:
+                    await self.start([child], loop.time() + policy.startup_timeout)
+                except StartupError as exc:
+                    log.error("restarting %s failed: %s", child.name, exc)
+                    if child.process.returncode is None:  # bound but never healthy: do not leave it behind
+                        child.process.kill()
+                        await child.process.wait()
+                    continue
+                log.warning("%s is back on %s (restart %d)", child.name, child.address, len(child.restarts))
+                break
