@@ -48,6 +48,35 @@ def gpu_values() -> dict[str, Any]:
     return helm.values_from_yaml((CHART / "values-gpu.yaml").read_text())
 
 
+def documented_values() -> dict[str, dict[str, Any]]:
+    """Every values set the docs and these tests describe; an upgrade may go from any of them to any other."""
+    gpu = gpu_values()
+    return {
+        "default": {},
+        "gpu": gpu,
+        "gpu-ar-dns": helm_merge(gpu, {"ar": {"discovery": "dns"}}),
+        "ar-dns": {"ar": {"discovery": "dns"}},
+        "tls": TLS_VALUES,
+        "tls-ar-service": helm_merge(TLS_VALUES, {"ar": {"discovery": "service"}}),
+        "internal-token-existing": {"internalToken": {"existingSecret": "my-token", "secretKey": "value"}},
+        "internal-token-off": {"internalToken": {"enabled": False}},
+        "hpa-object": {"denoiser": {"autoscaling": {"enabled": True, "metricType": "Object"}}},
+        "host-path": {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/glm"}}},
+        "pvc-create": {"model": {"pvc": {"create": True}}},
+    }
+
+
+def helm_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Values of `-f base -f override`: maps merge key by key, anything else is replaced."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = helm_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     with helm.Chart.load(CHART) as chart:
         out = chart.render(values=values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
@@ -65,6 +94,11 @@ def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
 def container(docs: list[dict], deployment: str, name: str) -> dict:
     dep = by_kind(docs, "Deployment")[f"{RELEASE}-glmimage-{deployment}"]
     return next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+@pytest.fixture(scope="module")
+def documented_docs() -> dict[str, list[dict]]:
+    return {name: render(values) for name, values in documented_values().items()}
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +163,80 @@ def test_denoisers_are_discovered_through_a_headless_service(default_docs: list[
     assert by_kind(default_docs, "Service")[f"{RELEASE}-glmimage-ar"]["spec"].get("clusterIP") != "None"
 
 
-def test_ar_dns_discovery_uses_a_headless_service_too(tls_docs: list[dict]) -> None:
-    assert by_kind(tls_docs, "Service")[f"{RELEASE}-glmimage-ar"]["spec"]["clusterIP"] == "None"
+def test_ar_dns_discovery_uses_a_headless_service_of_its_own_name(tls_docs: list[dict]) -> None:
+    services = by_kind(tls_docs, "Service")
+    assert services[f"{RELEASE}-glmimage-ar-headless"]["spec"]["clusterIP"] == "None"
+    assert f"{RELEASE}-glmimage-ar" not in services  # the ClusterIP one goes: one AR Service, one scrape target
     args = container(tls_docs, "gateway", "gateway")["args"]
-    assert f"--ar-dns={RELEASE}-glmimage-ar.{NAMESPACE}.svc.cluster.local:50051" in args
+    assert f"--ar-dns={RELEASE}-glmimage-ar-headless.{NAMESPACE}.svc.cluster.local:50051" in args
+
+
+def _storage_bytes(quantity: str) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    number, unit = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", quantity).groups()
+    return float(number) * units.get(unit, 1)
+
+
+def _immutable_changes(old: dict[str, dict], new: dict[str, dict]) -> list[str]:
+    """What the API server refuses when `helm upgrade` patches old into new (same kind, same name)."""
+    problems = []
+    for key in old.keys() & new.keys():
+        kind, name = key
+        a, b = old[key].get("spec", {}), new[key].get("spec", {})
+        if kind == "Service":
+            # Absent (or "") means "allocate one"; "None" is headless. A ClusterIP cannot become None or back.
+            if (a.get("clusterIP") == "None") != (b.get("clusterIP") == "None"):
+                problems.append(f"{name}: clusterIP {a.get('clusterIP')!r} -> {b.get('clusterIP')!r}")
+            if a.get("clusterIPs") != b.get("clusterIPs") and "clusterIPs" in a:
+                problems.append(f"{name}: clusterIPs")
+        elif kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet"):
+            if a["selector"] != b["selector"]:
+                problems.append(f"{name}: spec.selector")
+        elif kind == "PersistentVolumeClaim":
+            for field in ("accessModes", "storageClassName", "volumeName", "volumeMode", "selector", "dataSource"):
+                if a.get(field) != b.get(field):
+                    problems.append(f"{name}: spec.{field}")
+            before, after = (_storage_bytes(s["resources"]["requests"]["storage"]) for s in (a, b))
+            if after < before:  # claims may only grow
+                problems.append(f"{name}: storage shrinks")
+        elif kind == "Job" and a["template"] != b["template"]:
+            problems.append(f"{name}: Job spec.template")
+    for key in old.keys() & new.keys():
+        if old[key].get("immutable") and old[key].get("data") != new[key].get("data"):
+            problems.append(f"{key[1]}: immutable {key[0]} data")
+    return problems
+
+
+def test_no_upgrade_between_documented_values_changes_an_immutable_field(
+        documented_docs: dict[str, list[dict]]) -> None:
+    """`helm upgrade` from any documented values set to any other: the API server accepts every patch."""
+    keyed = {name: {(d["kind"], d["metadata"]["name"]): d for d in docs} for name, docs in documented_docs.items()}
+    failures = []
+    for old_name, old in keyed.items():
+        for new_name, new in keyed.items():
+            if old_name != new_name:
+                failures += [f"{old_name} -> {new_name}: {p}" for p in _immutable_changes(old, new)]
+    assert failures == []
+    # The check bites: the chart's old single AR Service, ClusterIP or headless by discovery, is refused.
+    ar = ("Service", f"{RELEASE}-glmimage-ar")
+    headless = copy.deepcopy(keyed["default"][ar])
+    headless["spec"]["clusterIP"] = "None"
+    assert _immutable_changes({ar: keyed["default"][ar]}, {ar: headless}) != []
+    pvc = ("PersistentVolumeClaim", "glmimage-models")
+    bigger = copy.deepcopy(keyed["pvc-create"][pvc])
+    bigger["spec"]["resources"]["requests"]["storage"] = "200Gi"
+    assert _immutable_changes({pvc: keyed["pvc-create"][pvc]}, {pvc: bigger}) == []  # claims may grow
+    assert _immutable_changes({pvc: bigger}, {pvc: keyed["pvc-create"][pvc]}) == ["glmimage-models: storage shrinks"]
+
+
+def test_switching_ar_discovery_replaces_the_service(documented_docs: dict[str, list[dict]]) -> None:
+    for service_set, dns_set in [("default", "ar-dns"), ("gpu", "gpu-ar-dns"), ("tls-ar-service", "tls")]:
+        before, after = by_kind(documented_docs[service_set], "Service"), by_kind(documented_docs[dns_set], "Service")
+        assert f"{RELEASE}-glmimage-ar" in before and f"{RELEASE}-glmimage-ar-headless" not in before
+        assert f"{RELEASE}-glmimage-ar-headless" in after and f"{RELEASE}-glmimage-ar" not in after
+        # Both select the same pods, and the Deployment itself is untouched by the switch.
+        assert (before[f"{RELEASE}-glmimage-ar"]["spec"]["selector"]
+                == after[f"{RELEASE}-glmimage-ar-headless"]["spec"]["selector"])
 
 
 @pytest.mark.parametrize("deployment,service,port", [("ar", "glmimage.v1.ArService", 50051),
@@ -328,7 +432,7 @@ def test_service_monitor_scrapes_every_metrics_port(tls_docs: list[dict], defaul
     ports = sorted((s["metadata"]["name"], p["name"]) for s in selected for p in s["spec"]["ports"]
                    if p["name"] in ("metrics", "http"))
     assert ports == [(f"{RELEASE}-glmimage-{c}", p) for c, p in
-                     [("ar", "metrics"), ("denoiser", "metrics"), ("gateway", "metrics"), ("rest", "http")]]
+                     [("ar-headless", "metrics"), ("denoiser", "metrics"), ("gateway", "metrics"), ("rest", "http")]]
 
 
 def _expand(args: list[str], env: dict[str, str]) -> list[str]:

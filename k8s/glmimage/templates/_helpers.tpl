@@ -21,6 +21,18 @@
 {{- printf "%s-%s" (include "glmimage.fullname" .root | trunc (int (sub 62 (len .component))) | trimSuffix "-") .component }}
 {{- end }}
 
+{{/*
+Name suffix of the AR Service the gateway dials. ClusterIP and headless Services get different names because
+spec.clusterIP is immutable: switching ar.discovery on upgrade then replaces one Service with the other instead of
+asking the API server to turn a ClusterIP into "None" (which it refuses).
+*/}}
+{{- define "glmimage.arServiceComponent" -}}
+{{- if eq .Values.ar.discovery "dns" }}ar-headless
+{{- else if eq .Values.ar.discovery "service" }}ar
+{{- else }}{{ fail (printf "ar.discovery must be service or dns, not %q" .Values.ar.discovery) }}
+{{- end }}
+{{- end }}
+
 {{/* Fully qualified DNS name of a Service of this release. */}}
 {{- define "glmimage.serviceFqdn" -}}
 {{- printf "%s.%s.svc.%s" (include "glmimage.componentName" .) .root.Release.Namespace .root.Values.clusterDomain }}
