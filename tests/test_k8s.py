@@ -63,6 +63,16 @@ def documented_values() -> dict[str, dict[str, Any]]:
         "hpa-object": {"denoiser": {"autoscaling": {"enabled": True, "metricType": "Object"}}},
         "host-path": {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/glm"}}},
         "pvc-create": {"model": {"pvc": {"create": True}}},
+        "placement": {
+            "ar": {"podAntiAffinityPreset": "hard", "affinity": {"nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}}},
+            "denoiser": {"podAntiAffinityPreset": "soft", "topologySpreadConstraints": [
+                {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}]},
+            "gateway": {"podAntiAffinityPreset": "soft", "topologySpreadConstraints": [
+                {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+                 "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "someone-else"}}}]},
+        },
     }
 
 
@@ -125,9 +135,10 @@ def test_helm_lint_is_clean(values_name: str) -> None:
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu", "tls"])
+@pytest.mark.parametrize("values_name", ["default", "gpu", "tls", "placement"])
 def test_every_manifest_passes_strict_schema_validation(values_name: str, tmp_path: Path, request) -> None:
-    docs = request.getfixturevalue(f"{values_name}_docs")
+    docs = (request.getfixturevalue(f"{values_name}_docs") if values_name != "placement"
+            else request.getfixturevalue("documented_docs")[values_name])
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "ServiceAccount"} <= kinds
     plain = [d for d in docs if d["kind"] not in CRD_KINDS]
@@ -237,6 +248,39 @@ def test_switching_ar_discovery_replaces_the_service(documented_docs: dict[str, 
         # Both select the same pods, and the Deployment itself is untouched by the switch.
         assert (before[f"{RELEASE}-glmimage-ar"]["spec"]["selector"]
                 == after[f"{RELEASE}-glmimage-ar-headless"]["spec"]["selector"])
+
+
+def _spreading_selectors(pod_spec: dict) -> list[dict]:
+    """The label selectors of a pod's anti-affinity terms and topology spread constraints."""
+    anti = pod_spec.get("affinity", {}).get("podAntiAffinity", {})
+    terms = anti.get("requiredDuringSchedulingIgnoredDuringExecution", []) + [
+        t["podAffinityTerm"] for t in anti.get("preferredDuringSchedulingIgnoredDuringExecution", [])]
+    return [t["labelSelector"] for t in terms] + [c["labelSelector"]
+                                                  for c in pod_spec.get("topologySpreadConstraints", [])]
+
+
+def test_anti_affinity_and_spread_count_only_this_release_and_role(documented_docs: dict[str, list[dict]]) -> None:
+    """A selector on the component alone would let another release's pods repel (or skew) this release's."""
+    checked = set()
+    for name, docs in documented_docs.items():
+        for dep in by_kind(docs, "Deployment").values():
+            template = dep["spec"]["template"]
+            component = template["metadata"]["labels"]["app.kubernetes.io/component"]
+            for selector in _spreading_selectors(template["spec"]):
+                labels = selector["matchLabels"]
+                assert labels["app.kubernetes.io/instance"] == RELEASE, (name, component, selector)
+                assert labels["app.kubernetes.io/component"] == component, (name, component, selector)
+                # and the selector matches the pods it is meant to keep apart
+                assert labels.items() <= template["metadata"]["labels"].items(), (name, component, selector)
+                checked.add((name, component))
+    assert {("gpu", "denoiser"), ("placement", "ar"), ("placement", "denoiser"), ("placement", "gateway")} <= checked
+    placement = documented_docs["placement"]
+    ar = pod_spec(placement, "ar")["affinity"]
+    assert "nodeAffinity" in ar and len(ar["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]) == 1
+    (spread,) = pod_spec(placement, "denoiser")["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "topology.kubernetes.io/zone" and spread["maxSkew"] == 1
+    with pytest.raises(helm.HelmError, match="podAntiAffinityPreset"):
+        render({"denoiser": {"podAntiAffinityPreset": "always"}})
 
 
 @pytest.mark.parametrize("deployment,service,port", [("ar", "glmimage.v1.ArService", 50051),

@@ -280,3 +280,45 @@ readinessProbe:
   readOnly: true
 {{- end }}
 {{- end }}
+
+{{/*
+Pod placement of a role (dict root, component, values): its affinity, with the anti-affinity preset added, and its
+topology spread constraints. The chart writes these label selectors itself, from the selector labels, because a
+selector on the component alone would also count another release's pods in the namespace (values files cannot
+name the release).
+*/}}
+{{- define "glmimage.placement" -}}
+{{- $v := .values }}
+{{- $component := .component }}
+{{- $own := dict "matchLabels" (include "glmimage.selectorLabels" . | fromYaml) }}
+{{- $affinity := deepCopy (default dict $v.affinity) }}
+{{- with $v.podAntiAffinityPreset }}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" $own }}
+{{- $anti := default dict $affinity.podAntiAffinity }}
+{{- if eq . "soft" }}
+{{- $terms := default list $anti.preferredDuringSchedulingIgnoredDuringExecution }}
+{{- $_ := set $anti "preferredDuringSchedulingIgnoredDuringExecution" (append $terms (dict "weight" 100 "podAffinityTerm" $term)) }}
+{{- else if eq . "hard" }}
+{{- $terms := default list $anti.requiredDuringSchedulingIgnoredDuringExecution }}
+{{- $_ := set $anti "requiredDuringSchedulingIgnoredDuringExecution" (append $terms $term) }}
+{{- else }}
+{{- fail (printf "%s.podAntiAffinityPreset must be \"\", soft or hard, not %q" $component .) }}
+{{- end }}
+{{- $_ := set $affinity "podAntiAffinity" $anti }}
+{{- end }}
+{{- with $affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.topologySpreadConstraints }}
+topologySpreadConstraints:
+{{- range . }}
+{{- /* The role's own labels go over whatever matchLabels were given, so the spread counts this role only. */}}
+{{- $c := deepCopy . }}
+{{- $sel := default dict $c.labelSelector }}
+{{- $_ := set $sel "matchLabels" (merge (deepCopy $own.matchLabels) (default dict $sel.matchLabels)) }}
+{{- $_ := set $c "labelSelector" $sel }}
+  - {{- toYaml $c | nindent 4 }}
+{{- end }}
+{{- end }}
+{{- end }}
