@@ -87,6 +87,12 @@ def helm_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return out
 
 
+def notes(values: dict[str, Any] | None = None) -> str:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values=values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return next(text for name, text in out.items() if name.endswith("NOTES.txt"))
+
+
 def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     with helm.Chart.load(CHART) as chart:
         out = chart.render(values=values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
@@ -371,6 +377,43 @@ def test_model_weights_from_pvc_or_hostpath(default_docs: list[dict]) -> None:
     assert vols["models"]["hostPath"] == {"path": "/mnt/glm", "type": "Directory"}
     with pytest.raises(helm.HelmError, match="model.source"):
         render({"model": {"source": "s3"}})
+
+
+def test_install_notes_name_the_weights_prerequisite_and_the_host_path_pod_security_cost() -> None:
+    existing = notes()
+    assert "PersistentVolumeClaim glmimage-models must already exist in ml" in existing
+    assert f"kubectl -n {NAMESPACE} get pvc glmimage-models" in existing
+    assert "claim glmimage-models empty" in notes({"model": {"pvc": {"create": True}}})
+    host = notes({"model": {"source": "hostPath"}})
+    assert "baseline and restricted Pod" in host and "/data/models" in host
+    assert "PersistentVolumeClaim" not in host
+    tiny = notes({"model": {"source": "tiny"}})
+    assert "Weights:" not in tiny and "WARNING" not in tiny and "Pod Security" not in existing
+
+
+# Volume types the restricted Pod Security Standard allows (baseline allows more, but never hostPath).
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def test_pods_meet_restricted_pod_security_except_host_path(documented_docs: dict[str, list[dict]]) -> None:
+    """What the NOTES promise: only model.source=hostPath falls below restricted (and baseline)."""
+    for name, docs in documented_docs.items():
+        for dep in by_kind(docs, "Deployment").values():
+            spec = dep["spec"]["template"]["spec"]
+            where = (name, dep["metadata"]["name"])
+            types = {k for v in spec["volumes"] for k in v if k != "name"}
+            if name == "host-path" and dep["metadata"]["name"] != f"{RELEASE}-glmimage-gateway":
+                assert types - RESTRICTED_VOLUMES == {"hostPath"}, where
+            else:
+                assert types <= RESTRICTED_VOLUMES, where
+            assert spec["securityContext"]["runAsNonRoot"] is True, where
+            assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), where
+            for c in spec["containers"]:
+                sc = c["securityContext"]
+                assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}, where
+                assert not sc.get("privileged") and not any(p.get("hostPort") for p in c.get("ports", [])), where
 
 
 def test_pdbs_configmap_and_secrets(default_docs: list[dict], tls_docs: list[dict]) -> None:
