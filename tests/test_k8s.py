@@ -48,6 +48,51 @@ def gpu_values() -> dict[str, Any]:
     return helm.values_from_yaml((CHART / "values-gpu.yaml").read_text())
 
 
+def documented_values() -> dict[str, dict[str, Any]]:
+    """Every values set the docs and these tests describe; an upgrade may go from any of them to any other."""
+    gpu = gpu_values()
+    return {
+        "default": {},
+        "gpu": gpu,
+        "gpu-ar-dns": helm_merge(gpu, {"ar": {"discovery": "dns"}}),
+        "ar-dns": {"ar": {"discovery": "dns"}},
+        "tls": TLS_VALUES,
+        "tls-ar-service": helm_merge(TLS_VALUES, {"ar": {"discovery": "service"}}),
+        "internal-token-existing": {"internalToken": {"existingSecret": "my-token", "secretKey": "value"}},
+        "internal-token-off": {"internalToken": {"enabled": False}},
+        "hpa-object": {"denoiser": {"autoscaling": {"enabled": True, "metricType": "Object"}}},
+        "host-path": {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/glm"}}},
+        "pvc-create": {"model": {"pvc": {"create": True}}},
+        "placement": {
+            "ar": {"podAntiAffinityPreset": "hard", "affinity": {"nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}}},
+            "denoiser": {"podAntiAffinityPreset": "soft", "topologySpreadConstraints": [
+                {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}]},
+            "gateway": {"podAntiAffinityPreset": "soft", "topologySpreadConstraints": [
+                {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+                 "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "someone-else"}}}]},
+        },
+    }
+
+
+def helm_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Values of `-f base -f override`: maps merge key by key, anything else is replaced."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = helm_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def notes(values: dict[str, Any] | None = None) -> str:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values=values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return next(text for name, text in out.items() if name.endswith("NOTES.txt"))
+
+
 def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     with helm.Chart.load(CHART) as chart:
         out = chart.render(values=values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
@@ -65,6 +110,11 @@ def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
 def container(docs: list[dict], deployment: str, name: str) -> dict:
     dep = by_kind(docs, "Deployment")[f"{RELEASE}-glmimage-{deployment}"]
     return next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+@pytest.fixture(scope="module")
+def documented_docs() -> dict[str, list[dict]]:
+    return {name: render(values) for name, values in documented_values().items()}
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +141,10 @@ def test_helm_lint_is_clean(values_name: str) -> None:
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu", "tls"])
+@pytest.mark.parametrize("values_name", ["default", "gpu", "tls", "placement"])
 def test_every_manifest_passes_strict_schema_validation(values_name: str, tmp_path: Path, request) -> None:
-    docs = request.getfixturevalue(f"{values_name}_docs")
+    docs = (request.getfixturevalue(f"{values_name}_docs") if values_name != "placement"
+            else request.getfixturevalue("documented_docs")[values_name])
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "ServiceAccount"} <= kinds
     plain = [d for d in docs if d["kind"] not in CRD_KINDS]
@@ -129,10 +180,113 @@ def test_denoisers_are_discovered_through_a_headless_service(default_docs: list[
     assert by_kind(default_docs, "Service")[f"{RELEASE}-glmimage-ar"]["spec"].get("clusterIP") != "None"
 
 
-def test_ar_dns_discovery_uses_a_headless_service_too(tls_docs: list[dict]) -> None:
-    assert by_kind(tls_docs, "Service")[f"{RELEASE}-glmimage-ar"]["spec"]["clusterIP"] == "None"
+def test_ar_dns_discovery_uses_a_headless_service_of_its_own_name(tls_docs: list[dict]) -> None:
+    services = by_kind(tls_docs, "Service")
+    assert services[f"{RELEASE}-glmimage-ar-headless"]["spec"]["clusterIP"] == "None"
+    assert f"{RELEASE}-glmimage-ar" not in services  # the ClusterIP one goes: one AR Service, one scrape target
     args = container(tls_docs, "gateway", "gateway")["args"]
-    assert f"--ar-dns={RELEASE}-glmimage-ar.{NAMESPACE}.svc.cluster.local:50051" in args
+    assert f"--ar-dns={RELEASE}-glmimage-ar-headless.{NAMESPACE}.svc.cluster.local:50051" in args
+
+
+def _storage_bytes(quantity: str) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    number, unit = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", quantity).groups()
+    return float(number) * units.get(unit, 1)
+
+
+def _immutable_changes(old: dict[str, dict], new: dict[str, dict]) -> list[str]:
+    """What the API server refuses when `helm upgrade` patches old into new (same kind, same name)."""
+    problems = []
+    for key in old.keys() & new.keys():
+        kind, name = key
+        a, b = old[key].get("spec", {}), new[key].get("spec", {})
+        if kind == "Service":
+            # Absent (or "") means "allocate one"; "None" is headless. A ClusterIP cannot become None or back.
+            if (a.get("clusterIP") == "None") != (b.get("clusterIP") == "None"):
+                problems.append(f"{name}: clusterIP {a.get('clusterIP')!r} -> {b.get('clusterIP')!r}")
+            if a.get("clusterIPs") != b.get("clusterIPs") and "clusterIPs" in a:
+                problems.append(f"{name}: clusterIPs")
+        elif kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet"):
+            if a["selector"] != b["selector"]:
+                problems.append(f"{name}: spec.selector")
+        elif kind == "PersistentVolumeClaim":
+            for field in ("accessModes", "storageClassName", "volumeName", "volumeMode", "selector", "dataSource"):
+                if a.get(field) != b.get(field):
+                    problems.append(f"{name}: spec.{field}")
+            before, after = (_storage_bytes(s["resources"]["requests"]["storage"]) for s in (a, b))
+            if after < before:  # claims may only grow
+                problems.append(f"{name}: storage shrinks")
+        elif kind == "Job" and a["template"] != b["template"]:
+            problems.append(f"{name}: Job spec.template")
+    for key in old.keys() & new.keys():
+        if old[key].get("immutable") and old[key].get("data") != new[key].get("data"):
+            problems.append(f"{key[1]}: immutable {key[0]} data")
+    return problems
+
+
+def test_no_upgrade_between_documented_values_changes_an_immutable_field(
+        documented_docs: dict[str, list[dict]]) -> None:
+    """`helm upgrade` from any documented values set to any other: the API server accepts every patch."""
+    keyed = {name: {(d["kind"], d["metadata"]["name"]): d for d in docs} for name, docs in documented_docs.items()}
+    failures = []
+    for old_name, old in keyed.items():
+        for new_name, new in keyed.items():
+            if old_name != new_name:
+                failures += [f"{old_name} -> {new_name}: {p}" for p in _immutable_changes(old, new)]
+    assert failures == []
+    # The check bites: the chart's old single AR Service, ClusterIP or headless by discovery, is refused.
+    ar = ("Service", f"{RELEASE}-glmimage-ar")
+    headless = copy.deepcopy(keyed["default"][ar])
+    headless["spec"]["clusterIP"] = "None"
+    assert _immutable_changes({ar: keyed["default"][ar]}, {ar: headless}) != []
+    pvc = ("PersistentVolumeClaim", "glmimage-models")
+    bigger = copy.deepcopy(keyed["pvc-create"][pvc])
+    bigger["spec"]["resources"]["requests"]["storage"] = "200Gi"
+    assert _immutable_changes({pvc: keyed["pvc-create"][pvc]}, {pvc: bigger}) == []  # claims may grow
+    assert _immutable_changes({pvc: bigger}, {pvc: keyed["pvc-create"][pvc]}) == ["glmimage-models: storage shrinks"]
+
+
+def test_switching_ar_discovery_replaces_the_service(documented_docs: dict[str, list[dict]]) -> None:
+    for service_set, dns_set in [("default", "ar-dns"), ("gpu", "gpu-ar-dns"), ("tls-ar-service", "tls")]:
+        before, after = by_kind(documented_docs[service_set], "Service"), by_kind(documented_docs[dns_set], "Service")
+        assert f"{RELEASE}-glmimage-ar" in before and f"{RELEASE}-glmimage-ar-headless" not in before
+        assert f"{RELEASE}-glmimage-ar-headless" in after and f"{RELEASE}-glmimage-ar" not in after
+        # Both select the same pods, and the Deployment itself is untouched by the switch.
+        assert (before[f"{RELEASE}-glmimage-ar"]["spec"]["selector"]
+                == after[f"{RELEASE}-glmimage-ar-headless"]["spec"]["selector"])
+
+
+def _spreading_selectors(pod_spec: dict) -> list[dict]:
+    """The label selectors of a pod's anti-affinity terms and topology spread constraints."""
+    anti = pod_spec.get("affinity", {}).get("podAntiAffinity", {})
+    terms = anti.get("requiredDuringSchedulingIgnoredDuringExecution", []) + [
+        t["podAffinityTerm"] for t in anti.get("preferredDuringSchedulingIgnoredDuringExecution", [])]
+    return [t["labelSelector"] for t in terms] + [c["labelSelector"]
+                                                  for c in pod_spec.get("topologySpreadConstraints", [])]
+
+
+def test_anti_affinity_and_spread_count_only_this_release_and_role(documented_docs: dict[str, list[dict]]) -> None:
+    """A selector on the component alone would let another release's pods repel (or skew) this release's."""
+    checked = set()
+    for name, docs in documented_docs.items():
+        for dep in by_kind(docs, "Deployment").values():
+            template = dep["spec"]["template"]
+            component = template["metadata"]["labels"]["app.kubernetes.io/component"]
+            for selector in _spreading_selectors(template["spec"]):
+                labels = selector["matchLabels"]
+                assert labels["app.kubernetes.io/instance"] == RELEASE, (name, component, selector)
+                assert labels["app.kubernetes.io/component"] == component, (name, component, selector)
+                # and the selector matches the pods it is meant to keep apart
+                assert labels.items() <= template["metadata"]["labels"].items(), (name, component, selector)
+                checked.add((name, component))
+    assert {("gpu", "denoiser"), ("placement", "ar"), ("placement", "denoiser"), ("placement", "gateway")} <= checked
+    placement = documented_docs["placement"]
+    ar = pod_spec(placement, "ar")["affinity"]
+    assert "nodeAffinity" in ar and len(ar["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]) == 1
+    (spread,) = pod_spec(placement, "denoiser")["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "topology.kubernetes.io/zone" and spread["maxSkew"] == 1
+    with pytest.raises(helm.HelmError, match="podAntiAffinityPreset"):
+        render({"denoiser": {"podAntiAffinityPreset": "always"}})
 
 
 @pytest.mark.parametrize("deployment,service,port", [("ar", "glmimage.v1.ArService", 50051),
@@ -223,6 +377,43 @@ def test_model_weights_from_pvc_or_hostpath(default_docs: list[dict]) -> None:
     assert vols["models"]["hostPath"] == {"path": "/mnt/glm", "type": "Directory"}
     with pytest.raises(helm.HelmError, match="model.source"):
         render({"model": {"source": "s3"}})
+
+
+def test_install_notes_name_the_weights_prerequisite_and_the_host_path_pod_security_cost() -> None:
+    existing = notes()
+    assert "PersistentVolumeClaim glmimage-models must already exist in ml" in existing
+    assert f"kubectl -n {NAMESPACE} get pvc glmimage-models" in existing
+    assert "claim glmimage-models empty" in notes({"model": {"pvc": {"create": True}}})
+    host = notes({"model": {"source": "hostPath"}})
+    assert "baseline and restricted Pod" in host and "/data/models" in host
+    assert "PersistentVolumeClaim" not in host
+    tiny = notes({"model": {"source": "tiny"}})
+    assert "Weights:" not in tiny and "WARNING" not in tiny and "Pod Security" not in existing
+
+
+# Volume types the restricted Pod Security Standard allows (baseline allows more, but never hostPath).
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def test_pods_meet_restricted_pod_security_except_host_path(documented_docs: dict[str, list[dict]]) -> None:
+    """What the NOTES promise: only model.source=hostPath falls below restricted (and baseline)."""
+    for name, docs in documented_docs.items():
+        for dep in by_kind(docs, "Deployment").values():
+            spec = dep["spec"]["template"]["spec"]
+            where = (name, dep["metadata"]["name"])
+            types = {k for v in spec["volumes"] for k in v if k != "name"}
+            if name == "host-path" and dep["metadata"]["name"] != f"{RELEASE}-glmimage-gateway":
+                assert types - RESTRICTED_VOLUMES == {"hostPath"}, where
+            else:
+                assert types <= RESTRICTED_VOLUMES, where
+            assert spec["securityContext"]["runAsNonRoot"] is True, where
+            assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), where
+            for c in spec["containers"]:
+                sc = c["securityContext"]
+                assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}, where
+                assert not sc.get("privileged") and not any(p.get("hostPort") for p in c.get("ports", [])), where
 
 
 def test_pdbs_configmap_and_secrets(default_docs: list[dict], tls_docs: list[dict]) -> None:
@@ -328,7 +519,7 @@ def test_service_monitor_scrapes_every_metrics_port(tls_docs: list[dict], defaul
     ports = sorted((s["metadata"]["name"], p["name"]) for s in selected for p in s["spec"]["ports"]
                    if p["name"] in ("metrics", "http"))
     assert ports == [(f"{RELEASE}-glmimage-{c}", p) for c, p in
-                     [("ar", "metrics"), ("denoiser", "metrics"), ("gateway", "metrics"), ("rest", "http")]]
+                     [("ar-headless", "metrics"), ("denoiser", "metrics"), ("gateway", "metrics"), ("rest", "http")]]
 
 
 def _expand(args: list[str], env: dict[str, str]) -> list[str]:

@@ -21,6 +21,18 @@
 {{- printf "%s-%s" (include "glmimage.fullname" .root | trunc (int (sub 62 (len .component))) | trimSuffix "-") .component }}
 {{- end }}
 
+{{/*
+Name suffix of the AR Service the gateway dials. ClusterIP and headless Services get different names because
+spec.clusterIP is immutable: switching ar.discovery on upgrade then replaces one Service with the other instead of
+asking the API server to turn a ClusterIP into "None" (which it refuses).
+*/}}
+{{- define "glmimage.arServiceComponent" -}}
+{{- if eq .Values.ar.discovery "dns" }}ar-headless
+{{- else if eq .Values.ar.discovery "service" }}ar
+{{- else }}{{ fail (printf "ar.discovery must be service or dns, not %q" .Values.ar.discovery) }}
+{{- end }}
+{{- end }}
+
 {{/* Fully qualified DNS name of a Service of this release. */}}
 {{- define "glmimage.serviceFqdn" -}}
 {{- printf "%s.%s.svc.%s" (include "glmimage.componentName" .) .root.Release.Namespace .root.Values.clusterDomain }}
@@ -266,5 +278,47 @@ readinessProbe:
 - name: tls
   mountPath: {{ include "glmimage.tlsDir" . }}
   readOnly: true
+{{- end }}
+{{- end }}
+
+{{/*
+Pod placement of a role (dict root, component, values): its affinity, with the anti-affinity preset added, and its
+topology spread constraints. The chart writes these label selectors itself, from the selector labels, because a
+selector on the component alone would also count another release's pods in the namespace (values files cannot
+name the release).
+*/}}
+{{- define "glmimage.placement" -}}
+{{- $v := .values }}
+{{- $component := .component }}
+{{- $own := dict "matchLabels" (include "glmimage.selectorLabels" . | fromYaml) }}
+{{- $affinity := deepCopy (default dict $v.affinity) }}
+{{- with $v.podAntiAffinityPreset }}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" $own }}
+{{- $anti := default dict $affinity.podAntiAffinity }}
+{{- if eq . "soft" }}
+{{- $terms := default list $anti.preferredDuringSchedulingIgnoredDuringExecution }}
+{{- $_ := set $anti "preferredDuringSchedulingIgnoredDuringExecution" (append $terms (dict "weight" 100 "podAffinityTerm" $term)) }}
+{{- else if eq . "hard" }}
+{{- $terms := default list $anti.requiredDuringSchedulingIgnoredDuringExecution }}
+{{- $_ := set $anti "requiredDuringSchedulingIgnoredDuringExecution" (append $terms $term) }}
+{{- else }}
+{{- fail (printf "%s.podAntiAffinityPreset must be \"\", soft or hard, not %q" $component .) }}
+{{- end }}
+{{- $_ := set $affinity "podAntiAffinity" $anti }}
+{{- end }}
+{{- with $affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.topologySpreadConstraints }}
+topologySpreadConstraints:
+{{- range . }}
+{{- /* The role's own labels go over whatever matchLabels were given, so the spread counts this role only. */}}
+{{- $c := deepCopy . }}
+{{- $sel := default dict $c.labelSelector }}
+{{- $_ := set $sel "matchLabels" (merge (deepCopy $own.matchLabels) (default dict $sel.matchLabels)) }}
+{{- $_ := set $c "labelSelector" $sel }}
+  - {{- toYaml $c | nindent 4 }}
+{{- end }}
 {{- end }}
 {{- end }}
