@@ -177,6 +177,7 @@ class Scheduler:
         self._workers: dict[str, _Worker] = {}
         # The same workers by role, so a choice among the few AR servers does not scan every denoiser.
         self._by_role: dict[WorkerRole, dict[str, _Worker]] = {r: {} for r in WorkerRole}
+        self._ar_workers = self._by_role[WorkerRole.AR]  # looked up on every event; an enum's hash is not free
         # Heap of denoisers that may be free, by (last_used, added_seq): the LRU choice without scanning the pool.
         # Validated lazily when it reaches the top (see _free_denoiser).
         self._idle_denoisers: list[tuple[int, int, _Worker]] = []
@@ -586,7 +587,7 @@ class Scheduler:
     def _free_ar_worker(self) -> _Worker | None:
         free = [
             w
-            for w in self._by_role[WorkerRole.AR].values()
+            for w in self._ar_workers.values()
             if w.accepts_work()
             and len(w.batches) < self.config.ar_max_inflight_batches
         ]
@@ -625,7 +626,7 @@ class Scheduler:
 
     def _dispatch_ar(self, actions: list[Action]) -> None:
         # Just in time: a batch is formed only when a worker can take it, so late arrivals can still join.
-        while True:
+        while self._pending_ar:  # checked first: cheaper than looking for a free worker
             w = self._free_ar_worker()
             if w is None:
                 return
