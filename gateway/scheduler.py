@@ -481,6 +481,8 @@ class Scheduler:
     def _stop_abandoned_batches(self, actions: list[Action]) -> None:
         """Stop AR batches still in flight whose every request has ended: with clients timing out, the AR would
         otherwise keep computing for nobody. The slot stays held until the driver reports the call's end."""
+        if not self._maybe_abandoned:  # the common case, on every event
+            return
         for bid in sorted(self._maybe_abandoned):
             batch = self._batches.get(bid)
             if batch is not None and not self._waiting_for(batch):
