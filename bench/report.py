@@ -94,6 +94,22 @@ def scheduler_sim(d: dict) -> str:
             "![throughput and latency against concurrency](bench/results/scheduler_sim.png)\n")
 
 
+def scheduler_micro(d: dict) -> str:
+    s, pools = d["setup"], d["by_pool"]
+    base = pools[str(s["pools"][0])]["us_per_event"]
+    rows = [f"| {p['denoisers']} | {p['events_per_s']:,} | {_f(p['us_per_event'])} | {_f(p['us_per_event'] / base)}x |"
+            for p in pools.values()]
+    met = "\n".join(f"- {k}: {'met' if v else 'MISSED'}" for k, v in d["targets_met"].items())
+    return ("## Scheduler alone, events per second (issue 15)\n\n" + _header(d) +
+            f"\nThe pure Scheduler, no driver and no I/O: {s['ar_servers']} AR servers, every denoiser busy and "
+            f"{s['queued_outputs']:,} outputs queued behind them; a steady stream of DenoiseSucceeded (each frees a "
+            f"denoiser for the next output), RequestArrived (n={s['n']}) and ArBatchSucceeded (batches of "
+            f"{s['ar_batch_max_outputs']}) keeps the queue there. The stream is recorded once, then replayed on fresh "
+            f"twins; medians of {s['rounds']} rounds of {s['events_per_round']:,} events.\n\n"
+            "| denoisers | events/s | us per event | cost over the smallest pool |\n|---|---|---|---|\n"
+            + "\n".join(rows) + f"\n\n{met}\n")
+
+
 def gateway(d: dict) -> str:
     c1, c32, p = d["summary"]["c1"], d["summary"]["c32"], d["processes"]
     return ("## Gateway overhead (issue 6)\n\n" + _header(d) +
@@ -178,7 +194,7 @@ def main() -> None:
              "them). The machine is a shared 2-core CPU box, so absolute figures are noisy; ratios are measured side "
              "by side in one run and figures are medians.\n"]
     for name, fn in (("ar", ar), ("denoiser", denoiser), ("edits", edits), ("scheduler_sim", scheduler_sim),
-                     ("gateway", gateway),
+                     ("scheduler_micro", scheduler_micro), ("gateway", gateway),
                      ("compare_gateway", compare_gateway), ("e2e", e2e), ("soak", soak)):
         d = _load(name)
         parts.append(fn(d) if d else f"## {name}\n\nNot run yet: `.venv/bin/python -m bench.{name}`.\n")

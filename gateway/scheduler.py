@@ -19,7 +19,6 @@ Invariants (checked by tests/test_scheduler.py and tests/test_scheduler_machine.
 
 from __future__ import annotations
 
-import bisect
 import enum
 import heapq
 import itertools
@@ -129,6 +128,7 @@ class _Worker:
     not_serving: bool = False  # healthy but said NOT_SERVING: finishing what it holds, takes nothing new
     last_used: int = 0
     job: JobId | None = None  # denoisers: the one job whose slot this worker holds
+    offered: bool = False  # denoisers: has its one entry in Scheduler._idle_denoisers
     batches: set[int] = field(default_factory=set)  # AR: batch ids in flight
 
     def busy(self) -> bool:
@@ -172,9 +172,15 @@ class Scheduler:
         # (height, width, 0) -> the requests that may batch together; a solo request queues under its own key.
         self._pending_ar: dict[tuple[int, int, int], deque[_Request]] = {}
         self._pending_ar_outputs = 0
-        self._denoise_q: list[_QueueKey] = []
+        self._denoise_q: list[_QueueKey] = []  # a heap: the smallest key is dispatched next
         self._batches: dict[int, _Batch] = {}
         self._workers: dict[str, _Worker] = {}
+        # The same workers by role, so a choice among the few AR servers does not scan every denoiser.
+        self._by_role: dict[WorkerRole, dict[str, _Worker]] = {r: {} for r in WorkerRole}
+        self._ar_workers = self._by_role[WorkerRole.AR]  # looked up on every event; an enum's hash is not free
+        # Heap of denoisers that may be free, by (last_used, added_seq): the LRU choice without scanning the pool.
+        # Validated lazily when it reaches the top (see _free_denoiser).
+        self._idle_denoisers: list[tuple[int, int, _Worker]] = []
         self._deadlines: list[tuple[float, int, str]] = []  # heap, lazily pruned
         self._attempt_floor: OrderedDict[str, int] = OrderedDict()
 
@@ -394,9 +400,11 @@ class Scheduler:
     def _on_worker_added(self, ev: WorkerAdded) -> None:
         w = self._workers.get(ev.worker)
         if w is None:
-            self._workers[ev.worker] = _Worker(ev.worker, ev.role, added_seq=next(self._seq))
+            w = self._workers[ev.worker] = _Worker(ev.worker, ev.role, added_seq=next(self._seq))
+            self._by_role[ev.role][ev.worker] = w
         elif w.role is ev.role:
             w.draining = False  # re-added while draining (endpoint flap): keep it
+            self._offer(w)
         # A different role under a live address is a discovery glitch: keep the known worker until it is gone.
 
     def _on_worker_removed(self, ev: WorkerRemoved) -> None:
@@ -406,13 +414,14 @@ class Scheduler:
         if w.busy():
             w.draining = True
         else:
-            del self._workers[w.address]
+            self._forget(w)
 
     def _on_worker_healthy(self, ev: WorkerHealthy) -> None:
         w = self._workers.get(ev.worker)
         if w is not None:
             w.healthy = True  # the dispatch loop at the end of handle() hands it work right away
             w.not_serving = False
+            self._offer(w)
 
     def _on_worker_not_serving(self, ev: WorkerNotServing) -> None:
         w = self._workers.get(ev.worker)
@@ -444,12 +453,17 @@ class Scheduler:
                 self._retry_output(req, out, "worker_unhealthy", reason, actions)
             # else: the request already ended and CancelDenoise was sent then.
         if w.draining:
-            del self._workers[w.address]
+            self._forget(w)
 
     # ----------------------------------------------------------------------------------------- request lifecycle
 
     def _any_ready(self, role: WorkerRole) -> bool:
-        return any(w.role is role and w.accepts_work() for w in self._workers.values())
+        return any(w.accepts_work() for w in self._by_role[role].values())
+
+    def _forget(self, w: _Worker) -> None:
+        """Drop a worker from membership (its heap entry, if any, is discarded when it reaches the top)."""
+        del self._workers[w.address]
+        del self._by_role[w.role][w.address]
 
     def _fail_stranded_ar_requests(self, actions: list[Action]) -> None:
         """With fail-fast on, requests still waiting for an AR batch fail once no AR worker is left to take it."""
@@ -467,6 +481,8 @@ class Scheduler:
     def _stop_abandoned_batches(self, actions: list[Action]) -> None:
         """Stop AR batches still in flight whose every request has ended: with clients timing out, the AR would
         otherwise keep computing for nobody. The slot stays held until the driver reports the call's end."""
+        if not self._maybe_abandoned:  # the common case, on every event
+            return
         for bid in sorted(self._maybe_abandoned):
             batch = self._batches.get(bid)
             if batch is not None and not self._waiting_for(batch):
@@ -500,6 +516,7 @@ class Scheduler:
         elif req.stage is _Stage.DENOISING:
             if any(o.state is _OutState.QUEUED for o in req.outputs):
                 self._denoise_q = [k for k in self._denoise_q if k[1] != req.seq]
+                heapq.heapify(self._denoise_q)
             for out in req.outputs:
                 if out.state is _OutState.INFLIGHT and out.worker is not None:
                     # The worker keeps the slot until the RPC ends, so it is never oversubscribed.
@@ -552,7 +569,7 @@ class Scheduler:
         if w is not None:
             w.batches.discard(batch_id)
             if w.draining and not w.busy():
-                del self._workers[w.address]
+                self._forget(w)
         return batch
 
     def _ar_batch_failed(self, batch: _Batch, message: str, reason: str, actions: list[Action]) -> None:
@@ -572,9 +589,8 @@ class Scheduler:
     def _free_ar_worker(self) -> _Worker | None:
         free = [
             w
-            for w in self._workers.values()
-            if w.role is WorkerRole.AR
-            and w.accepts_work()
+            for w in self._ar_workers.values()
+            if w.accepts_work()
             and len(w.batches) < self.config.ar_max_inflight_batches
         ]
         return min(free, key=lambda w: (len(w.batches), w.last_used, w.added_seq), default=None)
@@ -612,7 +628,7 @@ class Scheduler:
 
     def _dispatch_ar(self, actions: list[Action]) -> None:
         # Just in time: a batch is formed only when a worker can take it, so late arrivals can still join.
-        while True:
+        while self._pending_ar:  # checked first: cheaper than looking for a free worker
             w = self._free_ar_worker()
             if w is None:
                 return
@@ -645,7 +661,7 @@ class Scheduler:
 
     def _enqueue_output(self, req: _Request, out: _Output, front: bool) -> None:
         out.state = _OutState.QUEUED
-        bisect.insort(self._denoise_q, (_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
+        heapq.heappush(self._denoise_q, (_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
 
     def _live_output(self, job: JobId, worker: str) -> tuple[_Request, _Output] | None:
         """The output ``job`` is the current, in-flight attempt of, on ``worker``; else None (stale)."""
@@ -669,7 +685,9 @@ class Scheduler:
         found = self._live_output(job, worker)
         w.job = None
         if w.draining:
-            del self._workers[w.address]
+            self._forget(w)
+        else:
+            self._offer(w)
         if found is None:
             # The request ended while this RPC ran (cancel/deadline/failure); the slot is freed above.
             self.counters.fenced_results += 1
@@ -687,13 +705,25 @@ class Scheduler:
         self.counters.requeues[reason] += 1
         self._enqueue_output(req, out, front=True)
 
+    def _offer(self, w: _Worker) -> None:
+        """Give a denoiser that may have become free its entry in the idle heap (one at most: its key only changes
+        when it is dispatched, which takes the entry out first)."""
+        if w.role is WorkerRole.DENOISER and not w.offered and w.accepts_work() and w.job is None:
+            w.offered = True
+            heapq.heappush(self._idle_denoisers, (w.last_used, w.added_seq, w))
+
     def _free_denoiser(self) -> _Worker | None:
-        free = [
-            w
-            for w in self._workers.values()
-            if w.role is WorkerRole.DENOISER and w.accepts_work() and w.job is None
-        ]
-        return min(free, key=lambda w: (w.last_used, w.added_seq), default=None)
+        """The free denoiser used least recently, taken out of the idle heap (the caller dispatches to it).
+
+        An entry whose worker is gone, unhealthy, not serving or busy is dropped: each of those ways back to free
+        passes through _offer, which pushes it again."""
+        heap = self._idle_denoisers
+        while heap:
+            w = heapq.heappop(heap)[2]
+            w.offered = False
+            if self._workers.get(w.address) is w and w.accepts_work() and w.job is None:
+                return w
+        return None
 
     def _dispatch_denoise(self, actions: list[Action]) -> None:
         # One output per free denoiser, so a request's n outputs fan out to n workers at once.
@@ -701,7 +731,7 @@ class Scheduler:
             w = self._free_denoiser()
             if w is None:
                 return
-            _, _, index, rid = self._denoise_q.pop(0)
+            _, _, index, rid = heapq.heappop(self._denoise_q)
             req = self._active[rid]
             out = req.outputs[index]
             out.attempt += 1

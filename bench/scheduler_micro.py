@@ -1,0 +1,154 @@
+"""Micro-benchmark of the pure scheduler alone (issue 15, item 6): events per second against the denoiser pool size.
+
+`python -m bench.scheduler_micro` builds, for each pool size (10, 100, 1,000 denoisers and a few AR servers), a
+Scheduler holding ~10,000 queued outputs (admitted, AR done, waiting for a denoiser) with every worker busy, then
+drives a steady stream of events: DenoiseSucceeded for the jobs in flight (each frees a denoiser, which takes the
+next queued output), RequestArrived and ArBatchSucceeded to keep the queue at ~10,000.
+
+The stream is recorded once from a live run (the events depend on the job and batch ids the scheduler hands out)
+and then replayed, timed, on fresh twins built the same way: the scheduler is deterministic, so a twin produces the
+very same actions, and the clock measures handle() alone, not this harness. Figures are medians of rounds.
+Writes bench/results/scheduler_micro.json.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections import deque
+
+from bench.common import median, write_result
+from gateway.scheduler import (
+    ArBatchSucceeded,
+    DenoiseSucceeded,
+    DispatchArBatch,
+    DispatchDenoise,
+    Event,
+    RequestArrived,
+    Scheduler,
+    SchedulerConfig,
+    WorkerAdded,
+    WorkerHealthy,
+    WorkerRole,
+)
+
+POOLS = (10, 100, 1000)
+AR_SERVERS = 4
+QUEUED = 10_000  # outputs kept waiting for a denoiser
+BATCH = 8  # AR batch capacity in outputs; a batch leaves when full (the delay is out of reach)
+TICK = 1e-6  # simulated seconds between events
+TARGET_EVENTS_PER_S = 100_000
+
+
+class _Harness:
+    """Plays the driver and the workers: answers every dispatch, in order, with a success."""
+
+    def __init__(self, denoisers: int) -> None:
+        self.sched = Scheduler(SchedulerConfig(max_queued_outputs=4 * QUEUED, ar_batch_max_outputs=BATCH,
+                                               ar_batch_delay=3600.0))
+        self.now = 0.0
+        self.arrivals = 0
+        self.jobs: deque[DispatchDenoise] = deque()
+        self.batches: deque[DispatchArBatch] = deque()
+        for i in range(AR_SERVERS):
+            self._join(f"ar-{i}", WorkerRole.AR)
+        for i in range(denoisers):
+            self._join(f"dn-{i}", WorkerRole.DENOISER)
+        # Fill up: every denoiser busy, QUEUED outputs behind them.
+        while self.sched.queued_outputs() < QUEUED or len(self.jobs) < denoisers:
+            self.feed(self.next_event())
+
+    def _join(self, address: str, role: WorkerRole) -> None:
+        self.feed(WorkerAdded(self.now, address, role))
+        self.feed(WorkerHealthy(self.now, address))
+
+    def feed(self, event: Event) -> None:
+        for a in self.sched.handle(event):
+            if isinstance(a, DispatchDenoise):
+                self.jobs.append(a)
+            elif isinstance(a, DispatchArBatch):
+                self.batches.append(a)
+
+    def next_event(self) -> Event:
+        """Below the target: AR results first, then arrivals (which fill the next batch); at it: denoise results."""
+        self.now += TICK
+        if self.sched.queued_outputs() < QUEUED or not self.jobs:
+            if self.batches:
+                b = self.batches.popleft()
+                return ArBatchSucceeded(self.now, b.batch_id, {rid: [f"ar:{rid}"] for rid in b.request_ids})
+            self.arrivals += 1
+            return RequestArrived(self.now, f"r{self.arrivals}", 1, 1024, 1024, deadline=self.now + 3600.0)
+        job = self.jobs.popleft()
+        return DenoiseSucceeded(self.now, job.job, job.worker, b"png")
+
+
+def _record(denoisers: int, events: int) -> list[Event]:
+    h = _Harness(denoisers)
+    stream = []
+    for _ in range(events):
+        ev = h.next_event()
+        h.feed(ev)
+        stream.append(ev)
+    return stream
+
+
+def _replay(denoisers: int, stream: list[Event]) -> tuple[float, int]:
+    """Seconds to handle the stream on a fresh twin, and how many requests it completed (the twin's check)."""
+    sched = _Harness(denoisers).sched
+    handle = sched.handle
+    t0 = time.perf_counter()
+    for ev in stream:
+        handle(ev)
+    return time.perf_counter() - t0, sched.counters.completed
+
+
+def run(pools: tuple[int, ...], events: int, rounds: int) -> dict:
+    by_pool: dict[str, dict] = {}
+    for d in pools:
+        stream = _record(d, events)
+        mix = {name: sum(type(e).__name__ == name for e in stream)
+               for name in ("DenoiseSucceeded", "RequestArrived", "ArBatchSucceeded")}
+        times, completed = [], set()
+        for _ in range(rounds):
+            seconds, done = _replay(d, stream)
+            times.append(seconds)
+            completed.add(done)
+        assert len(completed) == 1, "replays diverged: the scheduler is not deterministic"
+        s = median(times)
+        by_pool[str(d)] = {"denoisers": d, "events": len(stream), "event_mix": mix,
+                           "rounds_s": [round(t, 5) for t in times], "events_per_s": round(len(stream) / s),
+                           "us_per_event": round(s / len(stream) * 1e6, 3)}
+        print(f"{d:>5} denoisers: {by_pool[str(d)]['events_per_s']:>8} events/s, "
+              f"{by_pool[str(d)]['us_per_event']:.2f} us/event", flush=True)
+    lo, hi = by_pool[str(pools[0])], by_pool[str(pools[-1])]
+    growth = hi["us_per_event"] / lo["us_per_event"]
+    # Logarithmic growth allows cost(hi)/cost(lo) up to log(hi)/log(lo) (3.0 for 1,000 over 10).
+    log_bound = math.log(pools[-1]) / math.log(pools[0])
+    summary = {"events_per_s_at_max_pool": hi["events_per_s"], "cost_growth_max_over_min_pool": round(growth, 3),
+               "log_growth_bound": round(log_bound, 3)}
+    targets = {f">= {TARGET_EVENTS_PER_S:,} events/s at {pools[-1]} denoisers":
+               hi["events_per_s"] >= TARGET_EVENTS_PER_S,
+               f"per-event cost {pools[-1]} vs {pools[0]} denoisers <= log ratio ({log_bound:.1f}x)":
+               growth <= log_bound}
+    return {"setup": {"pools": list(pools), "ar_servers": AR_SERVERS, "queued_outputs": QUEUED,
+                      "ar_batch_max_outputs": BATCH, "n": 1, "events_per_round": events, "rounds": rounds,
+                      "python": sys.version.split()[0]},
+            "by_pool": by_pool, "summary": summary, "targets_met": targets}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--events", type=int, default=50_000, help="events per timed round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--pools", type=lambda s: tuple(int(x) for x in s.split(",")), default=POOLS,
+                   help="comma-separated denoiser counts, smallest first")
+    args = p.parse_args(argv)
+    results = run(args.pools, args.events, args.rounds)
+    write_result("scheduler_micro", results, "python -m bench.scheduler_micro " + " ".join(argv or sys.argv[1:]))
+    for k, v in results["targets_met"].items():
+        print(f"- {k}: {'met' if v else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
