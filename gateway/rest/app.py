@@ -42,7 +42,7 @@ from .schemas import (
     ImageGenPartialImageEvent,
 )
 from .settings import GATEWAY_AUTH_MODES, RestSettings
-from .upstream import channel_credentials, open_gateway
+from .upstream import channel_credentials, open_gateways
 
 __all__ = ["GATEWAY_AUTH_MODES", "RestSettings", "create_app"]
 
@@ -56,20 +56,21 @@ def create_app(settings: RestSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # grpc.aio channels bind to the running loop, so create it here, not in create_app.
-        gateway = open_gateway(settings, credentials)
-        app.state.gateway = gateway
-        log.info("REST front using gateway at %s (%s)", settings.gateway_address,
+        gateways = open_gateways(settings, credentials)
+        app.state.gateways = gateways
+        app.state.gateway = gateways.first
+        log.info("REST front using gateway at %s (%s)", ", ".join(settings.gateway_addresses),
                  "TLS" if credentials is not None else "plaintext")
-        # Serve with the gateway's limits from the first request on (the defaults if it is not up yet).
-        await app.state.limits.refresh(gateway.stub, settings.health_timeout)
-        follow = asyncio.create_task(app.state.limits.follow(gateway.stub, settings.health_timeout),
-                                     name="limits")
+        # Serve with the gateway's limits from the first request on (the defaults if none is up yet).
+        stubs = [g.stub for g in gateways]
+        await app.state.limits.refresh(stubs, settings.health_timeout)
+        follow = asyncio.create_task(app.state.limits.follow(stubs, settings.health_timeout), name="limits")
         try:
             yield
         finally:
             follow.cancel()
             await asyncio.gather(follow, return_exceptions=True)
-            await gateway.channel.close()
+            await gateways.close()
 
     app = FastAPI(
         title="GLM-Image OpenAI-compatible API",

@@ -23,8 +23,8 @@ async def get_metrics(request: Request) -> RestMetrics:
     return request.app.state.metrics
 
 
-async def get_gateway(request: Request) -> upstream.Gateway:
-    return request.app.state.gateway
+async def get_gateway(request: Request) -> upstream.Gateways:
+    return request.app.state.gateways
 
 
 async def get_created(request: Request) -> int:
@@ -34,7 +34,7 @@ async def get_created(request: Request) -> int:
 
 Settings = Annotated[RestSettings, Depends(get_settings)]
 Metrics = Annotated[RestMetrics, Depends(get_metrics)]
-GatewayDep = Annotated[upstream.Gateway, Depends(get_gateway)]
+GatewayDep = Annotated[upstream.Gateways, Depends(get_gateway)]
 Created = Annotated[int, Depends(get_created)]
 
 # The OpenAI-shaped error answers every image route may give.

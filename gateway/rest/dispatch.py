@@ -35,7 +35,7 @@ def gateway_metadata(request: Request, settings: RestSettings, rid: str) -> tupl
 
 
 async def answer(gen: translate.Generation, stream: bool, partial_images: int, request: Request,
-                 settings: RestSettings, metrics: RestMetrics, gateway: upstream.Gateway) -> Response:
+                 settings: RestSettings, metrics: RestMetrics, gateway: upstream.Gateways) -> Response:
     """Run the gateway call for ``gen``: events when ``stream``, else one ImagesResponse JSON (499 when the
     client went away first)."""
     if stream:

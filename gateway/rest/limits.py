@@ -37,22 +37,26 @@ class LimitsCache:
         self.current = Limits()
         self.from_gateway = False
 
-    async def refresh(self, stub: Any, timeout: float) -> None:
-        try:
-            reply = await stub.GetLimits(gateway_service_pb2.GetLimitsRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError as err:  # away or older: keep what we have, the gateway checks anyway
-            log.debug("gateway GetLimits: %s", err.code().name)
+    async def refresh(self, stubs: Any | Sequence[Any], timeout: float) -> None:
+        """Read the limits from the first of ``stubs`` (one gateway's stub, or several) that answers."""
+        for stub in stubs if isinstance(stubs, Sequence) else [stubs]:
+            try:
+                reply = await stub.GetLimits(gateway_service_pb2.GetLimitsRequest(), timeout=timeout)
+                break
+            except grpc.aio.AioRpcError as err:  # away or older: keep what we have, the gateway checks anyway
+                log.debug("gateway GetLimits: %s", err.code().name)
+        else:
             return
         limits = from_proto(reply.limits)
         if limits != self.current or not self.from_gateway:
             log.info("limits in force: %s", limits)
         self.current, self.from_gateway = limits, True
 
-    async def follow(self, stub: Any, timeout: float, interval: float = REFRESH_S) -> None:
+    async def follow(self, stubs: Any | Sequence[Any], timeout: float, interval: float = REFRESH_S) -> None:
         """Refresh every ``interval`` until cancelled (the app's lifespan, after its first refresh)."""
         while True:
             await asyncio.sleep(interval)
-            await self.refresh(stub, timeout)
+            await self.refresh(stubs, timeout)
 
 
 @contextmanager

@@ -15,12 +15,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.auth import bearer_metadata
 
-from . import dispatch, translate
+from . import dispatch, translate, upstream
 from . import limits as rest_limits
 from .deps import Created, GatewayDep, Metrics, Settings, image_responses
 from .errors import APIError
 from .middleware import request_id
 from .schemas import ErrorResponse, ImageGenerationRequest, ModelCard, ModelList
+from .settings import RestSettings
 
 log = logging.getLogger("glmimage.rest")
 
@@ -64,8 +65,20 @@ async def retrieve_model(model_id: str, settings: Settings, created: Created) ->
     return ModelCard(id=model_id, created=created, owned_by="glmimage")
 
 
-@router.get("/health", summary="Ready when the gateway serves and has AR and denoiser workers")
-async def health(settings: Settings, gateway: GatewayDep) -> Response:
+@router.get("/health", summary="Ready when a gateway serves and has AR and denoiser workers")
+async def health(settings: Settings, gateways: GatewayDep) -> Response:
+    """Ready when any gateway is (the others' calls are resubmitted to it); otherwise the first one's reason."""
+    first: Response | None = None
+    for gateway in gateways:
+        answer = await _gateway_health(settings, gateway)
+        if answer.status_code == 200:
+            return answer
+        first = first or answer
+    assert first is not None
+    return first
+
+
+async def _gateway_health(settings: RestSettings, gateway: upstream.Gateway) -> Response:
     timeout = settings.health_timeout
 
     def unavailable(reason: str, **extra: Any) -> Response:

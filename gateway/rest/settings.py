@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from glmimage.channels import split_addresses
+
 
 def _default_quality_steps() -> dict[str, int]:
     # 0 means "let the denoiser pick its default".
@@ -20,6 +22,8 @@ GATEWAY_AUTH_MODES = ("forward", "own")
 
 @dataclass(frozen=True)
 class RestSettings:
+    # One host:port, several comma-separated (calls go round robin, and one a gateway fails UNAVAILABLE goes to
+    # the next), or one grpc target such as dns:///name:port (grpc's round_robin over what it resolves to).
     gateway_address: str = "127.0.0.1:50050"
     served_model: str = "glm-image"
     model_aliases: tuple[str, ...] = ("gpt-image-1", "dall-e-3")
@@ -48,6 +52,7 @@ class RestSettings:
     cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        split_addresses(self.gateway_address)  # raises ValueError when it names none
         if self.max_body_bytes <= 0:
             raise ValueError(f"the body limit must be positive, not {self.max_body_bytes}")
         if (self.gateway_tls_client_cert is None) != (self.gateway_tls_client_key is None):
@@ -60,6 +65,10 @@ class RestSettings:
         if self.gateway_auth == "own" and not self.api_keys:
             raise ValueError("--gateway-auth own needs --api-key (or GLMIMAGE_API_KEYS) too: a front with no keys "
                              "of its own would let anyone generate with its gateway key")
+
+    @property
+    def gateway_addresses(self) -> list[str]:
+        return split_addresses(self.gateway_address)
 
     @property
     def model_names(self) -> tuple[str, ...]:

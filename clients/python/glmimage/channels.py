@@ -4,6 +4,7 @@ an asyncio channel. The SDK's clients, the REST front's gateway channel and the 
 built here; the servers' side of TLS is services.runtime.tls."""
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,3 +68,53 @@ def _build(api: Any, target: str, tls: TlsConfig | None, options: ChannelOptions
     if tls is None:
         return api.insecure_channel(target, options=opts)
     return api.secure_channel(target, tls.credentials(), options=opts)
+
+
+# grpc's own round robin over every address a target resolves to (the default, pick_first, sticks to one).
+ROUND_ROBIN_CONFIG = '{"loadBalancingConfig":[{"round_robin":{}}]}'
+_RESOLVER_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "xds:")
+# Schemes whose target may name several addresses: they get round_robin.
+_MULTI_SCHEMES = ("dns:", "ipv4:", "ipv6:")
+
+
+def split_addresses(address: str | Sequence[str]) -> list[str]:
+    """The gateway addresses in ``address``: a list, or a comma-separated string. A target with a resolver
+    scheme (``dns:///name:port``, ``ipv4:a:p,b:p``) stays whole: grpc resolves it, commas included."""
+    items = [address] if isinstance(address, str) else list(address)
+    out: list[str] = []
+    for item in items:
+        item = item.strip()
+        if item.startswith(_RESOLVER_SCHEMES):
+            out.append(item)
+        else:
+            out.extend(a.strip() for a in item.split(",") if a.strip())
+    if not out:
+        raise ValueError(f"no gateway address in {address!r}")
+    return out
+
+
+def balanced_target(address: str | Sequence[str]) -> tuple[str, list[tuple[str, Any]]]:
+    """One grpc target for ``address`` and the channel options it needs: several IP addresses become one
+    ``ipv4:``/``ipv6:`` target, and a target that may resolve to several addresses gets round_robin, so the
+    calls (and the retries after an UNAVAILABLE) spread over them. One plain host:port is left as it is."""
+    addrs = split_addresses(address)
+    if len(addrs) == 1:
+        target = addrs[0]
+    elif all(not a.startswith(_RESOLVER_SCHEMES) and _ip_version(a) == 4 for a in addrs):
+        target = "ipv4:" + ",".join(addrs)
+    elif all(not a.startswith(_RESOLVER_SCHEMES) and _ip_version(a) == 6 for a in addrs):
+        target = "ipv6:" + ",".join(addrs)
+    else:  # grpc has no target naming several host names, nor mixing families
+        raise ValueError(f"several addresses must all be IPv4 or all IPv6 host:port literals, not {addrs}; "
+                         "for a name resolving to several gateways give one dns:///name:port")
+    if target.startswith(_MULTI_SCHEMES):
+        return target, [("grpc.service_config", ROUND_ROBIN_CONFIG)]
+    return target, []
+
+
+def _ip_version(host_port: str) -> int | None:
+    host = host_port.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).version
+    except ValueError:
+        return None

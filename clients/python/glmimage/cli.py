@@ -51,7 +51,8 @@ def _connection_args(parser: argparse.ArgumentParser, *, suppress: bool = False)
 
     g = parser.add_argument_group("connection (before or after the subcommand)")
     g.add_argument("--address", default=default(os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS)),
-                   help=f"GatewayService host:port (default {DEFAULT_ADDRESS}, or ${ADDRESS_ENV})")
+                   help=f"GatewayService host:port, several comma-separated IP:port, or dns:///name:port; "
+                   f"several are called round robin (default {DEFAULT_ADDRESS}, or ${ADDRESS_ENV})")
     g.add_argument("--api-key", default=default(os.environ.get(API_KEY_ENV)),
                    help=f"sent as 'authorization: Bearer <key>' (default ${API_KEY_ENV})")
     g.add_argument("--timeout", type=float, default=default(600.0),

@@ -6,7 +6,9 @@ Only grpcio and protobuf are needed. Both clients share the same options:
 - ``retry``: exponential backoff with jitter, on UNAVAILABLE and RESOURCE_EXHAUSTED only (the two codes that mean
   "try again later"; anything else would fail the same way again, or must not be repeated);
 - ``tls``: server CA and optional client certificate for mutual TLS;
-- ``api_key``: sent as ``authorization: Bearer <key>`` metadata.
+- ``api_key``: sent as ``authorization: Bearer <key>`` metadata;
+- ``address``: one host:port, several (a list or "a:p,b:p", IP literals) or a ``dns:///name:port`` resolving to
+  several gateways: grpc's round_robin spreads the calls, and the retries on UNAVAILABLE reach another gateway.
 
     >>> with Client("127.0.0.1:50050") as client:
     ...     result = client.generate("a red STOP sign", n=2, size="256x256", seed=1)
@@ -27,7 +29,7 @@ from typing import IO, Any, TypedDict, TypeVar, Unpack
 import grpc
 
 from glmimage import formats, sizes
-from glmimage.channels import TlsConfig, aio_channel, sync_channel
+from glmimage.channels import TlsConfig, aio_channel, balanced_target, sync_channel
 from glmimage.formats import FORMATS
 from glmimage.keepalive import message_size_options
 from glmimage.results import (
@@ -193,7 +195,8 @@ def build_add_worker(address: str, role: str) -> gateway_service_pb2.AddWorkerRe
 class _Base:
     """What both clients share: channel arguments, metadata, deadlines and the retry decision."""
 
-    def __init__(self, address: str, *, api_key: str | None, tls: TlsConfig | None, timeout: float | None,
+    def __init__(self, address: str | Sequence[str], *, api_key: str | None, tls: TlsConfig | None,
+                 timeout: float | None,
                  retry: RetryPolicy, max_message_bytes: int, options: Sequence[tuple[str, Any]],
                  rng: random.Random | None) -> None:
         self.address = address
@@ -204,7 +207,10 @@ class _Base:
         self._rng = rng or random.Random()
         # glmimage.channels adds the keepalive the gateway accepts and a short capped reconnect backoff; the
         # caller's ``options`` come last, so they override.
-        self._options = [*message_size_options(max_message_bytes, max_message_bytes), *options]
+        # Several gateways (a list, "a:p,b:p", or a dns:/// name) make one channel with grpc's round_robin: calls
+        # spread over them, and a retry after an UNAVAILABLE goes to another one.
+        self._target, balancing = balanced_target(address)
+        self._options = [*message_size_options(max_message_bytes, max_message_bytes), *balancing, *options]
 
     def _metadata(self, request_id: str | None) -> list[tuple[str, str]]:
         md = []
@@ -244,13 +250,14 @@ def _stream_ended_early(attempts: int) -> GlmImageError:
 class Client(_Base):
     """Blocking client for GatewayService. Thread-safe; close it (or use ``with``) to release the channel."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, api_key: str | None = None, tls: TlsConfig | None = None,
+    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, api_key: str | None = None,
+                 tls: TlsConfig | None = None,
                  timeout: float | None = None, retry: RetryPolicy = DEFAULT_RETRY,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, options: Sequence[tuple[str, Any]] = (),
                  rng: random.Random | None = None) -> None:
         super().__init__(address, api_key=api_key, tls=tls, timeout=timeout, retry=retry,
                          max_message_bytes=max_message_bytes, options=options, rng=rng)
-        self._channel = sync_channel(address, tls, self._options)
+        self._channel = sync_channel(self._target, tls, self._options)
         self._stub = gateway_service_pb2_grpc.GatewayServiceStub(self._channel)
 
     def close(self) -> None:
@@ -365,13 +372,14 @@ class Client(_Base):
 class AsyncClient(_Base):
     """asyncio client for GatewayService (grpc.aio). Create it inside the event loop that uses it."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, api_key: str | None = None, tls: TlsConfig | None = None,
+    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, api_key: str | None = None,
+                 tls: TlsConfig | None = None,
                  timeout: float | None = None, retry: RetryPolicy = DEFAULT_RETRY,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, options: Sequence[tuple[str, Any]] = (),
                  rng: random.Random | None = None) -> None:
         super().__init__(address, api_key=api_key, tls=tls, timeout=timeout, retry=retry,
                          max_message_bytes=max_message_bytes, options=options, rng=rng)
-        self._channel = aio_channel(address, tls, self._options)
+        self._channel = aio_channel(self._target, tls, self._options)
         self._stub = gateway_service_pb2_grpc.GatewayServiceStub(self._channel)
 
     async def close(self) -> None:
