@@ -12,6 +12,7 @@
 'use strict';
 
 const fs = require('node:fs');
+const net = require('node:net');
 const path = require('node:path');
 const { parseArgs } = require('node:util');
 const grpc = require('@grpc/grpc-js');
@@ -22,7 +23,7 @@ const PROTO_DIR = path.join(PROTO_ROOT, 'glmimage', 'v1');
 
 function usage(message) {
   if (message) console.error(`generate.js: ${message}`);
-  (message ? console.error : console.log)('usage: node generate.js --prompt TEXT [--address HOST:PORT] [--size WxH] [-n N] [--seed S]\n' +
+  (message ? console.error : console.log)('usage: node generate.js --prompt TEXT [--address HOST:PORT[,HOST:PORT...]] [--size WxH] [-n N] [--seed S]\n' +
     '                   [--steps K] [--image REF.png ...] [--out FILE.png] [--api-key KEY] [--timeout SECONDS]\n' +
     '                   [--tls-ca CA.pem [--tls-cert CERT.pem --tls-key KEY.pem]]');
   process.exit(message ? 2 : 0);
@@ -93,6 +94,40 @@ function credentials(args) {
   return grpc.credentials.createSsl(read(args['tls-ca']), read(args['tls-key']), read(args['tls-cert']));
 }
 
+// Several gateways ("a:p,b:p", IP literals) become one ipv4:/ipv6: target, and such a target or a dns:///name:port
+// gets grpc-js's round_robin, so calls spread over the gateways; the retry policy then sends a call that failed
+// UNAVAILABLE (a gateway gone) to another one. One plain host:port is left as it is (pick_first, no retries).
+const ROUND_ROBIN = {
+  loadBalancingConfig: [{ round_robin: {} }],
+  methodConfig: [{
+    name: [{ service: 'glmimage.v1.GatewayService' }],
+    retryPolicy: {
+      maxAttempts: 4, initialBackoff: '0.2s', maxBackoff: '5s', backoffMultiplier: 2,
+      retryableStatusCodes: ['UNAVAILABLE'],
+    },
+  }],
+};
+
+function balancedTarget(address) {
+  const scheme = /^(dns|ipv4|ipv6|unix|xds):/;
+  const addrs = scheme.test(address.trim())
+    ? [address.trim()]
+    : address.split(',').map((a) => a.trim()).filter(Boolean);
+  if (addrs.length === 0) throw new Error(`no gateway address in ${JSON.stringify(address)}`);
+  let target = addrs[0];
+  if (addrs.length > 1) {
+    const family = (a) => net.isIP(a.replace(/:\d+$/, '').replace(/^\[|\]$/g, ''));
+    const families = new Set(addrs.map(family));
+    if (families.size !== 1 || families.has(0)) {
+      throw new Error(`several addresses must all be IPv4 or all IPv6 host:port literals, not ${addrs}; ` +
+        'for a name resolving to several gateways give one dns:///name:port');
+    }
+    target = `ipv${[...families][0]}:${addrs.join(',')}`;
+  }
+  const balanced = /^(dns|ipv4|ipv6):/.test(target);
+  return { target, options: balanced ? { 'grpc.service_config': JSON.stringify(ROUND_ROBIN) } : {} };
+}
+
 function outputPaths(out, n) {
   if (n === 1) return [out];
   const ext = path.extname(out) || '.png';
@@ -103,8 +138,10 @@ function outputPaths(out, n) {
 function main() {
   const args = parse();
   const GatewayService = loadGatewayService();
-  const client = new GatewayService(args.address, credentials(args), {
+  const { target, options } = balancedTarget(args.address);
+  const client = new GatewayService(target, credentials(args), {
     'grpc.max_receive_message_length': 256 * 1024 * 1024,
+    ...options,
   });
   const request = {
     prompt: args.prompt,
