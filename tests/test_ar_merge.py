@@ -38,7 +38,7 @@ def call(*reqs: tuple[str, int, int, int]) -> pb.GenerateBatchRequest:
                                              for p, n, side, seed in reqs])
 
 
-async def behind_a_busy_model(servicer, ar, calls: list[pb.GenerateBatchRequest]) -> list:
+async def behind_a_busy_model(servicer, ar, calls: list[pb.GenerateBatchRequest], *, errors: bool = False) -> list:
     """Queue `calls` while the model is held, then let them all run; returns their responses."""
     blocker = Blocker()
     busy = asyncio.ensure_future(servicer.admission.run(blocker))
@@ -47,7 +47,7 @@ async def behind_a_busy_model(servicer, ar, calls: list[pb.GenerateBatchRequest]
     await servicer.admission.wait_for(lambda q: q.waiting == len(calls))
     blocker.release.set()
     await busy
-    return await asyncio.gather(*futures)
+    return await asyncio.gather(*futures, return_exceptions=errors)
 
 
 async def test_calls_of_one_resolution_share_one_batch_and_match_their_alone_results(ar_stack) -> None:
@@ -101,3 +101,31 @@ async def test_a_call_cancelled_mid_batch_leaves_the_others_rows_intact(ar_stack
     assert counts() == (batches + 1, merged + 1)
     assert REGISTRY.get_sample_value("glmimage_ar_requests_total", {"outcome": "cancelled"}) == cancelled + 1
     assert resp == await ar.GenerateBatch(kept_call)
+
+
+class Failing:
+    """The tiny engine's validation and limits, but a model batch that fails."""
+
+    def __init__(self, engine) -> None:
+        self.limits = engine.limits
+        self.validate = engine.validate
+
+    def generate(self, requests, control=None):
+        raise RuntimeError("the model failed")
+
+
+async def test_a_failed_merged_batch_fails_each_of_its_calls(ar_engine) -> None:
+    executor = SerialExecutor("test-ar-merge-fail")
+    server = await serve_ar(Failing(ar_engine), executor)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            ar = ar_service_pb2_grpc.ArServiceStub(channel)
+            batches, merged = counts()
+            results = await behind_a_busy_model(server.servicer, ar, [call(("x", 1, 64, 1)), call(("y", 1, 64, 2))],
+                                                errors=True)
+            assert all(isinstance(r, grpc.aio.AioRpcError) for r in results)
+            assert [r.code() for r in results] == [grpc.StatusCode.INTERNAL] * 2
+            assert counts() == (batches + 1, merged + 1)
+    finally:
+        await server.stop(None)
+        executor.shutdown()
