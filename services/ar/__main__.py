@@ -8,7 +8,7 @@ import logging
 
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc
 from services.ar.engine import ArEngine
-from services.ar.servicer import ArServicer
+from services.ar.servicer import DEFAULT_MERGE_WINDOW, ArServicer
 from services.ar.srt_backend import SrtBackend
 from services.model.device import DeviceUnavailable
 from services.model.loading import CheckpointError
@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=0,
                    help="calls allowed to wait for the model beyond the running one (0: no limit); "
                         "more get RESOURCE_EXHAUSTED")
+    p.add_argument("--merge-window-ms", type=float, default=DEFAULT_MERGE_WINDOW * 1000,
+                   help="a model batch waits up to this long for concurrent calls of its resolution to merge with, "
+                        "up to --max-batch-outputs rows (0: merge only calls already waiting)")
     p.add_argument("--backend", choices=("local", "srt"), default="local",
                    help="local: run the model here; srt: forward to an sglang-style HTTP /generate server")
     p.add_argument("--srt-url", default=None, help="with --backend srt: the server's base URL")
@@ -43,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if args.max_queue < 0:
         p.error("--max-queue must be 0 (no limit) or more")
+    if args.merge_window_ms < 0:
+        p.error("--merge-window-ms must be 0 or more")
     return args
 
 
@@ -57,7 +62,8 @@ async def run(args: argparse.Namespace) -> None:
     try:
         await serve_model(
             args, name="ar-engine", service_name=SERVICE_NAME, load=load,
-            make_servicer=functools.partial(ArServicer, max_queue=args.max_queue),
+            make_servicer=functools.partial(ArServicer, max_queue=args.max_queue,
+                                            merge_window=args.merge_window_ms / 1000),
             register=ar_service_pb2_grpc.add_ArServiceServicer_to_server)
     except (DeviceUnavailable, CheckpointError, ServiceError) as exc:  # e.g. an srt server that is not up
         log.error("%s", exc)

@@ -23,6 +23,8 @@ REQUESTS = Counter("glmimage_ar_requests_total",
 FAILURES = Counter("glmimage_ar_failures_total", "Generate requests that failed, by reason", ["reason"])
 BATCH_SIZE = Histogram("glmimage_ar_batch_size", "Output rows per model batch",
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+MERGED_CALLS = Counter("glmimage_ar_merged_calls_total",
+                       "Calls (Generate or GenerateBatch) that joined a model batch another waiting call started")
 # From the tiny model on a CPU (well under a second) up to real weights at 2048x2048 (minutes).
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 QUEUE_SECONDS = Histogram("glmimage_ar_queue_seconds", "Wait for the model before a call's batch started",

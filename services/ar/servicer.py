@@ -10,7 +10,7 @@ import grpc
 
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, common_pb2
 from services.ar import metrics
-from services.ar.batcher import AdmissionQueue
+from services.ar.batcher import AdmissionQueue, CallMerger
 from services.ar.domain import (
     ArBackend,
     ArRequest,
@@ -29,6 +29,8 @@ from services.runtime.logs import request_id_var
 from services.runtime.server import request_id_from
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MERGE_WINDOW = 0.002  # seconds: short next to any model batch, long enough for concurrent gateway calls
 
 
 def request_from_proto(msg: ar_service_pb2.GenerateRequest) -> ArRequest:
@@ -60,16 +62,34 @@ def result_to_proto(result: ArResult) -> ar_service_pb2.GenerateResponse:
                     for r in result.references])
 
 
+def merge_key(reqs: Sequence[ArRequest]) -> tuple[int, int] | None:
+    """Calls of one resolution share a model batch; edits never do: a reference that fails to decode on the worker
+    thread would fail every call merged with it."""
+    if any(r.reference_images for r in reqs):
+        return None
+    return reqs[0].height, reqs[0].width
+
+
 def in_batch(exc: InvalidArgument, index: int, single: bool) -> InvalidArgument:
     """A request's refusal, its field named as the caller sent it: "requests[i].field" within a GenerateBatch."""
     return exc if single else InvalidArgument(f"requests[{index}].{exc.field}", exc.description)
 
 
 class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
-    def __init__(self, engine: ArBackend, executor: SerialExecutor, *, max_queue: int = 0) -> None:
+    def __init__(self, engine: ArBackend, executor: SerialExecutor, *, max_queue: int = 0,
+                 merge_window: float = DEFAULT_MERGE_WINDOW) -> None:
+        """merge_window: seconds a batch gathers concurrent calls of its resolution before it runs (0: only those
+        already waiting)."""
         self.engine = engine
         self.admission = AdmissionQueue(executor, max_waiting=max_queue, on_depth=metrics.QUEUE_DEPTH.set)
-        self.current: RunControl | None = None  # the batch holding the model, for drains and tests
+        self.merger: CallMerger[ArRequest, ArResult] = CallMerger(
+            self.admission, self._generate, cap=engine.limits.max_batch_outputs, window=merge_window,
+            on_wait=metrics.QUEUE_SECONDS.observe, on_merged=metrics.MERGED_CALLS.inc)
+
+    @property
+    def current(self) -> RunControl | None:
+        """The model batch holding the model, for drains and tests."""
+        return self.merger.current
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         self._adopt_request_id(context, [request])
@@ -113,11 +133,9 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
         control = RunControl(deadline=rpc_deadline(context))
         try:
             reqs = self._validate(msgs, single)
-            waited = await self.admission.acquire(control.deadline)
-            metrics.QUEUE_SECONDS.observe(waited)
-            self.current = control
             try:
-                results = await self.admission.run_acquired(self._generate, reqs, control)
+                results = await self.merger.submit(reqs, key=merge_key(reqs), rows=sum(r.n for r in reqs),
+                                                   control=control)
             except RequestInvalid as exc:  # a reference that would not decode, found on the worker thread
                 raise in_batch(exc, exc.index, single) from None
         except asyncio.CancelledError:
@@ -134,19 +152,17 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
         return results
 
     def _generate(self, reqs: list[ArRequest], control: RunControl) -> list[ArResult]:
-        """On the worker thread: the batch itself, with its metrics (also counted when its caller left)."""
+        """On the worker thread: one model batch (maybe several calls merged), with its metrics (also counted when
+        its callers left)."""
+        control.check()  # every caller left between admission and the thread picking it up
+        metrics.BUSY.set(1)
+        metrics.BATCH_SIZE.observe(sum(r.n for r in reqs))
+        t0 = time.perf_counter()
         try:
-            control.check()  # the caller left between admission and the thread picking it up
-            metrics.BUSY.set(1)
-            metrics.BATCH_SIZE.observe(sum(r.n for r in reqs))
-            t0 = time.perf_counter()
-            try:
-                results = self.engine.generate(reqs, control)
-            finally:
-                metrics.COMPUTE_SECONDS.observe(time.perf_counter() - t0)
-                metrics.BUSY.set(0)
+            results = self.engine.generate(reqs, control)
         finally:
-            self.current = None
+            metrics.COMPUTE_SECONDS.observe(time.perf_counter() - t0)
+            metrics.BUSY.set(0)
         usage = sum((r.usage for r in results), Usage())
         metrics.GENERATED_TOKENS.inc(usage.completion_tokens)
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
