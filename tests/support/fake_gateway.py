@@ -63,7 +63,9 @@ class FakeGateway(gateway_service_pb2_grpc.GatewayServiceServicer):
 
     def _block_until_cancelled(self, context: grpc.ServicerContext) -> None:
         gone = threading.Event()
-        context.add_callback(gone.set)
+        # add_callback refuses (False) once the RPC has ended: a client that left before we got here is gone already.
+        if not context.add_callback(gone.set):
+            gone.set()
         gone.wait(30)
         self.cancelled.set()
 
@@ -101,6 +103,10 @@ class FakeGateway(gateway_service_pb2_grpc.GatewayServiceServicer):
     def GenerateImagesStream(self, request, context):
         self._enter("GenerateImagesStream", request, context)
         r = request.request
+        if r.prompt == "block":
+            # Registered before the first message: a client that leaves right after it may be gone before grpc asks
+            # this generator for the next one (then it never resumes), and the cancel must still be seen.
+            context.add_callback(self.cancelled.set)
         steps = r.num_inference_steps or DEFAULT_STEPS
         for i in range(r.n or 1):
             for step in range(1, steps + 1):
