@@ -50,7 +50,6 @@ def main(argv: list[str] | None = None) -> None:
 
     from services.ar.domain import ArRequest
     from services.ar.engine import ArEngine
-    from services.denoiser.conditioning import ReferenceTokens
     from services.denoiser.engine import DenoiseEngine, DenoiseJob, JobControl
 
     ar = ArEngine.load(None, device="cpu")  # the tiny default checkpoint, built offline on first use
@@ -68,8 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         runs[f"ar_t2i_{size}"] = lambda r=t2i: ar.generate([r])
         runs[f"ar_edit_{size}"] = lambda r=edit: ar.generate([r])
         (result,) = ar.generate([edit])
-        tokens = [ReferenceTokens(token_ids=list(t.token_ids), grid_height=t.grid_h, grid_width=t.grid_w)
-                  for t in result.references]
+        tokens = list(result.references)  # the AR's reference tokens are what the denoiser takes
         prior = list(result.outputs[0].token_ids)
         base = DenoiseJob(prompt=PROMPT, token_ids=prior, height=size, width=size, steps=args.steps, seed=1)
         jobs[f"dn_t2i_{size}"] = dn.validate(base)

@@ -79,7 +79,8 @@ def test_wire_form_round_trips_and_sends_only_the_fields_a_worker_applies() -> N
 
 
 @pytest.mark.parametrize("flag, value", [("--max-steps", "0"), ("--max-n", "-1"), ("--max-guidance", "nan"),
-                                         ("--max-guidance", "-1")])
+                                         ("--max-guidance", "-1"), ("--max-guidance", "inf"),
+                                         ("--max-steps", str(2**32)), ("--max-pixels", str(2**64))])
 def test_a_limit_that_would_refuse_everything_is_refused_at_start(flag: str, value: str) -> None:
     p = argparse.ArgumentParser()
     add_limit_args(p, FIELDS)

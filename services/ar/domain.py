@@ -10,6 +10,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
+from services.model.references import ReferenceTokens
 from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError
 from services.runtime.limits import (
     SEED_SPACE,
@@ -66,15 +67,6 @@ class PriorOutput:
     token_ids: list[int]
     seed: int
     usage: Usage
-
-
-@dataclass(frozen=True)
-class ReferenceTokens:
-    """One reference image's VQ codes, upsampled 2x like the target's, on its (model size / 16) grid."""
-
-    token_ids: list[int]
-    grid_h: int
-    grid_w: int
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ class ArEngine:
         grids = prompt.reference_grids.to(self.device)
         features = self.model.get_image_features(prompt.pixel_values.to(self.device), grids).pooler_output
         codes = self.model.get_image_tokens(features, grids)
-        return tuple(ReferenceTokens(upsample_grid(chunk.tolist(), h, w), grid_h=2 * h, grid_w=2 * w)
+        return tuple(ReferenceTokens(upsample_grid(chunk.tolist(), h, w), grid_height=2 * h, grid_width=2 * w)
                      for chunk, (_, h, w) in zip(torch.split(codes, grids.prod(-1).tolist()), grids.tolist(),
                                                  strict=True))
 

@@ -58,7 +58,7 @@ def result_to_proto(result: ArResult) -> ar_service_pb2.GenerateResponse:
         height=result.height, width=result.width, grid_height=grid_h, grid_width=grid_w,
         usage=usage_to_proto(result.usage),
         references=[common_pb2.ReferenceTokens(tokens=common_pb2.TokenRow(token_ids=r.token_ids),
-                                               grid_height=r.grid_h, grid_width=r.grid_w)
+                                               grid_height=r.grid_height, grid_width=r.grid_width)
                     for r in result.references])
 
 

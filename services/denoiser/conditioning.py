@@ -9,30 +9,13 @@ its token grid, so every reference is resized to exactly grid x 16 pixels whatev
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from PIL import Image
 
-from services.model.references import prepare
+from services.model.references import ReferenceTokens, prepare
 from services.runtime.errors import InvalidArgument
 from services.runtime.limits import Limits, check_reference_images
-
-TOKEN_PATCH = 16  # one prior token per 16x16 pixels, for the target and each reference alike
-
-
-@dataclass(frozen=True)
-class ReferenceTokens:
-    """One reference's AR codes, row-major on grid_height x grid_width (its model size / 16)."""
-
-    token_ids: list[int]
-    grid_height: int
-    grid_width: int
-
-    @property
-    def size(self) -> tuple[int, int]:
-        """(width, height) in pixels the reference is resized to, as PIL sizes go."""
-        return self.grid_width * TOKEN_PATCH, self.grid_height * TOKEN_PATCH
 
 
 def check_codes(ids: Sequence[int], field: str, codebook_size: int) -> None:

@@ -20,8 +20,6 @@ import torch
 from PIL import Image
 
 from services.denoiser.conditioning import (
-    TOKEN_PATCH,
-    ReferenceTokens,
     check_codes,
     check_references,
     is_reference_pass,
@@ -31,6 +29,7 @@ from services.denoiser.conditioning import (
 from services.denoiser.encoding import DEFAULT_PNG_LEVEL, ImageFormat, encode
 from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
+from services.model.references import TOKEN_PATCH, ReferenceTokens
 from services.model.tiny import DENOISER_PARTS
 from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from services.runtime.limits import (

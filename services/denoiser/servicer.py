@@ -17,7 +17,6 @@ import grpc
 from glmimage import formats
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.denoiser import metrics
-from services.denoiser.conditioning import ReferenceTokens
 from services.denoiser.encoding import ImageFormat
 from services.denoiser.engine import (
     DenoiseEngine,
@@ -29,6 +28,7 @@ from services.denoiser.engine import (
     StepProgress,
 )
 from services.denoiser.metrics import CancelReason, Outcome
+from services.model.references import ReferenceTokens
 from services.runtime.deadlines import rpc_deadline
 from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from services.runtime.executor import SerialExecutor

@@ -13,11 +13,29 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import dataclass
 
 from PIL import Image
 
 from services.runtime.errors import InvalidArgument
 from services.runtime.limits import MAX_REFERENCE_ASPECT, SIZE_MULTIPLE
+
+TOKEN_PATCH = 16  # one prior token per 16x16 pixels, for the target and each reference alike
+
+
+@dataclass(frozen=True)
+class ReferenceTokens:
+    """One reference's AR codes, row-major on grid_height x grid_width (its model size / 16)."""
+
+    token_ids: list[int]
+    grid_height: int
+    grid_width: int
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) in pixels the reference is resized to, as PIL sizes go."""
+        return self.grid_width * TOKEN_PATCH, self.grid_height * TOKEN_PATCH
+
 
 # What the reference is resized with: the processor itself uses bicubic.
 RESAMPLE = Image.Resampling.BICUBIC

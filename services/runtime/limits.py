@@ -53,11 +53,6 @@ class Limits:
     max_reference_total_bytes: int = 32 << 20
     max_reference_pixels: int = 4096 * 4096
 
-    def tightened(self, bounds: Mapping[str, float]) -> Limits:
-        """These limits, lowered to ``bounds`` where those are tighter (a field not named stays as it is)."""
-        return dataclasses.replace(self, **{name: type(getattr(self, name))(min(getattr(self, name), value))
-                                            for name, value in bounds.items()})
-
     @property
     def max_request_outputs(self) -> int:
         """The most outputs one request may ask for: n, and one AR batch must hold them all."""
@@ -260,12 +255,19 @@ def add_limit_args(parser: argparse.ArgumentParser, fields: Iterable[str], *, fo
                                                     else f" (default {default})"))
 
 
+# The largest value each limit's wire field carries: a flag past it could not be served over GetLimits.
+_WIRE_MAX = {f.name: {f.TYPE_UINT32: 2**32 - 1, f.TYPE_UINT64: 2**64 - 1}.get(f.type, 3.4e38)
+             for f in common_pb2.Limits.DESCRIPTOR.fields}
+
+
 def limits_from_args(args: argparse.Namespace, fields: Iterable[str]) -> dict[str, float]:
-    """The ``--max-*`` flags given; SystemExit with a message for one that would refuse everything."""
+    """The ``--max-*`` flags given; SystemExit with a message for one that would refuse everything, or that is
+    beyond what GetLimits can carry (the worker would then fail every gateway's limits read)."""
     given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     for name, value in given.items():
-        # `not x >= 1` also refuses NaN.
-        if not value >= (0 if name == "max_guidance" else 1):
-            raise SystemExit(f"--{name.replace('_', '-')} must be at least {0 if name == 'max_guidance' else 1}, "
+        low = 0 if name == "max_guidance" else 1
+        # `not a <= x <= b` also refuses NaN (and infinity, past the float maximum).
+        if not low <= value <= _WIRE_MAX[name]:
+            raise SystemExit(f"--{name.replace('_', '-')} must be between {low} and {_WIRE_MAX[name]:g}, "
                              f"got {value}")
     return given
