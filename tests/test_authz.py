@@ -133,6 +133,8 @@ async def test_a_user_key_can_generate_but_not_add_or_remove_workers(sims: SimCl
         assert len((await gw.stub.GenerateImages(request(), metadata=ADMIN)).images) == 1
         assert (await gw.stub.GetStatus(pb.GetStatusRequest(), metadata=USER)).workers
         assert (await rpc_error(gw.stub.GenerateImages(request()))).code() == UNAUTH
+        # The limits in force are public (/openapi.json shows them): no key needed, even on a keyed gateway.
+        assert (await gw.stub.GetLimits(pb.GetLimitsRequest())).limits.max_n >= 1
         # And the admin key administers.
         await add(gw, d1)
         await until(gw, lambda m: list(m.values()).count(AVAILABLE) == 3)
