@@ -72,6 +72,7 @@ class Driver:
         self._ar_calls: dict[int, asyncio.Task] = {}
         self._abandoned_batches: set[int] = set()  # cancelled because nobody waits: report their end
         self._denoise_calls: dict[sch.JobId, asyncio.Task] = {}
+        self._denoise_on: dict[sch.JobId, str] = {}  # the worker each denoise call went to
         self._background: set[asyncio.Task] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
@@ -136,7 +137,7 @@ class Driver:
         self._workers[address] = worker
         log.info("%s worker %s added", role.value.lower(), address)
         self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
-        worker.watch(self._feed, lambda: self._closed, self._limits_changed)
+        worker.watch(self._from_watch, lambda: self._closed, self._limits_changed)
         return True
 
     def limits(self) -> Limits:
@@ -235,6 +236,25 @@ class Driver:
         self.observe.publish(self.scheduler, (a for a, w in self._workers.items() if w.health.stuck))
         self._arm_timer()
 
+    def _from_watch(self, event: sch.Event) -> None:
+        """A worker's health change, from its watch. A draining worker (it said NOT_SERVING) that goes away has
+        usually just answered its last job, and that answer may still be on its way through the loop: the job's own
+        call decides it, so the unhealthy event waits for the call to end (briefly) instead of requeueing a finished
+        job to be done twice. A worker that was serving, or hangs, is marked unhealthy at once, as before."""
+        if isinstance(event, sch.WorkerUnhealthy) and self.scheduler.is_not_serving(event.worker):
+            calls = [t for job, t in self._denoise_calls.items() if self._denoise_on.get(job) == event.worker]
+            if calls:
+                waiting = self._spawn(asyncio.wait(calls, timeout=self.config.health_probe_timeout),
+                                      f"drained:{event.worker}")
+                waiting.add_done_callback(lambda _t, w=event.worker: self._gone_after_drain(w))
+                return
+        self._feed(event)
+
+    def _gone_after_drain(self, address: str) -> None:
+        worker = self._workers.get(address)
+        if worker is not None and worker.health is not WorkerHealth.SERVING:  # not back in the meantime
+            self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=address))
+
     def _arm_timer(self) -> None:
         if self._timer:
             self._timer.cancel()
@@ -264,6 +284,7 @@ class Driver:
                 self.observe.denoise_dispatched(pending and pending.timing, action.job.index)
                 task = asyncio.create_task(self._run_denoise(action))
                 self._denoise_calls[action.job] = task
+                self._denoise_on[action.job] = action.worker
                 task.add_done_callback(functools.partial(self._denoise_task_done, action))
             case sch.CancelDenoise(job=job):
                 task = self._denoise_calls.get(job)
@@ -325,6 +346,7 @@ class Driver:
         # The scheduler keeps the worker's slot until it hears how the call ended, so every end reports.
         if self._denoise_calls.get(action.job) is task:
             del self._denoise_calls[action.job]
+            self._denoise_on.pop(action.job, None)
         job, now = action.job, time.monotonic()
         self._call_ended(task, f"denoise {job.request_id}/{job.index}#{job.attempt}",
                          # CancelDenoise, or cancelled before it ever ran

@@ -260,6 +260,11 @@ class Scheduler:
         """Outputs waiting in either queue (for an AR batch or for a denoiser): what admission bounds."""
         return self._pending_ar_outputs + len(self._denoise_q)
 
+    def is_not_serving(self, address: str) -> bool:
+        """Whether ``address`` said NOT_SERVING (draining: finishing what it holds, taking nothing new)."""
+        w = self._workers.get(address)
+        return w is not None and w.not_serving
+
     def has_worker(self, address: str) -> bool:
         """Whether ``address`` is still a member (a removed worker stays one until it has drained)."""
         return address in self._workers
