@@ -31,7 +31,8 @@ from glmimage.v1 import (
     denoiser_service_pb2,
     denoiser_service_pb2_grpc,
 )
-from services.runtime.errors import InvalidArgument, ResourceExhausted
+from services.denoiser.occupancy import OccupancyBoard
+from services.runtime.errors import DENOISER_BUSY, InvalidArgument, ResourceExhausted
 from services.runtime.logs import configure_logging
 from services.runtime.server import GrpcServer, install_shutdown_signals, start_server
 from services.runtime.tls import ServerTls
@@ -135,17 +136,31 @@ class SimDenoiser(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         self.jobs: list[str] = []  # x-request-id of every job accepted, in order
         self.completed = 0
         self.cancelled = 0
+        self.refused_busy = 0
+        self.holding = self.max_holding = 0  # jobs holding the slot now / at most at once (1: never two)
+        self.occupancy = OccupancyBoard()  # published like the real denoiser's, for several gateways
+
+    async def WatchOccupancy(self, request, context: grpc.aio.ServicerContext):
+        async for state in self.occupancy.watch():
+            yield denoiser_service_pb2.WatchOccupancyResponse(sequence=state.sequence, busy=state.busy,
+                                                              owner=state.owner, request_id=state.request_id)
 
     async def _steps(self, request: denoiser_service_pb2.DenoiseRequest, partial_images: int,
                      context: grpc.aio.ServicerContext):
         """Yield (step, total, partial index or None) as the job advances; owns the slot while it runs."""
-        if self.busy:
-            raise ResourceExhausted("busy: this denoiser runs one job at a time")
         if not request.prior_tokens.token_ids:
             raise InvalidArgument("prior_tokens", "must not be empty")
+        if self.busy:
+            self.refused_busy += 1
+            held = self.occupancy.state
+            raise ResourceExhausted("busy: this denoiser runs one job at a time", reason=DENOISER_BUSY,
+                                    info={"owner": held.owner, "sequence": str(held.sequence)})
         total = request.num_inference_steps or self.default_steps
         previews = {max(1, (j + 1) * total // (partial_images + 1)): j for j in range(partial_images)}
         self.busy = True
+        self.holding += 1
+        self.max_holding = max(self.max_holding, self.holding)
+        self.occupancy.take(request.owner, request.request_id)
         self.running.set()
         rid = dict(context.invocation_metadata()).get("x-request-id", "")
         self.jobs.append(rid if isinstance(rid, str) else rid.decode())
@@ -162,6 +177,8 @@ class SimDenoiser(denoiser_service_pb2_grpc.DenoiserServiceServicer):
             raise
         finally:
             self.busy = False
+            self.holding -= 1
+            self.occupancy.release()
             self.running.clear()
 
     def _result(self, request: denoiser_service_pb2.DenoiseRequest, steps: int) -> denoiser_service_pb2.DenoiseResponse:

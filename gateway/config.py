@@ -1,12 +1,21 @@
 """Gateway settings (flags -> one frozen dataclass)."""
 from __future__ import annotations
 
+import os
+import secrets
+import socket
 from dataclasses import dataclass, field
 
 from gateway.membership import AllowRule
 from gateway.scheduler import SchedulerConfig
 from gateway.timeouts import TimeoutPolicy
 from services.runtime.tls import ClientTls
+
+
+def new_instance_id() -> str:
+    """This gateway process's name on its denoise jobs (DenoiseRequest.owner): unique per process, so several
+    gateways (and a restarted one) over one pool tell their own jobs from each other's, and readable in logs."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 @dataclass(frozen=True)
@@ -47,3 +56,5 @@ class GatewayConfig:
     # Extra metadata on every GenerateBatch/Denoise/DenoiseStream call to a worker (the internal token);
     # health probes go without it.
     worker_metadata: tuple[tuple[str, str], ...] = ()
+    # The owner this gateway names on its denoise jobs; the denoisers' occupancy streams say whose job holds them.
+    instance_id: str = field(default_factory=new_instance_id)

@@ -20,7 +20,8 @@ from gateway.observe import Observer, Timing
 from gateway.timeouts import ArTimeouts, DenoiseTimeouts
 from gateway.workers import Worker, WorkerHealth
 from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2, gateway_service_pb2
-from services.runtime.server import field_violation
+from services.runtime.errors import DENOISER_BUSY
+from services.runtime.server import ERROR_DOMAIN, error_info, field_violation
 from services.runtime.status import kind_of, row_of
 
 log = logging.getLogger("gateway.driver")
@@ -89,6 +90,24 @@ class Failure:
         return WorkerHealth.TIMED_OUT if self.code is grpc.StatusCode.DEADLINE_EXCEEDED else WorkerHealth.UNREACHABLE
 
 
+def held_elsewhere(err: grpc.aio.AioRpcError, instance_id: str) -> tuple[bool, int | None]:
+    """Whether a denoiser refused the call because another gateway's job holds it, and the occupancy sequence it
+    said that at (None: it said none)."""
+    if err.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False, None
+    info = error_info(err)
+    if info is None or info[0] != DENOISER_BUSY or info[1] != ERROR_DOMAIN:
+        return False, None
+    meta = info[2]
+    if meta.get("owner") == instance_id:
+        return False, None  # its own job: nothing of this gateway should still hold it; an ordinary failure
+    try:
+        sequence = int(meta["sequence"])
+    except (KeyError, ValueError):
+        sequence = None
+    return True, sequence
+
+
 def failure(err: grpc.aio.AioRpcError, role: str, default: sch.ErrorKind) -> Failure:
     """``err`` read back: a refusal of the input is the client's error and names its field; anything else is the
     worker's, told as ``default``."""
@@ -119,7 +138,7 @@ def ar_batch(action: sch.DispatchArBatch, rids: Sequence[str],
 
 
 def denoise_request(action: sch.DispatchDenoise, p: gateway_service_pb2.GenerateImagesRequest, height: int,
-                    width: int) -> denoiser_service_pb2.DenoiseRequest:
+                    width: int, owner: str = "") -> denoiser_service_pb2.DenoiseRequest:
     """One output's denoise job, at the size the client asked for."""
     out: ArOutput = action.ar_output  # type: ignore[assignment]
     prior = out.prior
@@ -129,7 +148,8 @@ def denoise_request(action: sch.DispatchDenoise, p: gateway_service_pb2.Generate
         guidance_scale=p.guidance_scale if p.HasField("guidance_scale") else None,
         seed=prior.seed, output_format=p.output_format,
         output_compression=p.output_compression if p.HasField("output_compression") else None,
-        request_id=action.job.request_id, reference_images=p.reference_images, references=out.references)
+        request_id=action.job.request_id, reference_images=p.reference_images, references=out.references,
+        owner=owner)
 
 
 class Downstream:
@@ -140,6 +160,7 @@ class Downstream:
     def __init__(self, config: GatewayConfig, observe: Observer,
                  sideline: Callable[[Worker, WorkerHealth, grpc.StatusCode], None]) -> None:
         self.metadata: Metadata = config.worker_metadata
+        self.instance_id = config.instance_id
         self.observe = observe
         self.sideline = sideline
         self.ar_timeouts = ArTimeouts(config.ar_timeout)
@@ -186,13 +207,18 @@ class Downstream:
                       stream: StreamOptions | None) -> sch.Event:
         """Run one output's job, unary or (``stream`` given) streamed with its events relayed."""
         job = action.job
-        job_request = denoise_request(action, request, height, width)
+        job_request = denoise_request(action, request, height, width, self.instance_id)
         metadata = (("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"), *self.metadata)
         timeout = self.denoise_timeouts.timeout(job_request.num_inference_steps, height, width)
         started = time.monotonic()
         try:
             response = await _denoise(worker, job_request, metadata, timeout, stream, job.index)
         except grpc.aio.AioRpcError as err:
+            elsewhere, sequence = held_elsewhere(err, self.instance_id)
+            if elsewhere:  # another gateway's job took it first: not a failure of this job, nor of the worker
+                log.debug("denoise %s: %s is busy with another gateway's job", metadata[0][1], worker.address)
+                return sch.DenoiseRefusedBusy(now=time.monotonic(), job=job, worker=worker.address,
+                                              sequence=sequence)
             log.warning("denoise %s on %s failed after %.1fs (timeout %.1fs): %s: %s", metadata[0][1],
                         worker.address, time.monotonic() - started, timeout, err.code().name, err.details())
             failed = self._failure(worker, err, "denoiser", sch.ErrorKind.INTERNAL)

@@ -101,7 +101,7 @@ class Driver:
         if self._timer:
             self._timer.cancel()
         tasks = [*self._ar_calls.values(), *self._denoise_calls.values(), *self._background,
-                 *(w.watch_task for w in self._workers.values() if w.watch_task)]
+                 *(t for w in self._workers.values() for t in w.tasks())]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -172,8 +172,8 @@ class Driver:
         for address in [a for a in self._removed if not self.scheduler.has_worker(a)]:
             self._removed.discard(address)
             worker = self._workers.pop(address)
-            if worker.watch_task:
-                worker.watch_task.cancel()
+            for task in worker.tasks():
+                task.cancel()
             self._spawn(worker.channel.close(), f"close:{address}")
             log.info("worker %s drained and gone", address)
 
@@ -226,17 +226,23 @@ class Driver:
 
     # ---- the loop: events in, actions out --------------------------------------------------------------------
 
-    def _feed(self, event: sch.Event) -> None:
+    def _feed(self, event: sch.Event, quiet: bool = False) -> None:
+        """One event in, its actions performed, the metrics' state published, the timer re-armed. ``quiet``: an
+        event that usually changes nothing (a denoiser's occupancy moving between free and this gateway's own
+        job, several per job on every gateway): unless it caused actions, none of the rest is needed."""
         if self._closed:
             return
-        for action in self.scheduler.handle(event):
+        actions = self.scheduler.handle(event)
+        if quiet and not actions:
+            return
+        for action in actions:
             self._perform(action)
         if self._removed:
             self._reap()
         self.observe.publish(self.scheduler, (a for a, w in self._workers.items() if w.health.stuck))
         self._arm_timer()
 
-    def _from_watch(self, event: sch.Event) -> None:
+    def _from_watch(self, event: sch.Event, quiet: bool = False) -> None:
         """A worker's health change, from its watch. A draining worker (it said NOT_SERVING) that goes away has
         usually just answered its last job, and that answer may still be on its way through the loop: the job's own
         call decides it, so the unhealthy event waits for the call to end (briefly) instead of requeueing a finished
@@ -248,7 +254,7 @@ class Driver:
                                       f"drained:{event.worker}")
                 waiting.add_done_callback(lambda _t, w=event.worker: self._gone_after_drain(w))
                 return
-        self._feed(event)
+        self._feed(event, quiet)
 
     def _gone_after_drain(self, address: str) -> None:
         worker = self._workers.get(address)

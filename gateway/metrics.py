@@ -118,6 +118,12 @@ class GatewayMetrics(Collector):
         yield CounterMetricFamily("glmimage_gateway_fenced_results",
                                   "Results dropped because their attempt was superseded or their request ended",
                                   value=c.fenced_results)
+        yield CounterMetricFamily("glmimage_gateway_denoise_dispatches", "Denoise jobs sent to a denoiser",
+                                  value=c.denoise_dispatches)
+        yield CounterMetricFamily(
+            "glmimage_gateway_denoise_collisions",
+            "Denoise jobs a denoiser refused because another gateway's job held it (each sent elsewhere at once, "
+            "not counted as a failed attempt)", value=c.collisions)
         yield CounterMetricFamily("glmimage_gateway_admission_rejections",
                                   "Requests refused at admission (queue full, or they could never fit)",
                                   value=c.rejected)

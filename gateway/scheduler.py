@@ -37,6 +37,8 @@ from gateway.scheduler_types import (
     CompleteRequest,
     Counters,
     DenoiseFailed,
+    DenoiseRefusedBusy,
+    DenoiserOccupancy,
     DenoiseSucceeded,
     DispatchArBatch,
     DispatchDenoise,
@@ -90,6 +92,7 @@ class _Output:
     state: _OutState = _OutState.IDLE
     worker: str | None = None
     result: object = None
+    refusals: int = 0  # dispatches a denoiser refused as busy with another gateway's job: not attempts used
 
 
 @dataclass(eq=False)  # identity equality: deque.remove must not confuse two requests
@@ -130,6 +133,10 @@ class _Worker:
     job: JobId | None = None  # denoisers: the one job whose slot this worker holds
     offered: bool = False  # denoisers: has its one entry in Scheduler._idle_denoisers
     batches: set[int] = field(default_factory=set)  # AR: batch ids in flight
+    # Denoisers: another gateway's job holds the slot, as its occupancy stream (or a busy refusal) said, at
+    # sequence ``occupancy_seq``; such a denoiser gets no job from here until it is free again.
+    elsewhere: bool = False
+    occupancy_seq: int = -1
 
     def busy(self) -> bool:
         return self.job is not None or bool(self.batches)
@@ -210,6 +217,10 @@ class Scheduler:
                 self._on_denoise_succeeded(event, actions)
             case DenoiseFailed():
                 self._on_denoise_failed(event, actions)
+            case DenoiseRefusedBusy():
+                self._on_denoise_refused_busy(event)
+            case DenoiserOccupancy():
+                self._on_denoiser_occupancy(event)
             case WorkerAdded():
                 self._on_worker_added(event)
             case WorkerRemoved():
@@ -402,6 +413,34 @@ class Scheduler:
             message = ev.message if ev.code is ErrorKind.INVALID_ARGUMENT else f"denoise failed: {ev.message}"
             self._fail(req, ev.code, message, actions, field=ev.field)
 
+    def _on_denoise_refused_busy(self, ev: DenoiseRefusedBusy) -> None:
+        self.counters.collisions += 1
+        w = self._workers.get(ev.worker)
+        held = w is not None and w.role is WorkerRole.DENOISER and w.job == ev.job
+        found = self._take_job(ev.job, ev.worker)
+        if held and (ev.sequence is None or ev.sequence >= w.occupancy_seq):
+            # Busy until its stream says free; a free state newer than the refusal already came (stale).
+            w.elsewhere = True
+            if ev.sequence is not None:
+                w.occupancy_seq = ev.sequence
+        if found is not None:
+            req, out = found
+            out.state, out.worker = _OutState.IDLE, None
+            out.refusals += 1
+            self._enqueue_output(req, out, front=True)  # to another free denoiser in this same event
+
+    def _on_denoiser_occupancy(self, ev: DenoiserOccupancy) -> None:
+        w = self._workers.get(ev.worker)
+        if w is None or w.role is not WorkerRole.DENOISER:
+            return
+        if ev.sequence is not None:
+            if ev.sequence <= w.occupancy_seq:
+                return  # older than what a refusal or the stream already said
+            w.occupancy_seq = ev.sequence
+        w.elsewhere = ev.elsewhere
+        if not w.elsewhere:
+            self._offer(w)
+
     def _on_worker_added(self, ev: WorkerAdded) -> None:
         w = self._workers.get(ev.worker)
         if w is None:
@@ -439,6 +478,7 @@ class Scheduler:
             return  # an unhealthy worker holds nothing (released when it went down)
         w.healthy = False
         w.not_serving = False
+        w.elsewhere = False  # its occupancy stream broke too; it says again when the worker is back
         # Client-facing: which stage, never which address (the driver logs that with the request ids).
         reason = "the AR server running it became unavailable" if w.role is WorkerRole.AR else \
             "the denoiser running it became unavailable"
@@ -701,7 +741,7 @@ class Scheduler:
     def _retry_output(
         self, req: _Request, out: _Output, reason: str, message: str, actions: list[Action]
     ) -> None:
-        used = out.attempt - req.attempt_base
+        used = out.attempt - req.attempt_base - out.refusals
         if used >= self.config.max_attempts:
             self._fail(
                 req, ErrorKind.UNAVAILABLE, f"denoise failed after {used} attempt(s): {message}", actions
@@ -713,7 +753,8 @@ class Scheduler:
     def _offer(self, w: _Worker) -> None:
         """Give a denoiser that may have become free its entry in the idle heap (one at most: its key only changes
         when it is dispatched, which takes the entry out first)."""
-        if w.role is WorkerRole.DENOISER and not w.offered and w.accepts_work() and w.job is None:
+        if w.role is WorkerRole.DENOISER and not w.offered and w.accepts_work() and w.job is None \
+                and not w.elsewhere:
             w.offered = True
             heapq.heappush(self._idle_denoisers, (w.last_used, w.added_seq, w))
 
@@ -726,7 +767,7 @@ class Scheduler:
         while heap:
             w = heapq.heappop(heap)[2]
             w.offered = False
-            if self._workers.get(w.address) is w and w.accepts_work() and w.job is None:
+            if self._workers.get(w.address) is w and w.accepts_work() and w.job is None and not w.elsewhere:
                 return w
         return None
 
@@ -745,6 +786,7 @@ class Scheduler:
             job = JobId(rid, index, out.attempt)
             w.job = job
             w.last_used = next(self._use_clock)
+            self.counters.denoise_dispatches += 1
             actions.append(DispatchDenoise(job, w.address, req.ar_outputs[index]))
 
     # ---------------------------------------------------------------------------------------------- snapshots
@@ -755,7 +797,7 @@ class Scheduler:
             full = inflight >= self.config.ar_max_inflight_batches
         else:
             inflight = 0 if w.job is None else 1
-            full = w.job is not None
+            full = w.job is not None or w.elsewhere
         if w.draining:
             state = WorkerState.DRAINING
         elif not w.healthy:
@@ -766,4 +808,4 @@ class Scheduler:
             state = WorkerState.BUSY
         else:
             state = WorkerState.AVAILABLE
-        return WorkerSnapshot(w.address, w.role, state, inflight, w.job)
+        return WorkerSnapshot(w.address, w.role, state, inflight, w.job, held_elsewhere=w.elsewhere)

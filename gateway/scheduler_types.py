@@ -22,7 +22,9 @@ __all__ = [
     "CompleteRequest",
     "Counters",
     "DenoiseFailed",
+    "DenoiseRefusedBusy",
     "DenoiseSucceeded",
+    "DenoiserOccupancy",
     "DispatchArBatch",
     "DispatchDenoise",
     "Event",
@@ -159,6 +161,32 @@ class DenoiseFailed:
 
 
 @dataclass(frozen=True)
+class DenoiseRefusedBusy:
+    """The denoiser refused ``job`` because a job of another gateway holds its slot: a collision, not a failed
+    attempt. The job goes to another free denoiser at once, and this one counts as busy until its occupancy
+    stream says it is free."""
+
+    now: float
+    job: JobId
+    worker: str
+    # The denoiser's occupancy sequence at the refusal (None: it sent none): a newer state already seen wins.
+    sequence: int | None = None
+
+
+@dataclass(frozen=True)
+class DenoiserOccupancy:
+    """What a denoiser's occupancy stream says: its slot is held by another gateway's job (``elsewhere``), or it
+    is free or held by a job of this gateway's own (which the scheduler follows itself)."""
+
+    now: float
+    worker: str
+    elsewhere: bool
+    # Grows with every change of the denoiser's state; a state older than one already applied is ignored. None:
+    # not ordered (the stream broke or does not exist): applied as is.
+    sequence: int | None = None
+
+
+@dataclass(frozen=True)
 class WorkerAdded:
     now: float
     worker: str
@@ -210,6 +238,8 @@ Event = (
     | ArBatchFailed
     | DenoiseSucceeded
     | DenoiseFailed
+    | DenoiseRefusedBusy
+    | DenoiserOccupancy
     | WorkerAdded
     | WorkerRemoved
     | WorkerHealthy
@@ -288,6 +318,7 @@ class WorkerSnapshot:
     state: WorkerState
     inflight: int  # AR: batches in flight; denoiser: 0 or 1
     current_job: JobId | None  # denoisers only
+    held_elsewhere: bool = False  # a denoiser whose slot another gateway's job holds
 
 
 @dataclass(frozen=True)
@@ -317,3 +348,6 @@ class Counters:
     failed: dict[ErrorKind, int] = field(default_factory=lambda: {c: 0 for c in ErrorKind})
     requeues: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REQUEUE_REASONS})
     fenced_results: int = 0
+    denoise_dispatches: int = 0
+    # Denoise dispatches refused because another gateway's job held the denoiser (each went elsewhere at once).
+    collisions: int = 0

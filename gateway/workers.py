@@ -11,6 +11,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,7 +25,10 @@ from services.runtime.tls import make_channel
 
 log = logging.getLogger("gateway.driver")
 
-Feed = Callable[[sch.Event], None]
+class Feed(Protocol):
+    """The driver's way in to the scheduler. ``quiet``: publish nothing unless the event caused actions."""
+
+    def __call__(self, event: sch.Event, quiet: bool = False) -> None: ...
 
 AR_SERVICE = ar_service_pb2.DESCRIPTOR.services_by_name["ArService"].full_name
 DENOISER_SERVICE = denoiser_service_pb2.DESCRIPTOR.services_by_name["DenoiserService"].full_name
@@ -67,6 +71,7 @@ class Worker:
         self.channel = make_channel(address, config.client_tls, CHANNEL_OPTIONS)
         self.config = config
         self.watch_task: asyncio.Task | None = None
+        self.occupancy_task: asyncio.Task | None = None  # denoisers: follows who holds the slot
         self.health = WorkerHealth.UNKNOWN
         self.checked = asyncio.Event()  # its first health check has an answer, whichever
         # The bounds it applies, as its GetLimits last said (read each time it comes up, before it gets work: a
@@ -87,6 +92,43 @@ class Worker:
         limits calls ``on_limits``."""
         self._feed, self._closed, self._on_limits = feed, closed, on_limits
         self.watch_task = asyncio.create_task(self._watch(feed, closed), name=f"health:{self.address}")
+        if self.role is sch.WorkerRole.DENOISER:
+            self.occupancy_task = asyncio.create_task(self._follow_occupancy(feed, closed),
+                                                      name=f"occupancy:{self.address}")
+
+    def tasks(self) -> list[asyncio.Task]:
+        """The watches it runs, to cancel when it leaves the pool or the gateway closes."""
+        return [t for t in (self.watch_task, self.occupancy_task) if t is not None]
+
+    async def _follow_occupancy(self, feed: Feed, closed: Callable[[], bool]) -> None:
+        """Mirror who holds the denoiser's slot: a job another gateway sent makes it busy here too, so this gateway
+        does not send it a job it would refuse. Its own jobs it follows itself. If the stream breaks, the denoiser
+        counts as free again (a refusal, sent elsewhere at once, corrects that) until the stream is back."""
+        cfg = self.config
+        backoff = cfg.health_retry_min
+        while not closed():
+            elsewhere = False  # what this stream last told the scheduler
+            try:
+                call = self.stub.WatchOccupancy(denoiser_service_pb2.WatchOccupancyRequest(),
+                                                metadata=cfg.worker_metadata)
+                async for state in call:
+                    backoff = cfg.health_retry_min
+                    now_elsewhere = state.busy and state.owner != cfg.instance_id
+                    # Every state goes in (its sequence orders the busy refusals against it), but free after free
+                    # (this gateway's own jobs coming and going) changes nothing to publish.
+                    feed(sch.DenoiserOccupancy(now=time.monotonic(), worker=self.address, elsewhere=now_elsewhere,
+                                               sequence=state.sequence), quiet=not (now_elsewhere or elsewhere))
+                    elsewhere = now_elsewhere
+            except grpc.aio.AioRpcError as err:
+                if err.code() is grpc.StatusCode.UNIMPLEMENTED:
+                    # An older denoiser: its busy refusals still send the job elsewhere at once, that is all.
+                    log.warning("denoiser %s has no WatchOccupancy; jobs of other gateways show only as refusals",
+                                self.address)
+                    return
+            if elsewhere:
+                feed(sch.DenoiserOccupancy(now=time.monotonic(), worker=self.address, elsewhere=False))
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, cfg.health_retry_max)
 
     def sideline(self, why: WorkerHealth) -> None:
         """Unhealthy now (a call to it failed), until a fresh health check answers: the watch starts over."""

@@ -13,6 +13,8 @@ from prometheus_client import REGISTRY
 from glmimage.v1 import common_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import denoiser_service_pb2 as pb
 from services.denoiser.metrics import CancelReason, Outcome
+from services.runtime.errors import DENOISER_BUSY
+from services.runtime.server import ERROR_DOMAIN, error_info
 
 PROMPT = 'A red sign that says "HELLO"'
 LONG_STEPS = 200  # the server's maximum: a job that is still running whenever the test acts on it
@@ -108,6 +110,26 @@ async def test_second_concurrent_job_is_refused_busy(dn, servicer) -> None:
     assert "busy" in err.value.details()
     assert (await first).steps_completed == 24  # the refusal did not disturb the running job
     assert _sample("glmimage_denoiser_jobs_total", outcome="rejected_busy") == refused + 1
+
+
+async def test_the_occupancy_stream_and_a_busy_refusal_name_the_gateway_holding_the_slot(dn, servicer) -> None:
+    watch = dn.WatchOccupancy(pb.WatchOccupancyRequest())
+    free = await watch.read()
+    assert not free.busy and not free.owner
+    first = asyncio.ensure_future(dn.Denoise(_req(64, 64, num_inference_steps=LONG_STEPS, seed=1, owner="gw-a",
+                                                 request_id="r/0#1")))
+    held = await watch.read()
+    assert (held.busy, held.owner, held.request_id) == (True, "gw-a", "r/0#1") and held.sequence > free.sequence
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await dn.Denoise(_req(64, 64, seed=2, owner="gw-b"))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error_info(err.value) == (DENOISER_BUSY, ERROR_DOMAIN, {"owner": "gw-a", "sequence": str(held.sequence)})
+    first.cancel()
+    after = await watch.read()
+    assert not after.busy and after.sequence > held.sequence
+    watch.cancel()
+    # Whoever sent them, no two jobs ever held the slot at once.
+    assert _sample("glmimage_denoiser_busy_max") == 1
 
 
 async def _assert_stopped_early(servicer, reason: CancelReason, min_steps: int = 1) -> None:

@@ -17,6 +17,8 @@ from gateway.scheduler import (
     CancelDenoise,
     CompleteRequest,
     DenoiseFailed,
+    DenoiseRefusedBusy,
+    DenoiserOccupancy,
     DenoiseSucceeded,
     DispatchArBatch,
     DispatchDenoise,
@@ -569,6 +571,80 @@ def test_fan_out_with_fewer_workers_continues_as_workers_free() -> None:
     assert s.snapshot().pending_denoise_outputs == 2
     (d,) = s.handle(DenoiseSucceeded(1.0, job("a", 1), "d1", "r1"))
     assert d == DispatchDenoise(job("a", 2), "d1", "a/ar2")
+
+
+# ------------------------------------------------------------------------------- several gateways, one pool
+
+
+def test_a_busy_refusal_goes_to_another_free_denoiser_at_once_and_is_no_attempt() -> None:
+    s = ready(max_attempts=1)  # one try only: a collision must not use it up
+    (first,) = to_denoise(s, "a")
+    assert first == DispatchDenoise(job("a"), "d0", "a/ar0")
+    acts = s.handle(DenoiseRefusedBusy(1.0, job("a"), "d0", sequence=10))
+    assert acts == [DispatchDenoise(job("a", attempt=2), "d1", "a/ar0")]  # same event, no backoff
+    d0 = worker(s, "d0")
+    assert d0 is not None and d0.state is WorkerState.BUSY and d0.held_elsewhere and d0.current_job is None
+    assert s.counters.collisions == 1 and s.counters.requeues["denoise_failed"] == 0
+    (done,) = s.handle(DenoiseSucceeded(2.0, job("a", attempt=2), "d1", "img"))
+    assert isinstance(done, CompleteRequest) and done.results == ("img",)
+
+
+def test_a_denoiser_held_by_another_gateway_gets_nothing_until_its_stream_says_free() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    assert s.handle(DenoiserOccupancy(0.0, "d0", elsewhere=True, sequence=5)) == []
+    assert to_denoise(s, "a") == []  # queued, not sent to a denoiser that would refuse it
+    assert s.handle(DenoiserOccupancy(0.1, "d0", elsewhere=True, sequence=4)) == []  # older: ignored
+    assert s.handle(DenoiserOccupancy(0.2, "d0", elsewhere=False, sequence=3)) == []  # older free: ignored too
+    assert s.handle(DenoiserOccupancy(0.3, "d0", elsewhere=False, sequence=6)) == [
+        DispatchDenoise(job("a"), "d0", "a/ar0")]
+
+
+def test_a_refusal_older_than_a_free_state_already_seen_does_not_mark_the_denoiser_busy() -> None:
+    s = make(ar_batch_delay=0.0, max_attempts=1)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    s.handle(DenoiserOccupancy(0.0, "d0", elsewhere=True, sequence=7))
+    s.handle(DenoiserOccupancy(0.0, "d0", elsewhere=False, sequence=8))
+    (first,) = to_denoise(s, "a")
+    # The other gateway's job (state 7) was still there when the denoiser refused; its end (8) came first here.
+    assert s.handle(DenoiseRefusedBusy(0.1, first.job, "d0", sequence=7)) == [
+        DispatchDenoise(job("a", attempt=2), "d0", "a/ar0")]
+    assert s.counters.collisions == 1
+
+
+def test_a_refusal_without_a_sequence_holds_the_denoiser_until_any_free_state() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    (first,) = to_denoise(s, "a")
+    assert s.handle(DenoiseRefusedBusy(0.1, first.job, "d0")) == []
+    assert s.snapshot().pending_denoise_outputs == 1
+    assert s.handle(DenoiserOccupancy(0.2, "d0", elsewhere=False)) == [
+        DispatchDenoise(job("a", attempt=2), "d0", "a/ar0")]
+
+
+def test_a_held_denoiser_that_goes_down_comes_back_free() -> None:
+    s = make(ar_batch_delay=0.0)
+    up(s, "ar0", AR)
+    up(s, "d0", DN)
+    s.handle(DenoiserOccupancy(0.0, "d0", elsewhere=True, sequence=1))
+    s.handle(WorkerUnhealthy(0.1, "d0"))
+    s.handle(WorkerHealthy(0.2, "d0"))
+    d0 = worker(s, "d0")
+    assert d0 is not None and d0.state is WorkerState.AVAILABLE and not d0.held_elsewhere
+
+
+def test_a_refusal_for_a_superseded_attempt_is_fenced_and_marks_nothing() -> None:
+    s = ready()
+    (first,) = to_denoise(s, "a")
+    s.handle(WorkerUnhealthy(0.1, "d0"))  # requeued to d1 as attempt 2
+    s.handle(WorkerHealthy(0.2, "d0"))
+    fenced = s.counters.fenced_results
+    assert s.handle(DenoiseRefusedBusy(0.3, first.job, "d0", sequence=3)) == []
+    d0 = worker(s, "d0")
+    assert d0 is not None and not d0.held_elsewhere and s.counters.fenced_results == fenced + 1
 
 
 def test_least_recently_used_denoiser_is_chosen() -> None:

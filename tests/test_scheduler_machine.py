@@ -25,6 +25,8 @@ from gateway.scheduler import (
     CancelDenoise,
     CompleteRequest,
     DenoiseFailed,
+    DenoiseRefusedBusy,
+    DenoiserOccupancy,
     DenoiseSucceeded,
     DispatchArBatch,
     DispatchDenoise,
@@ -80,6 +82,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_rid = 0
         self.last_fenced = 0
         self.broken = False
+        self.seq = 0  # the occupancy sequences the other gateways' denoisers report
 
     # ----------------------------------------------------------------------------------------------- driving
 
@@ -128,6 +131,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         elif isinstance(ev, WorkerUnhealthy) and ev.worker in w.members and w.members[ev.worker].healthy:
             w.members[ev.worker].healthy = False
             w.members[ev.worker].serving = True
+            w.elsewhere[ev.worker] = False  # its occupancy stream broke with it
             w.holding.pop(ev.worker, None)  # the slot is free; the old attempt is fenced
             expect_ar_cancels = set(w.ar_owned.get(ev.worker, set()))
             for bid in expect_ar_cancels:
@@ -135,6 +139,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             w.ar_owned[ev.worker] = set()
             if w.members[ev.worker].draining:
                 self._forget(ev.worker)
+        elif isinstance(ev, DenoiserOccupancy):
+            if ev.worker in w.members and w.members[ev.worker].role is DN and (
+                    ev.sequence is None or ev.sequence > w.occupancy_seq.get(ev.worker, -1)):
+                w.elsewhere[ev.worker] = ev.elsewhere
+                if ev.sequence is not None:
+                    w.occupancy_seq[ev.worker] = ev.sequence
+        elif isinstance(ev, DenoiseRefusedBusy):
+            if w.holding.get(ev.worker) == ev.job:  # it never ran: the slot is free, the output goes elsewhere
+                del w.holding[ev.worker]
+                if ev.sequence is None or ev.sequence >= w.occupancy_seq.get(ev.worker, -1):
+                    w.elsewhere[ev.worker] = True
+                    if ev.sequence is not None:
+                        w.occupancy_seq[ev.worker] = ev.sequence
+                self._maybe_gone(ev.worker)
+                if self._live(ev.job.request_id) is not None:
+                    key = (ev.job.request_id, ev.job.index)
+                    w.refusals[key] = w.refusals.get(key, 0) + 1
         elif isinstance(ev, (DenoiseSucceeded, DenoiseFailed)):
             if w.holding.get(ev.worker) == ev.job:  # a result frees only the slot held by exactly that job
                 del w.holding[ev.worker]
@@ -220,6 +241,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _forget(self, name: str) -> None:
         self.w.members.pop(name, None)
         self.w.ar_owned.pop(name, None)
+        self.w.elsewhere.pop(name, None)  # a member added again under this name starts afresh
+        self.w.occupancy_seq.pop(name, None)
 
     def _maybe_gone(self, name: str) -> None:
         m = self.w.members.get(name)
@@ -250,10 +273,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             m = w.members.get(a.worker)
             assert m is not None and m.role is DN and m.healthy and not m.draining and m.serving
             assert a.worker not in w.holding, f"{a.worker} would hold two jobs"
+            assert not w.elsewhere.get(a.worker), f"{a.worker} is held by another gateway's job"
             rid, i = a.job.request_id, a.job.index
             assert rid not in w.ended and 0 <= i < w.reqs[rid].n
             prev = w.attempts.get((rid, i), (0, ""))[0]
-            assert a.job.attempt == prev + 1 <= cfg.max_attempts
+            # Busy refusals are not attempts: only real tries count against max_attempts.
+            assert a.job.attempt == prev + 1
+            assert a.job.attempt - w.refusals.get((rid, i), 0) <= cfg.max_attempts
             assert a.ar_output == _ar_out(rid, i, w.reqs[rid].batch)
             w.holding[a.worker] = a.job
             w.attempts[(rid, i)] = (a.job.attempt, a.worker)
@@ -311,6 +337,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             m = w.members[x.address]
             assert x.role is m.role
             if x.role is DN:
+                assert x.held_elsewhere == w.elsewhere.get(x.address, False)
                 assert x.current_job == w.holding.get(x.address)
                 assert x.inflight == (x.address in w.holding)
             else:
@@ -506,6 +533,27 @@ class SchedulerMachine(RuleBasedStateMachine):
         j = data.draw(st.sampled_from(sorted(self.w.dn_rpcs)))
         self._deliver_dn(j, outcome, self.advance(dt))
 
+    @precondition(lambda self: self.w.dn_rpcs)
+    @rule(data=st.data(), stale=st.booleans(), dt=st.floats(0.0, 0.003))
+    def refused_busy(self, data: st.DataObject, stale: bool, dt: float) -> None:
+        """Another gateway's job took the denoiser first: the refusal names the occupancy sequence it saw, which
+        may be older than a free state already applied (then the denoiser is not marked busy)."""
+        j = data.draw(st.sampled_from(sorted(self.w.dn_rpcs)))
+        wname = self.w.dn_rpcs.pop(j)
+        self.w.delivered.append((j, wname))
+        self.seq += 1
+        sequence = data.draw(st.sampled_from([None, self.seq - 5])) if stale else self.seq
+        self.send(DenoiseRefusedBusy(self.advance(dt), j, wname, sequence))
+
+    @rule(name=st.sampled_from([n for n in WORKERS if not n.startswith("ar")]), elsewhere=st.booleans(),
+          order=st.sampled_from(["new", "new", "old", "none"]), dt=st.floats(0.0, 0.003))
+    def other_gateway(self, name: str, elsewhere: bool, order: str, dt: float) -> None:
+        """A denoiser's occupancy stream: another gateway's job took it or left it (maybe a state older than one
+        already seen, which must change nothing, or an unordered one after the stream broke)."""
+        self.seq += 1
+        sequence = {"new": self.seq, "old": self.seq - 7, "none": None}[order]
+        self.send(DenoiserOccupancy(self.advance(dt), name, elsewhere, sequence))
+
     @precondition(lambda self: self.w.delivered or self.w.delivered_batches)
     @rule(data=st.data(), which=st.integers(0, 3), dt=st.floats(0.0, 0.003))
     def stale_result(self, data: st.DataObject, which: int, dt: float) -> None:
@@ -559,6 +607,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for name, m in list(self.w.members.items()):
             if not m.healthy or not m.serving:
                 self.send(WorkerHealthy(self.now, name))
+            if m.role is DN:  # the other gateways' jobs end
+                self.seq += 1
+                self.send(DenoiserOccupancy(self.now, name, False, self.seq))
         for _ in range(10_000):
             if self.w.dn_rpcs:
                 self._deliver_dn(min(self.w.dn_rpcs), "ok", self.now)

@@ -28,6 +28,9 @@ STEPS_AFTER_CANCEL = Histogram("glmimage_denoiser_steps_after_cancel",
                                "Steps that finished after a cancel reached the worker, per cancelled job",
                                buckets=(0, 1, 2, 5, 10))
 BUSY = Gauge("glmimage_denoiser_busy", "Jobs holding the slot (0 or 1 per denoiser)")
+# The proof a scrape can miss in BUSY: the most jobs that ever held the slot at once since start (1 = never two,
+# whichever gateways sent them).
+BUSY_MAX = Gauge("glmimage_denoiser_busy_max", "Most jobs that held the slot at once since the process started")
 # Buckets span the tiny model on a CPU (milliseconds) up to real weights at 2048x2048.
 STEP_SECONDS = Histogram("glmimage_denoiser_step_seconds", "One denoising step (DiT forward(s) + scheduler)",
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))

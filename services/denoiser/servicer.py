@@ -28,9 +28,10 @@ from services.denoiser.engine import (
     StepProgress,
 )
 from services.denoiser.metrics import CancelReason, Outcome
+from services.denoiser.occupancy import OccupancyBoard
 from services.model.references import ReferenceTokens
 from services.runtime.deadlines import rpc_deadline
-from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
+from services.runtime.errors import DENOISER_BUSY, Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from services.runtime.executor import SerialExecutor
 from services.runtime.limits import DENOISER_FIELDS
 
@@ -113,6 +114,8 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         self._idle.set()
         self.current_job: JobRecord | None = None
         self.last_job: JobRecord | None = None
+        self.occupancy = OccupancyBoard()  # who holds the slot, for every gateway that follows it
+        self._holding = self._holding_max = 0
 
     @property
     def busy(self) -> bool:
@@ -125,6 +128,12 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
     async def GetLimits(self, request, context: grpc.aio.ServicerContext):
         return denoiser_service_pb2.DenoiserServiceGetLimitsResponse(
             limits=self.engine.limits.to_proto(DENOISER_FIELDS))
+
+    async def WatchOccupancy(self, request, context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[denoiser_service_pb2.WatchOccupancyResponse]:
+        async for state in self.occupancy.watch():
+            yield denoiser_service_pb2.WatchOccupancyResponse(sequence=state.sequence, busy=state.busy,
+                                                              owner=state.owner, request_id=state.request_id)
 
     async def Denoise(self, request, context: grpc.aio.ServicerContext):
         result = await self._execute(request, 0, context)
@@ -175,10 +184,19 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
             raise
         if self._busy and not await self._slot_after_stopping_job():
             metrics.JOBS.labels(Outcome.REJECTED_BUSY).inc()
-            raise ResourceExhausted("busy: this denoiser runs one job at a time")
+            held = self.occupancy.state
+            # The holder and the sequence let a gateway tell another gateway's job (send this one elsewhere at
+            # once, not a failed attempt) and order this refusal against the occupancy stream it follows.
+            raise ResourceExhausted("busy: this denoiser runs one job at a time", reason=DENOISER_BUSY,
+                                    info={"owner": held.owner, "sequence": str(held.sequence)})
         self._busy = True
         self._idle.clear()
+        self.occupancy.take(request.owner, request.request_id)
         metrics.BUSY.inc()
+        self._holding += 1  # its own count of jobs holding the slot, kept apart from the flag that guards it
+        if self._holding > self._holding_max:
+            self._holding_max = self._holding
+            metrics.BUSY_MAX.set(self._holding)
         control = JobControl(deadline=rpc_deadline(context), on_event=emit)
         record = JobRecord(steps=job.steps, partial_images=job.partial_images, control=control)
         self.current_job = record
@@ -235,4 +253,6 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         self.last_job = record
         self._busy = False
         self._idle.set()
+        self.occupancy.release()
+        self._holding -= 1
         metrics.BUSY.dec()

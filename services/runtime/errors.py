@@ -21,10 +21,15 @@ class ServiceError(Exception):
 
     kind = ErrorKind.INTERNAL
 
-    def __init__(self, message: str, *, field: str | None = None) -> None:
+    def __init__(self, message: str, *, field: str | None = None, reason: str | None = None,
+                 info: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        # Machine-readable cause for the caller (a google.rpc.ErrorInfo at the gRPC edge), e.g. "DENOISER_BUSY"
+        # with who holds the slot: the caller acts on it without parsing the message.
+        self.reason = reason
+        self.info = info or {}
 
 
 class InvalidArgument(ServiceError):
@@ -35,6 +40,11 @@ class InvalidArgument(ServiceError):
         # google.rpc.BadRequest field violation (field, description) for clients that read structured details.
         super().__init__(f"{field}: {message}", field=field)
         self.description = message
+
+
+# ServiceError.reason of a denoiser that refuses a job because another one holds its slot (info: the holder's
+# "owner" and the occupancy "sequence"): the gateway sends the job elsewhere at once instead of counting a failure.
+DENOISER_BUSY = "DENOISER_BUSY"
 
 
 class ResourceExhausted(ServiceError):

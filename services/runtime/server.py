@@ -73,7 +73,10 @@ def _tolerant(deserializer: Callable[[bytes], object] | None, method: str) -> Ca
 _OWN = ((OWN_ERROR_KEY, "1"),)
 
 # Long-lived infrastructure streams (health Watch) must neither count as work nor hold a drain open.
-_INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+# The denoiser's occupancy stream is one too: a draining denoiser keeps publishing while its last job finishes.
+_INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.", "/glmimage.v1.DenoiserService/WatchOccupancy")
+# The google.rpc.ErrorInfo domain of the reasons this suite sends.
+ERROR_DOMAIN = "glmimage.v1"
 
 
 def rich_status(exc: ServiceError) -> grpc.Status:
@@ -85,22 +88,38 @@ def rich_status(exc: ServiceError) -> grpc.Status:
         violation = error_details_pb2.BadRequest.FieldViolation(
             field=exc.field, description=exc.message.removeprefix(f"{exc.field}: "))
         status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+    if exc.reason:
+        status.details.add().Pack(error_details_pb2.ErrorInfo(reason=exc.reason, domain=ERROR_DOMAIN,
+                                                              metadata=exc.info))
     composed = rpc_status.to_status(status)
     # abort_with_status replaces all trailing metadata with the status' own: the mark rides along in it.
     return composed._replace(trailing_metadata=(*composed.trailing_metadata, *_OWN))
 
 
-def field_violation(err: grpc.RpcError) -> tuple[str, str] | None:
-    """The first google.rpc.BadRequest field violation (field, description) in a failed call's rich status."""
+def _details(err: grpc.RpcError) -> list:
     try:
         status = rpc_status.from_call(err)
     except (ValueError, DecodeError):  # details that contradict the status, or are not a Status: not ours to trust
-        return None
-    for detail in status.details if status is not None else ():
+        return []
+    return list(status.details) if status is not None else []
+
+
+def field_violation(err: grpc.RpcError) -> tuple[str, str] | None:
+    """The first google.rpc.BadRequest field violation (field, description) in a failed call's rich status."""
+    for detail in _details(err):
         bad_request = error_details_pb2.BadRequest()
         if detail.Unpack(bad_request) and bad_request.field_violations:
             violation = bad_request.field_violations[0]
             return violation.field, violation.description
+    return None
+
+
+def error_info(err: grpc.RpcError) -> tuple[str, str, dict[str, str]] | None:
+    """(reason, domain, metadata) of the first google.rpc.ErrorInfo in a failed call's rich status."""
+    for detail in _details(err):
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason, info.domain, dict(info.metadata)
     return None
 
 

@@ -57,6 +57,11 @@ class _World:
     ended: dict[str, Action] = field(default_factory=dict)
     batch_rids: dict[int, tuple[str, ...]] = field(default_factory=dict)  # every batch ever dispatched
     abandoned: set[int] = field(default_factory=set)  # batches stopped because nobody waited for them
+    # Other gateways over the same denoisers: denoiser -> whether another gateway's job holds it, as the latest
+    # applied occupancy state (or busy refusal) says, and that state's sequence.
+    elsewhere: dict[str, bool] = field(default_factory=dict)
+    occupancy_seq: dict[str, int] = field(default_factory=dict)
+    refusals: dict[tuple[str, int], int] = field(default_factory=dict)  # busy refusals per output (not attempts)
 
 
 WORKERS = ("ar0", "ar1", "d0", "d1", "d2", "d3")

@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WatchOccupancyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchOccupancyResponse(_message.Message):
+    __slots__ = ("sequence", "busy", "owner", "request_id")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    busy: bool
+    owner: str
+    request_id: str
+    def __init__(self, sequence: _Optional[int] = ..., busy: _Optional[bool] = ..., owner: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
 class DenoiserServiceGetLimitsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -18,7 +34,7 @@ class DenoiserServiceGetLimitsResponse(_message.Message):
     def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ...) -> None: ...
 
 class DenoiseRequest(_message.Message):
-    __slots__ = ("prompt", "prior_tokens", "height", "width", "num_inference_steps", "guidance_scale", "seed", "output_format", "output_compression", "request_id", "reference_images", "references")
+    __slots__ = ("prompt", "prior_tokens", "height", "width", "num_inference_steps", "guidance_scale", "seed", "output_format", "output_compression", "request_id", "reference_images", "references", "owner")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PRIOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +47,7 @@ class DenoiseRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_IMAGES_FIELD_NUMBER: _ClassVar[int]
     REFERENCES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prior_tokens: _common_pb2.TokenRow
     height: int
@@ -43,7 +60,8 @@ class DenoiseRequest(_message.Message):
     request_id: str
     reference_images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceImage]
     references: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceTokens]
-    def __init__(self, prompt: _Optional[str] = ..., prior_tokens: _Optional[_Union[_common_pb2.TokenRow, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., references: _Optional[_Iterable[_Union[_common_pb2.ReferenceTokens, _Mapping]]] = ...) -> None: ...
+    owner: str
+    def __init__(self, prompt: _Optional[str] = ..., prior_tokens: _Optional[_Union[_common_pb2.TokenRow, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., references: _Optional[_Iterable[_Union[_common_pb2.ReferenceTokens, _Mapping]]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class DenoiseTimings(_message.Message):
     __slots__ = ("denoise_seconds", "decode_seconds", "encode_seconds")

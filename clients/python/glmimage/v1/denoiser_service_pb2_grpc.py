@@ -50,6 +50,11 @@ class DenoiserServiceStub:
                 request_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceGetLimitsRequest.SerializeToString,
                 response_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceGetLimitsResponse.FromString,
                 _registered_method=True)
+        self.WatchOccupancy = channel.unary_stream(
+                '/glmimage.v1.DenoiserService/WatchOccupancy',
+                request_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.WatchOccupancyRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.WatchOccupancyResponse.FromString,
+                _registered_method=True)
 
 
 class DenoiserServiceServicer:
@@ -76,6 +81,15 @@ class DenoiserServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchOccupancy(self, request, context):
+        """Who holds this denoiser's one slot: the current state at once, then every change (a slow reader gets the
+        latest state, never a backlog). Each gateway follows it, so its view of the pool includes jobs that other
+        gateways sent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DenoiserServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_DenoiserServiceServicer_to_server(servicer, server):
                     servicer.GetLimits,
                     request_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceGetLimitsRequest.FromString,
                     response_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceGetLimitsResponse.SerializeToString,
+            ),
+            'WatchOccupancy': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchOccupancy,
+                    request_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.WatchOccupancyRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.WatchOccupancyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +196,33 @@ class DenoiserService:
             '/glmimage.v1.DenoiserService/GetLimits',
             glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceGetLimitsRequest.SerializeToString,
             glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceGetLimitsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchOccupancy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/glmimage.v1.DenoiserService/WatchOccupancy',
+            glmimage_dot_v1_dot_denoiser__service__pb2.WatchOccupancyRequest.SerializeToString,
+            glmimage_dot_v1_dot_denoiser__service__pb2.WatchOccupancyResponse.FromString,
             options,
             channel_credentials,
             insecure,
