@@ -9,10 +9,15 @@ PYTEST_ARGS   ?=
 
 REST_PORT      ?= 8000
 GATEWAY_PORT   ?= 50050
+# Several gateways, e.g. GATEWAY_PORTS=50050,50052: each its own queue over the same AR and denoisers, and the REST
+# front over all of them. Default: the one on GATEWAY_PORT.
+GATEWAY_PORTS  ?= $(GATEWAY_PORT)
 AR_PORT        ?= 50051
 DENOISER_PORTS ?= 50061,50062
-# Prometheus /metrics of the gRPC servers (the REST front serves its own on REST_PORT); one per denoiser; 0 = pick.
+# Prometheus /metrics of the gRPC servers (the REST front serves its own on REST_PORT); one per gateway and per
+# denoiser (one beyond the list picks a free port); 0 = pick.
 GATEWAY_METRICS_PORT   ?= 51050
+GATEWAY_METRICS_PORTS  ?= $(GATEWAY_METRICS_PORT)
 AR_METRICS_PORT        ?= 51051
 DENOISER_METRICS_PORTS ?= 51061,51062
 # Extra launcher flags, e.g. STACK_ARGS=--internal-token (see python -m services.launcher --help).
@@ -30,7 +35,8 @@ BASE         ?= HEAD~1
 COMPARE_ARGS ?=
 
 help:
-	@echo "make run     start the whole stack on the embedded tiny GLM-Image (REST :$(REST_PORT), gRPC :$(GATEWAY_PORT))"
+	@echo "make run     start the whole stack on the embedded tiny GLM-Image (REST :$(REST_PORT), gRPC :$(GATEWAY_PORTS))"
+	@echo "             GATEWAY_PORTS=50050,50052: two gateways over the same AR and denoisers, one REST front over both"
 	@echo "make test    run the test suite (contracts, lint, unit, end-to-end)"
 	@echo "make protos  regenerate the Python stubs from protos/"
 	@echo "make lint    buf lint (STANDARD) + stub drift check"
@@ -48,8 +54,8 @@ $(STAMP): pyproject.toml
 	touch $@
 
 run: venv
-	$(BIN)/python -m services.launcher --rest-port $(REST_PORT) --gateway-port $(GATEWAY_PORT) \
-		--ar-port $(AR_PORT) --denoiser-ports $(DENOISER_PORTS) --gateway-metrics-port $(GATEWAY_METRICS_PORT) \
+	$(BIN)/python -m services.launcher --rest-port $(REST_PORT) --gateway-ports $(GATEWAY_PORTS) \
+		--ar-port $(AR_PORT) --denoiser-ports $(DENOISER_PORTS) --gateway-metrics-ports $(GATEWAY_METRICS_PORTS) \
 		--ar-metrics-port $(AR_METRICS_PORT) --denoiser-metrics-ports $(DENOISER_METRICS_PORTS) $(STACK_ARGS)
 
 # promtool (Debian package `prometheus`) lints every /metrics endpoint (tests/test_promtool.py). Installed only when

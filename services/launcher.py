@@ -1,11 +1,12 @@
 """`python -m services.launcher` (what `make run` starts): the whole suite on one machine, one process per server.
 
-AR server, denoisers, GatewayService and the REST front each run in their own process. The launcher starts
-them in dependency order, waits for each to report SERVING, prints the addresses, restarts any that exits (on
-the same port, with a backoff and a restart budget: see supervisor.RestartPolicy), and on Ctrl-C or SIGTERM, and
-only then, stops them all. Children also get SIGKILL from the kernel if the launcher itself dies, so none is orphaned.
-This module is the command line and the suite's shape (which servers, with which flags, in which order); starting,
-health-gating and stopping processes is services/supervisor.py.
+AR server, denoisers, one or more GatewayServices (each with its own queue, all over the same AR and denoisers) and
+the REST front (over every gateway) each run in their own process. The launcher starts them in dependency order,
+waits for each to report SERVING, prints the addresses, restarts any that exits (on the same port, with a backoff
+and a restart budget: see supervisor.RestartPolicy), and on Ctrl-C or SIGTERM, and only then, stops them all.
+Children also get SIGKILL from the kernel if the launcher itself dies, so none is orphaned. This module is the
+command line and the suite's shape (which servers, with which flags, in which order); starting, health-gating and
+stopping processes is services/supervisor.py.
 """
 from __future__ import annotations
 
@@ -24,12 +25,18 @@ from services.supervisor import StartupError, Supervisor
 
 log = logging.getLogger("services.launcher")
 
+DEFAULT_GATEWAY_PORT = 50050
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--rest-port", type=int, default=8000)
-    p.add_argument("--gateway-port", type=int, default=50050)
+    p.add_argument("--gateway-port", type=int, default=None,
+                   help=f"the one gateway's port (default {DEFAULT_GATEWAY_PORT}); same as --gateway-ports PORT")
+    p.add_argument("--gateway-ports", type=_port_list, default=None,
+                   help="comma-separated; one gateway process per port, each over the same AR and denoisers, and "
+                        "the REST front over all of them (0 = pick a free port); not with --gateway-port")
     p.add_argument("--ar-port", type=int, default=50051)
     p.add_argument("--denoiser-ports", default="50061,50062",
                    help="comma-separated; one denoiser process per port (0 = pick a free port)")
@@ -39,8 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated, one per --denoiser-ports entry (0 = pick a free port; denoisers beyond the "
                         "list pick one too, extra entries are unused); off when unset")
     p.add_argument("--gateway-metrics-port", type=int, default=None,
-                   help="the gateway's Prometheus /metrics port (0 = pick a free port); off when unset "
-                        "(the REST front always serves /metrics on its own port)")
+                   help="the (first) gateway's Prometheus /metrics port (0 = pick a free port); off when unset "
+                        "(the REST front always serves /metrics on its own port); same as --gateway-metrics-ports "
+                        "PORT")
+    p.add_argument("--gateway-metrics-ports", type=_port_list, default=None,
+                   help="comma-separated, one per --gateway-ports entry (0 = pick a free port; gateways beyond the "
+                        "list pick one too, extra entries are unused); off when unset; not with "
+                        "--gateway-metrics-port")
     p.add_argument("--model-path", default=None, help="GLM-Image checkpoint; default: the embedded tiny model")
     p.add_argument("--device", default="auto")
     p.add_argument("--torch-threads", type=int, default=1,
@@ -49,13 +61,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write a JSON map of role -> address here once everything is SERVING")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--gateway-arg", action="append", default=[], help="extra flag passed to the gateway")
+    p.add_argument("--gateway-arg", action="append", default=[], help="extra flag passed to every gateway")
     p.add_argument("--rest-arg", action="append", default=[], help="extra flag passed to the REST front")
     p.add_argument("--internal-token", action="store_true",
                    help="make AR and denoisers require a random token made for this run, which the gateway "
                         "presents (through the environment, $GLMIMAGE_INTERNAL_TOKEN); off by default, so the "
                         "README's grpcurl calls straight to the AR and denoisers work without a header")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    # The single-port flags stay for the callers that have them: each is the one-entry list of its plural.
+    for one, several in (("gateway_port", "gateway_ports"), ("gateway_metrics_port", "gateway_metrics_ports")):
+        flag, flags = f"--{one.replace('_', '-')}", f"--{several.replace('_', '-')}"
+        if getattr(a, one) is not None:
+            if getattr(a, several) is not None:
+                p.error(f"{flag} and {flags} both given: give one ({flag} P is the same as {flags} P)")
+            setattr(a, several, [getattr(a, one)])
+        delattr(a, one)
+    if a.gateway_ports is None:
+        a.gateway_ports = [DEFAULT_GATEWAY_PORT]
+    fixed = [port for port in a.gateway_ports if port]
+    if len(set(fixed)) < len(fixed):
+        p.error(f"--gateway-ports names a port twice: {','.join(map(str, a.gateway_ports))}")
+    return a
+
+
+def _port_list(text: str) -> list[int]:
+    """A comma-separated list of ports (0 = pick one), for argparse."""
+    try:
+        ports = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of ports: {text!r}") from None
+    if any(not 0 <= port < 65536 for port in ports):
+        raise argparse.ArgumentTypeError(f"a port out of range in {text!r}")
+    return ports
+
+
+def gateway_names(count: int) -> list[str]:
+    """The gateways' child names: plain "gateway" when there is one (as before: the banner, the ready file and
+    their readers know it by that name), else gateway-1, gateway-2, ..."""
+    return ["gateway"] if count == 1 else [f"gateway-{i}" for i in range(1, count + 1)]
 
 
 def _metrics_port(port: int | str | None) -> int | None:
@@ -72,7 +115,7 @@ def _metrics_port(port: int | str | None) -> int | None:
 
 
 async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
-    """AR and denoisers together, then the gateway on their addresses, then the REST front on the gateway's."""
+    """AR and denoisers together, then the gateways on their addresses, then the REST front on the gateways'."""
     deadline = asyncio.get_running_loop().time() + a.startup_timeout
     model_flags = ["--device", a.device, "--torch-threads", str(a.torch_threads)]
     if a.model_path:
@@ -99,14 +142,35 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
     await sup.start([ar, *denoisers], deadline)
 
     gw_flags = ["--ar", ar.address, *[f"--denoiser={d.address}" for d in denoisers], *a.gateway_arg]
-    gateway = sup.child("gateway", "gateway", a.gateway_port, gw_flags, "glmimage.v1.GatewayService", token_env,
-                        _metrics_port(a.gateway_metrics_port))
-    await sup.start([gateway], deadline)
+    gw_metrics: list[int | None] = [None] * len(a.gateway_ports)
+    if a.gateway_metrics_ports is not None:
+        given = a.gateway_metrics_ports
+        gw_metrics = [given[i] if i < len(given) else 0 for i in range(len(a.gateway_ports))]
+    gateways = [sup.child(name, "gateway", port, gw_flags, "glmimage.v1.GatewayService", token_env,
+                          _metrics_port(m))
+                for name, port, m in zip(gateway_names(len(a.gateway_ports)), a.gateway_ports, gw_metrics,
+                                         strict=True)]
+    await sup.start(gateways, deadline)
 
-    rest = sup.child("rest", "gateway.rest", a.rest_port, ["--gateway-address", gateway.address, *a.rest_arg], None)
+    # The REST front takes them in turn and resubmits a call that a gateway dropped unanswered to the next one.
+    rest = sup.child("rest", "gateway.rest", a.rest_port,
+                     ["--gateway-address", ",".join(g.address for g in gateways), *a.rest_arg], None)
     await sup.start([rest], deadline)
     rest.metrics_port = rest.port  # the REST front serves /metrics on its own port
     return sup.addresses()
+
+
+def ready_map(addresses: dict[str, str], metrics: dict[str, str]) -> dict[str, str]:
+    """What --ready-file holds: the banner's map, plus "gateways" (every gateway's address, comma-separated, as
+    the REST front's --gateway-address and the SDK take them) and, with several gateways, "gateway" and
+    "gateway-metrics" for the first one, so readers that know one gateway keep working."""
+    names = [name for name in addresses if name == "gateway" or name.startswith("gateway-")]
+    extra = {"gateways": ",".join(addresses[name] for name in names)}
+    if names and names[0] != "gateway":
+        extra["gateway"] = addresses[names[0]]
+        if f"{names[0]}-metrics" in metrics:
+            extra["gateway-metrics"] = metrics[f"{names[0]}-metrics"]
+    return {**addresses, **metrics, **extra}
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -131,7 +195,7 @@ async def run(args: argparse.Namespace) -> int:
         metrics = sup.metrics_urls()
         lines += [f"  {name:<20} {url}" for name, url in metrics.items()]
         if args.ready_file:
-            args.ready_file.write_text(json.dumps({**addresses, **metrics}))
+            args.ready_file.write_text(json.dumps(ready_map(addresses, metrics)))
         print("GLM-Image stack is up:\n" + "\n".join(lines) +
               f"\n\n  try: curl -s http://{rest}/v1/images/generations -H 'Content-Type: application/json' "
               "-d '{\"prompt\":\"a red \\\"STOP\\\" sign\",\"n\":1,\"size\":\"256x256\"}'\n"

@@ -19,7 +19,7 @@ import pytest
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
 from services.supervisor import Child, RestartPolicy, Supervisor
-from tests.support.cluster import running_stack
+from tests.support.cluster import launcher_child, running_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
@@ -81,17 +81,6 @@ def test_a_crash_loop_is_given_up_and_the_rest_keeps_running(caplog: pytest.LogC
                for r in caplog.records)
 
 
-def _pid(launcher: int, name: str) -> int | None:
-    """The pid of the launcher's child `name` (recognised by its --port-file), if one is running."""
-    for proc in psutil.Process(launcher).children():
-        try:
-            if any(arg.endswith(f"/{name}.port") for arg in proc.cmdline()) and proc.status() != "zombie":
-                return proc.pid
-        except psutil.NoSuchProcess:
-            continue
-    return None
-
-
 def _until(predicate, timeout: float, what: str) -> float:
     t0 = time.monotonic()
     while not predicate():
@@ -118,20 +107,20 @@ def test_a_killed_denoiser_is_restarted_on_its_port_and_rejoins(tiny_checkpoint:
 
         _until(lambda: state() == pb.WORKER_STATE_AVAILABLE, 30, "the victim to be available")
         for round_ in range(2):
-            old = _pid(launcher, "denoiser-1")
+            old = launcher_child(launcher, "denoiser-1")
             assert old is not None
             with cf.ThreadPoolExecutor(4) as pool:
                 burst = [pool.submit(generate, 100 * round_ + i) for i in range(6)]
                 psutil.Process(old).send_signal(signal.SIGKILL)
                 assert [f.result() for f in burst] == [1] * 6  # every request succeeded despite the kill
             def replaced(old: int = old) -> bool:
-                return _pid(launcher, "denoiser-1") not in (None, old)
+                return launcher_child(launcher, "denoiser-1") not in (None, old)
 
             _until(lambda: state() != pb.WORKER_STATE_AVAILABLE or replaced(), 30,
                    "the gateway to see the victim go, or its replacement")
             back = _until(lambda: replaced() and state() == pb.WORKER_STATE_AVAILABLE, 60, "the victim to be back")
             assert back < 30, f"round {round_}: back after {back:.1f}s"
-            argv = psutil.Process(_pid(launcher, "denoiser-1")).cmdline()
+            argv = psutil.Process(launcher_child(launcher, "denoiser-1")).cmdline()
             assert argv[argv.index("--port") + 1] == victim.rsplit(":", 1)[1]  # the same port, so the same address
             seen |= {p.pid for p in psutil.Process(launcher).children(recursive=True)}
             assert generate(1000 + round_) == 1

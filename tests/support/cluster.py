@@ -159,6 +159,17 @@ def wait_serving(address: str, service: str, timeout: float = 120) -> None:
     raise RuntimeError(f"{address} stopped before {service} was SERVING")
 
 
+def launcher_child(launcher: int, name: str) -> int | None:
+    """The pid of the launcher's child `name` (recognised by its --port-file), if one is running."""
+    for proc in psutil.Process(launcher).children():
+        try:
+            if any(arg.endswith(f"/{name}.port") for arg in proc.cmdline()) and proc.status() != "zombie":
+                return proc.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
 @dataclass
 class StackRun:
     addresses: dict[str, str]  # role -> host:port
@@ -167,11 +178,14 @@ class StackRun:
 
 
 @contextlib.contextmanager
-def running_stack(run_dir: Path, denoisers: int = 2, extra_args: tuple[str, ...] = ()) -> Iterator[StackRun]:
+def running_stack(run_dir: Path, denoisers: int = 2, extra_args: tuple[str, ...] = (),
+                  gateways: int = 1) -> Iterator[StackRun]:
     """`python -m services.launcher` (what `make run` starts) on ephemeral ports, once every server is SERVING."""
     ready = run_dir / "ready.json"
+    # One gateway through the old single-port flag, which the launcher keeps; several through --gateway-ports.
+    gateway_flags = ["--gateway-port", "0"] if gateways == 1 else ["--gateway-ports", ",".join(["0"] * gateways)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.launcher", "--rest-port", "0", "--gateway-port", "0", "--ar-port", "0",
+        [sys.executable, "-m", "services.launcher", "--rest-port", "0", *gateway_flags, "--ar-port", "0",
          "--denoiser-ports", ",".join(["0"] * denoisers), "--ready-file", str(ready), "--log-level", "WARNING",
          *extra_args],
         stdout=subprocess.PIPE, text=True)
