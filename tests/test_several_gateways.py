@@ -251,3 +251,26 @@ async def test_other_backends_of_a_balanced_target() -> None:
             assert low <= await gateway.other_backends() <= high, address
         finally:
             await gateway.channel.close()
+
+
+async def test_a_balanced_tls_channel_checks_the_server_name_override(pki) -> None:
+    """The chart's REST front dials its gateways by pod IP through the headless name over TLS: the name checked on
+    every gateway's certificate is --gateway-tls-server-name, for each backend of the one channel."""
+    credentials = pki.server_credentials(mutual=True)
+    with serve_fake(credentials) as a, serve_fake(credentials) as b:
+        def settings(server_name: str) -> RestSettings:
+            return RestSettings(gateway_address=_balanced([a, b]), gateway_tls_ca=pki.ca,
+                                gateway_tls_client_cert=pki.client_cert, gateway_tls_client_key=pki.client_key,
+                                gateway_tls_server_name=server_name)
+
+        for server_name, status in [("not-the-gateway.example", 503), ("localhost", 200)]:
+            app = create_app(settings(server_name))
+            transport = httpx.ASGITransport(app=app)
+            async with (app.router.lifespan_context(app),
+                        httpx.AsyncClient(transport=transport, base_url="http://t") as client):
+                for _ in range(40):
+                    resp = await client.post("/v1/images/generations", json=BODY)
+                    assert resp.status_code == status, resp.text
+                    if status != 200 or (_generations(a) and _generations(b)):
+                        break
+        assert _generations(a) and _generations(b)
