@@ -63,6 +63,8 @@ def documented_values() -> dict[str, dict[str, Any]]:
         "hpa-object": {"denoiser": {"autoscaling": {"enabled": True, "metricType": "Object"}}},
         "host-path": {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/glm"}}},
         "pvc-create": {"model": {"pvc": {"create": True}}},
+        # k8s/README.md: one gateway, with a budget that lets drains take it.
+        "one-gateway": {"gateway": {"replicas": 1, "pdb": {"minAvailable": None, "maxUnavailable": 1}}},
         "placement": {
             "ar": {"podAntiAffinityPreset": "hard", "affinity": {"nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
@@ -141,9 +143,9 @@ def test_helm_lint_is_clean(values_name: str) -> None:
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu", "tls", "placement"])
+@pytest.mark.parametrize("values_name", ["default", "gpu", "tls", "placement", "one-gateway"])
 def test_every_manifest_passes_strict_schema_validation(values_name: str, tmp_path: Path, request) -> None:
-    docs = (request.getfixturevalue(f"{values_name}_docs") if values_name != "placement"
+    docs = (request.getfixturevalue(f"{values_name}_docs") if values_name in ("default", "gpu", "tls")
             else request.getfixturevalue("documented_docs")[values_name])
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "ServiceAccount"} <= kinds
@@ -186,6 +188,103 @@ def test_ar_dns_discovery_uses_a_headless_service_of_its_own_name(tls_docs: list
     assert f"{RELEASE}-glmimage-ar" not in services  # the ClusterIP one goes: one AR Service, one scrape target
     args = container(tls_docs, "gateway", "gateway")["args"]
     assert f"--ar-dns={RELEASE}-glmimage-ar-headless.{NAMESPACE}.svc.cluster.local:50051" in args
+
+
+GATEWAY_HEADLESS = f"{RELEASE}-glmimage-gateway-headless"
+GATEWAYS_TARGET = f"dns:///{GATEWAY_HEADLESS}.{NAMESPACE}.svc.cluster.local:50050"
+
+
+def test_two_gateways_by_default_with_a_pdb_that_keeps_one_and_soft_anti_affinity(
+        default_docs: list[dict], gpu_docs: list[dict]) -> None:
+    for docs in (default_docs, gpu_docs):
+        assert by_kind(docs, "Deployment")[f"{RELEASE}-glmimage-gateway"]["spec"]["replicas"] == 2
+        pdbs = {name: pdb["spec"] for name, pdb in by_kind(docs, "PodDisruptionBudget").items()}
+        gateway = pdbs[f"{RELEASE}-glmimage-gateway"]
+        assert gateway["minAvailable"] == 1 and "maxUnavailable" not in gateway
+        for component in ("ar", "denoiser"):
+            assert pdbs[f"{RELEASE}-glmimage-{component}"]["maxUnavailable"] == 1
+            assert "minAvailable" not in pdbs[f"{RELEASE}-glmimage-{component}"]
+        anti = pod_spec(docs, "gateway")["affinity"]["podAntiAffinity"]
+        (term,) = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        assert "requiredDuringSchedulingIgnoredDuringExecution" not in anti
+
+
+def test_every_pdb_takes_exactly_one_of_min_available_and_max_unavailable(
+        documented_docs: dict[str, list[dict]]) -> None:
+    """The API server refuses a budget with both (the OpenAPI schema cannot say so: kubernetes-validate accepts
+    it), and one with neither means nothing. minAvailable wins when values give both; null turns it off."""
+    sets = {**documented_docs, "ar-min-available": render({"ar": {"pdb": {"minAvailable": 1}}})}
+    for name, docs in sets.items():
+        pdbs = by_kind(docs, "PodDisruptionBudget")
+        assert len(pdbs) == 3, name
+        for pdb_name, pdb in pdbs.items():
+            assert len({"minAvailable", "maxUnavailable"} & pdb["spec"].keys()) == 1, (name, pdb_name, pdb["spec"])
+    ar = by_kind(sets["ar-min-available"], "PodDisruptionBudget")[f"{RELEASE}-glmimage-ar"]["spec"]
+    assert ar["minAvailable"] == 1
+    one = by_kind(documented_docs["one-gateway"], "PodDisruptionBudget")[f"{RELEASE}-glmimage-gateway"]["spec"]
+    assert one["maxUnavailable"] == 1
+    with pytest.raises(helm.HelmError, match="gateway.pdb needs minAvailable or maxUnavailable"):
+        render({"gateway": {"pdb": {"minAvailable": None}}})
+    off = by_kind(render({"gateway": {"pdb": {"enabled": False}}}), "PodDisruptionBudget")
+    assert set(off) == {f"{RELEASE}-glmimage-ar", f"{RELEASE}-glmimage-denoiser"}
+
+
+def test_rest_fronts_reach_every_gateway_through_a_headless_service(documented_docs: dict[str, list[dict]]) -> None:
+    for name, docs in documented_docs.items():
+        services = by_kind(docs, "Service")
+        svc = services[GATEWAY_HEADLESS]
+        spec = svc["spec"]
+        # Not-ready pods too: a gateway pod's readiness waits on its REST front reaching a gateway through it.
+        assert spec["clusterIP"] == "None" and spec["publishNotReadyAddresses"] is True, name
+        deployments = by_kind(docs, "Deployment")
+        gateway = deployments[f"{RELEASE}-glmimage-gateway"]
+        assert spec["selector"] == gateway["spec"]["selector"]["matchLabels"], name
+        selected = [d for d, dep in deployments.items()
+                    if spec["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()]
+        assert selected == [f"{RELEASE}-glmimage-gateway"], name
+        assert spec["ports"] == [{"name": "grpc", "port": 50050, "targetPort": "grpc", "protocol": "TCP",
+                                  "appProtocol": "grpc"}], name
+        assert "glmimage.io/scrape" not in svc["metadata"]["labels"]  # scraped once, through the gRPC Service
+        for service_name, service in services.items():
+            ports = service["spec"]["ports"]
+            assert len({p["name"] for p in ports}) == len({p["port"] for p in ports}) == len(ports), service_name
+        rest_args = container(docs, "gateway", "rest")["args"]
+        assert [a for a in rest_args if a.startswith("--gateway-address=")] == [f"--gateway-address={GATEWAYS_TARGET}"]
+        # The gRPC Service for clients is as it was: ClusterIP, same name.
+        assert services[f"{RELEASE}-glmimage-gateway"]["spec"]["type"] == "ClusterIP"
+    moved = render({"clusterDomain": "corp.example", "gateway": {"port": 50070}})
+    assert (f"--gateway-address=dns:///{GATEWAY_HEADLESS}.{NAMESPACE}.svc.corp.example:50070"
+            in container(moved, "gateway", "rest")["args"])
+    assert by_kind(moved, "Service")[GATEWAY_HEADLESS]["spec"]["ports"][0]["port"] == 50070
+
+
+def test_one_gateway_still_works(documented_docs: dict[str, list[dict]]) -> None:
+    docs = documented_docs["one-gateway"]
+    assert by_kind(docs, "Deployment")[f"{RELEASE}-glmimage-gateway"]["spec"]["replicas"] == 1
+    assert by_kind(docs, "Service")[GATEWAY_HEADLESS]["spec"]["clusterIP"] == "None"
+    assert f"--gateway-address={GATEWAYS_TARGET}" in container(docs, "gateway", "rest")["args"]
+    one = render({"gateway": {"replicas": 1}})
+    for doc in one:
+        if doc["kind"] not in CRD_KINDS:
+            kv.validate(doc, KUBE_VERSION, strict=True)
+    # The default budget then keeps the only gateway: the notes say drains would wait on it, and how to fix it.
+    assert "WARNING: the gateway PodDisruptionBudget keeps 1 of 1" in notes({"gateway": {"replicas": 1}})
+    assert "WARNING: the gateway PodDisruptionBudget" not in notes(documented_values()["one-gateway"])
+    default = notes()
+    assert "Gateways: 2, each with its own queue" in default and "WARNING: the gateway" not in default
+    assert GATEWAY_HEADLESS in default and "resubmits" in default
+
+
+def test_with_tls_the_rest_front_checks_a_name_the_certificate_carries(tls_docs: list[dict],
+                                                                       default_docs: list[dict]) -> None:
+    """It dials the headless FQDN, which the certificate need not carry: it checks localhost (as the probes do)."""
+    args = container(tls_docs, "gateway", "rest")["args"]
+    assert f"--gateway-address={GATEWAYS_TARGET}" in args
+    assert "--gateway-tls-server-name=localhost" in args
+    custom = render(helm_merge(TLS_VALUES, {"gateway": {"rest": {"tlsServerName": "demo-glmimage-gateway.ml.svc"}}}))
+    assert "--gateway-tls-server-name=demo-glmimage-gateway.ml.svc" in container(custom, "gateway", "rest")["args"]
+    assert not any(a.startswith("--gateway-tls") for a in container(default_docs, "gateway", "rest")["args"])
 
 
 def _storage_bytes(quantity: str) -> float:
@@ -234,6 +333,11 @@ def test_no_upgrade_between_documented_values_changes_an_immutable_field(
             if old_name != new_name:
                 failures += [f"{old_name} -> {new_name}: {p}" for p in _immutable_changes(old, new)]
     assert failures == []
+    # The gateways' headless Service is in every set, under a name of its own: the gRPC Service clients use keeps
+    # its ClusterIP (and its name), so an upgrade from the one-gateway chart only adds the headless one.
+    for name, docs in keyed.items():
+        assert docs[("Service", GATEWAY_HEADLESS)]["spec"]["clusterIP"] == "None", name
+        assert docs[("Service", f"{RELEASE}-glmimage-gateway")]["spec"].get("clusterIP") != "None", name
     # The check bites: the chart's old single AR Service, ClusterIP or headless by discovery, is refused.
     ar = ("Service", f"{RELEASE}-glmimage-ar")
     headless = copy.deepcopy(keyed["default"][ar])

@@ -29,7 +29,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="write the bound port here once listening (for supervisors and tests using --port 0)")
     p.add_argument("--gateway-address", default=_DEFAULTS.gateway_address,
                    help="GatewayService host:port; several comma-separated (round robin, a request a gateway "
-                   "fails UNAVAILABLE goes to the next), or dns:///name:port (round robin over its addresses)")
+                   "fails UNAVAILABLE goes to the next), or dns:///name:port (round robin over its addresses that "
+                   "are SERVING; one that fails UNAVAILABLE goes round again, once per other address)")
     p.add_argument("--served-model", default=_DEFAULTS.served_model)
     p.add_argument("--model-alias", action="append", default=None,
                    help="accepted alias of the served model "

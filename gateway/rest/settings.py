@@ -23,7 +23,8 @@ GATEWAY_AUTH_MODES = ("forward", "own")
 @dataclass(frozen=True)
 class RestSettings:
     # One host:port, several comma-separated (calls go round robin, and one a gateway fails UNAVAILABLE goes to
-    # the next), or one grpc target such as dns:///name:port (grpc's round_robin over what it resolves to).
+    # the next), or one grpc target such as dns:///name:port (grpc's round_robin over what it resolves to, skipping
+    # gateways that say NOT_SERVING; a call that fails UNAVAILABLE goes round again, once per other address).
     gateway_address: str = "127.0.0.1:50050"
     served_model: str = "glm-image"
     model_aliases: tuple[str, ...] = ("gpt-image-1", "dall-e-3")

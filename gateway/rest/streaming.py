@@ -21,7 +21,7 @@ from .metrics import RestMetrics
 from .middleware import OUTCOME_STATUS_KEY
 from .settings import RestSettings
 from .translate import FORMAT_NAMES, Generation, usage_json
-from .upstream import CallGuard, GatewayGone, Gateways, resubmissions
+from .upstream import CallGuard, GatewayGone, Gateways, Resubmissions, unanswered
 
 log = logging.getLogger("glmimage.rest")
 
@@ -126,22 +126,26 @@ async def stream(
     req = gateway_service_pb2.GenerateImagesStreamRequest(request=gen.request, partial_images=partial_images)
     # Resubmitted to the next gateway only while nothing was relayed: a failure after the first event is the
     # client's (an error event), as a second run would send its events again.
-    for gateway, more in resubmissions(gateways, gen.rid):
+    gone: GatewayGone | None = None
+    async for gateway in Resubmissions(gateways, gen.rid):
         await gateway.connected()
         call = gateway.stub.GenerateImagesStream(req, metadata=gen.metadata, timeout=settings.request_timeout)
-        guard = CallGuard(call, receive, gen.rid, resubmit=more)
+        guard = CallGuard(call, receive, gen.rid, resubmit=True)
         try:
             # Wait for the first message before committing to a 200, so that errors the gateway reports at once
             # (bad input, queue full, bad key, no streaming support) keep their HTTP status.
             first = await guard.wait(call.read())
-        except GatewayGone:
+        except GatewayGone as exc:
             guard.close()
+            gone = exc
             continue
         except BaseException:
             guard.close()
             raise
         guard.resubmit = False
         break
+    else:
+        raise unanswered(gone, gen.rid) from gone.err if gone else None
     if first is None:
         guard.close()
         log.info("%s client disconnected; gateway call cancelled", gen.rid)

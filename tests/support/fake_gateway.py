@@ -15,12 +15,14 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 
 DEFAULT_STEPS = 4
 IMAGE_TOKENS_PER_REFERENCE = 64
+GATEWAY_SERVICE = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 EXT = {common_pb2.IMAGE_FORMAT_JPEG: b"JPEG", common_pb2.IMAGE_FORMAT_WEBP: b"WEBP"}
 
 
@@ -148,16 +150,25 @@ class FakeServer:
     servicer: FakeGateway
     address: str
     server: grpc.Server
+    # grpc.health.v1, when served (``with_health``): the test sets each service's status.
+    health: health.HealthServicer | None = None
 
 
 @contextlib.contextmanager
 def serve_fake(credentials: grpc.ServerCredentials | None = None, *,
-               with_reflection: bool = False) -> Iterator[FakeServer]:
+               with_reflection: bool = False, with_health: bool = False) -> Iterator[FakeServer]:
     """The scripted gateway on an ephemeral loopback port, plaintext or with `credentials`; stopped on exit.
-    ``with_reflection`` serves grpc reflection too, as the real servers do, so grpcurl can call it."""
+    ``with_reflection`` serves grpc reflection too, as the real servers do, so grpcurl can call it.
+    ``with_health`` serves grpc.health.v1 (every service SERVING until the test says otherwise)."""
     servicer = FakeGateway()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+    health_servicer = None
+    if with_health:
+        health_servicer = health.HealthServicer()
+        for name in ("", GATEWAY_SERVICE):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if with_reflection:
         service = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
         reflection.enable_server_reflection((service, reflection.SERVICE_NAME), server)
@@ -167,6 +178,6 @@ def serve_fake(credentials: grpc.ServerCredentials | None = None, *,
         port = server.add_secure_port("127.0.0.1:0", credentials)
     server.start()
     try:
-        yield FakeServer(servicer, f"127.0.0.1:{port}", server)
+        yield FakeServer(servicer, f"127.0.0.1:{port}", server, health_servicer)
     finally:
         server.stop(None)
