@@ -193,7 +193,7 @@ def test_sigterm_to_a_busy_denoiser_lets_its_job_finish_there(cluster: Cluster) 
     it gets no new work; once it has exited and is back, it is used again."""
     requeued = _metric(cluster, "gateway", 'glmimage_gateway_requeues_total{reason="worker_unhealthy"}')
     call = _stub(cluster.procs["gateway"].address).GenerateImages.future(pb.GenerateImagesRequest(
-        prompt=PROMPT, n=1, height=256, width=256, seed=5, num_inference_steps=40), timeout=60)
+        prompt=PROMPT, n=1, height=256, width=256, seed=5, num_inference_steps=30), timeout=120)
     _until(lambda: any(w.current_job for w in _status(cluster).workers), 30, "a denoiser to hold the job")
     (busy,) = [w.address for w in _status(cluster).workers if w.current_job]
     (name,) = [n for n in ("d0", "d1", "d2") if cluster.procs[n].address == busy]
@@ -321,6 +321,51 @@ def test_overload_small_queue_gets_429_and_memory_stays_flat(cluster: Cluster) -
     cluster.kill("gateway-small", signal.SIGTERM)
 
 
+def test_two_gateways_over_three_denoisers_share_them_without_a_double_booking(cluster: Cluster) -> None:
+    # A second gateway process over the same AR and denoisers, nothing shared with the first but the workers.
+    g1 = cluster.procs["gateway"]
+    g2 = cluster.start("gateway-b", "gateway", list(g1.flags[:-2]), metrics=True)  # without g1's --metrics-port
+    try:
+        _until(lambda: all(w.state == pb.WORKER_STATE_AVAILABLE for w in _status(cluster, "gateway-b").workers)
+               and len(_status(cluster, "gateway-b").workers) == 4, 30, "the second gateway to see every worker")
+        denoisers = [f"d{i}" for i in range(3)]
+        refused = {d: _metric(cluster, d, 'glmimage_denoiser_jobs_total{outcome="rejected_busy"}') for d in denoisers}
+        collisions = {g: _metric(cluster, g, "glmimage_gateway_denoise_collisions_total")
+                      for g in ("gateway", "gateway-b")}
+        # Denoising is the bottleneck (two images a request, 30 steps each): both gateways hold a backlog, so a
+        # denoiser that frees is wanted by both at once.
+        jobs = [(gw, 10 * i, 2) for i in range(8) for gw in (g1.address, g2.address)]
+
+        def generate(job: tuple[str, int, int]) -> list[bytes]:
+            address, seed, n = job
+            resp = _stub(address).GenerateImages(pb.GenerateImagesRequest(
+                prompt=PROMPT, n=n, height=SIZE, width=SIZE, seed=seed, num_inference_steps=30), timeout=120)
+            return [img.image for img in resp.images]
+
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(generate, jobs))
+        # Every request succeeded, through either gateway, with the same images for the same seed.
+        assert [len(r) for r in results] == [n for _, _, n in jobs]
+        by_seed: dict[tuple[int, int], list[bytes]] = {}
+        for (_, seed, n), images in zip(jobs, results, strict=True):
+            by_seed.setdefault((seed, n), []).append(b"".join(images))
+        assert all(a == b for a, b in by_seed.values())
+        # No denoiser ever held two jobs, by its own count; every busy refusal it gave reached a gateway as a
+        # collision (sent elsewhere at once), and the gateways did collide under this burst.
+        assert all(_metric(cluster, d, "glmimage_denoiser_busy_max") == 1 for d in denoisers)
+        refusals = sum(_metric(cluster, d, 'glmimage_denoiser_jobs_total{outcome="rejected_busy"}') - refused[d]
+                       for d in denoisers)
+        counted = sum(_metric(cluster, g, "glmimage_gateway_denoise_collisions_total") - collisions[g]
+                      for g in ("gateway", "gateway-b"))
+        assert counted == refusals > 0
+        assert _metric(cluster, "gateway", 'glmimage_gateway_requeues_total{reason="denoise_failed"}') == 0
+        _assert_settled(cluster, gateway="gateway-b")
+        _assert_settled(cluster)
+    finally:
+        cluster.kill("gateway-b", signal.SIGTERM)
+        del cluster.procs["gateway-b"]
+
+
 def test_sigterm_gateway_under_load(cluster: Cluster) -> None:
     stub = _stub(cluster.procs["gateway"].address)
     inflight = [stub.GenerateImages.future(pb.GenerateImagesRequest(prompt=PROMPT, n=1, height=SIZE, width=SIZE,
@@ -339,3 +384,4 @@ def test_sigterm_gateway_under_load(cluster: Cluster) -> None:
     assert "draining for up to" in log and "still running after" not in log
     _until(lambda: all(_metric(cluster, f"d{i}", "glmimage_denoiser_busy") == 0 for i in range(3)), 5,
            "every denoiser idle")
+
