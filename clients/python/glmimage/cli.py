@@ -201,7 +201,8 @@ def format_status(status: Status) -> str:
     queues = [("pending AR requests", status.pending_ar_requests), ("pending AR outputs", status.pending_ar_outputs),
               ("pending denoise outputs", status.pending_denoise_outputs), ("active requests", status.active_requests)]
     lines = [_table(["QUEUE", "DEPTH"], [[name, str(v)] for name, v in queues]), ""]
-    rows = [[w.role, w.address, w.state, str(w.inflight), w.current_job or "-"] for w in status.workers]
+    rows = [[w.role, w.address, w.state, str(w.inflight),
+             w.current_job or ("(another gateway's)" if w.held_elsewhere else "-")] for w in status.workers]
     lines.append(_table(["ROLE", "ADDRESS", "STATE", "INFLIGHT", "JOB"], rows) if rows else "no workers")
     return "\n".join(lines)
 

@@ -113,6 +113,7 @@ class WorkerInfo:
     current_job: str
     health: str = ""  # why it is (not) usable: "serving", "unreachable", "not answering health checks (hung)", ...
     stuck: bool = False  # connected but making no progress (hung, or a call to it timed out), not gone
+    held_elsewhere: bool = False  # a denoiser busy with another gateway's job
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class Status:
         return cls(s.pending_ar_requests, s.pending_ar_outputs, s.pending_denoise_outputs, s.active_requests,
                    [WorkerInfo(w.address, _ROLE_NAMES.get(w.role, "unspecified"),
                                _STATE_NAMES.get(w.state, "unspecified"), w.inflight, w.current_job, w.health,
-                               w.stuck)
+                               w.stuck, w.held_elsewhere)
                     for w in s.workers])
 
 
