@@ -150,3 +150,19 @@ async def test_gateways_over_three_denoisers_all_succeed_and_no_denoiser_holds_t
             assert failures == 0
             await wait_for(lambda: all(not w.held_elsewhere and w.current_job is None
                                        for gw in gws for w in gw.driver.snapshot().workers))
+
+
+async def test_a_gateway_with_a_trickle_is_not_starved_by_one_with_a_backlog() -> None:
+    # The gateway that just finished a job on a denoiser learns it first (its own call returns) and has more work:
+    # the other one must still win denoisers while that backlog lasts, not only after it.
+    async with pool(2) as (ar, denoisers, sims):
+        async with running_gateway([ar], denoisers) as busy, running_gateway([ar], denoisers) as light:
+            backlog = [asyncio.ensure_future(busy.stub.GenerateImages(request(n=2), timeout=60)) for _ in range(30)]
+            await busy.until(lambda s: s.pending_denoise_outputs > 10)
+            for _ in range(3):
+                reply = await light.stub.GenerateImages(request(), timeout=60)
+                assert len(reply.images) == 1
+            left = sum(not f.done() for f in backlog)
+            assert left > 0, "the light gateway got a denoiser only once the backlog was gone"
+            await asyncio.gather(*backlog)
+            assert all(sim.max_holding == 1 for sim in sims)
