@@ -129,6 +129,18 @@ async def _gate(child: Child, deadline: float) -> None:
         raise StartupError(f"{child.name} did not become SERVING in time ({exc.code().name})") from exc
 
 
+async def _terminate(child: Child, grace: float) -> None:
+    if child.process is None or child.process.returncode is not None:
+        return
+    child.process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(child.process.wait(), grace)
+    except TimeoutError:
+        log.warning("%s did not stop in %.0fs; killing it", child.name, grace)
+        child.process.kill()
+        await child.process.wait()
+
+
 class Supervisor:
     """The children in start order; `start` brings a group up together, `stop` takes them down in reverse."""
 
@@ -136,6 +148,7 @@ class Supervisor:
         self.host, self.log_level = host, log_level
         self.restart = restart or RestartPolicy()
         self.children: list[Child] = []
+        self._groups: list[list[Child]] = []  # as first started together: they stop together too
         self.run_dir = Path(tempfile.mkdtemp(prefix="glmimage-stack-"))
 
     def child(self, name: str, module: str, port: int, flags: list[str], health: str | None,
@@ -160,6 +173,8 @@ class Supervisor:
 
     async def start(self, group: list[Child], deadline: float) -> None:
         """Spawn `group` at once, then wait until every member has bound its port and reports healthy."""
+        if not any(c in g for g in self._groups for c in group):  # a restart is no new group
+            self._groups.append(list(group))
         for c in group:
             c.port_file.unlink(missing_ok=True)  # a restart must wait for the new process's port, not the old one's
         await asyncio.gather(*(self._spawn(c) for c in group))
@@ -177,16 +192,10 @@ class Supervisor:
                 for c in self.children if c.metrics_port is not None}
 
     async def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM in reverse start order (front first, so nothing new arrives), then SIGKILL stragglers."""
-        for child in reversed(self.children):
-            if child.process and child.process.returncode is None:
-                child.process.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(child.process.wait(), grace)
-                except TimeoutError:
-                    log.warning("%s did not stop in %.0fs; killing it", child.name, grace)
-                    child.process.kill()
-                    await child.process.wait()
+        """SIGTERM group by group in reverse start order (the front first, so nothing new arrives; then the
+        gateways, then the workers), the members of a group at once; SIGKILL any that outlasts ``grace``."""
+        for group in reversed(self._groups):
+            await asyncio.gather(*(_terminate(c, grace) for c in group))
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     async def supervise(self) -> None:
