@@ -125,6 +125,8 @@ class Worker:
                     log.warning("denoiser %s has no WatchOccupancy; jobs of other gateways show only as refusals",
                                 self.address)
                     return
+                if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    log.warning("denoiser %s refused its occupancy stream: %s", self.address, err.code().name)
             if elsewhere:
                 feed(sch.DenoiserOccupancy(now=time.monotonic(), worker=self.address, elsewhere=False))
             await asyncio.sleep(backoff)
