@@ -86,7 +86,9 @@ class _OutState(enum.Enum):
     DONE = enum.auto()
 
 
-@dataclass(eq=False)
+# The internal records use __slots__: their attributes are read and written on every event, and a slot is
+# quicker to reach than an instance __dict__ (and smaller, with 10,000 queued outputs).
+@dataclass(slots=True, eq=False)
 class _Output:
     index: int
     attempt: int  # JobId.attempt of the latest dispatch (starts at the request's attempt base)
@@ -96,7 +98,7 @@ class _Output:
     refusals: int = 0  # dispatches a denoiser refused as busy with another gateway's job: not attempts used
 
 
-@dataclass(eq=False)  # identity equality: deque.remove must not confuse two requests
+@dataclass(slots=True, eq=False)  # identity equality: deque.remove must not confuse two requests
 class _Request:
     request_id: str
     seq: int  # admission order; also distinguishes incarnations of a reused request_id
@@ -122,7 +124,7 @@ class _Request:
         return (self.height, self.width, self.seq if self.solo else 0)
 
 
-@dataclass(eq=False)
+@dataclass(slots=True, eq=False)
 class _Worker:
     address: str
     role: WorkerRole
@@ -146,7 +148,7 @@ class _Worker:
         return self.healthy and not self.draining and not self.not_serving
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Batch:
     batch_id: int
     worker: str
