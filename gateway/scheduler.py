@@ -140,6 +140,7 @@ class _Worker:
     # sequence ``occupancy_seq``; such a denoiser gets no job from here until it is free again.
     elsewhere: bool = False
     occupancy_seq: int = -1
+    counted: bool = False  # in Scheduler's count of ready workers of its role (see Scheduler._recount)
 
     def busy(self) -> bool:
         return self.job is not None or bool(self.batches)
@@ -188,6 +189,10 @@ class Scheduler:
         # The same workers by role, so a choice among the few AR servers does not scan every denoiser.
         self._by_role: dict[WorkerRole, dict[str, _Worker]] = {r: {} for r in WorkerRole}
         self._ar_workers = self._by_role[WorkerRole.AR]  # looked up on every event; an enum's hash is not free
+        # How many members of each role accept work, kept by _recount and _forget, so that "is any worker of this
+        # stage ready" (asked on every event with fail-fast on) costs O(1), not a scan of the denoiser pool.
+        self._ready_ar = 0
+        self._ready_denoisers = 0
         # Heap of denoisers that may be free, by (last_used, added_seq): the LRU choice without scanning the pool.
         # Validated lazily when it reaches the top (see _free_denoiser).
         self._idle_denoisers: list[tuple[int, int, _Worker]] = []
@@ -458,8 +463,10 @@ class Scheduler:
         if w is None:
             w = self._workers[ev.worker] = _Worker(ev.worker, ev.role, added_seq=next(self._seq))
             self._by_role[ev.role][ev.worker] = w
+            self._recount(w)
         elif w.role is ev.role:
             w.draining = False  # re-added while draining (endpoint flap): keep it
+            self._recount(w)
             self._offer(w)
         # A different role under a live address is a discovery glitch: keep the known worker until it is gone.
 
@@ -469,6 +476,7 @@ class Scheduler:
             return
         if w.busy():
             w.draining = True
+            self._recount(w)
         else:
             self._forget(w)
 
@@ -477,12 +485,14 @@ class Scheduler:
         if w is not None:
             w.healthy = True  # the dispatch loop at the end of handle() hands it work right away
             w.not_serving = False
+            self._recount(w)
             self._offer(w)
 
     def _on_worker_not_serving(self, ev: WorkerNotServing, actions: list[Action]) -> None:
         w = self._workers.get(ev.worker)
         if w is not None and w.healthy:
             w.not_serving = True  # unlike WorkerUnhealthy, nothing it holds is cancelled or requeued
+            self._recount(w)
 
     def _on_worker_unhealthy(self, ev: WorkerUnhealthy, actions: list[Action]) -> None:
         w = self._workers.get(ev.worker)
@@ -490,6 +500,7 @@ class Scheduler:
             return  # an unhealthy worker holds nothing (released when it went down)
         w.healthy = False
         w.not_serving = False
+        self._recount(w)
         w.elsewhere = False  # its occupancy stream broke too; it says again when the worker is back
         # Client-facing: which stage, never which address (the driver logs that with the request ids).
         reason = "the AR server running it became unavailable" if w.role is WorkerRole.AR else \
@@ -515,12 +526,29 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------- request lifecycle
 
     def _any_ready(self, role: WorkerRole) -> bool:
-        return any(w.accepts_work() for w in self._by_role[role].values())
+        """Whether some member of ``role`` accepts work (what a scan of accepts_work() would say)."""
+        return (self._ready_ar if role is WorkerRole.AR else self._ready_denoisers) > 0
+
+    def _recount(self, w: _Worker, member: bool = True) -> None:
+        """Bring the ready counts up to date after a change to a worker's healthy, draining or not_serving flag,
+        or to its membership (``member=False``: _forget).
+
+        Every such change calls this, so the counts always equal the number of members for which accepts_work()
+        holds; w.counted says whether w is in them."""
+        ready = member and w.accepts_work()
+        if ready is not w.counted:
+            w.counted = ready
+            delta = 1 if ready else -1
+            if w.role is WorkerRole.AR:
+                self._ready_ar += delta
+            else:
+                self._ready_denoisers += delta
 
     def _forget(self, w: _Worker) -> None:
         """Drop a worker from membership (its heap entry, if any, is discarded when it reaches the top)."""
         del self._workers[w.address]
         del self._by_role[w.role][w.address]
+        self._recount(w, member=False)
 
     def _fail_stranded_ar_requests(self, actions: list[Action]) -> None:
         """With fail-fast on, requests still waiting for an AR batch fail once no AR worker is left to take it."""
