@@ -199,6 +199,10 @@ class Scheduler:
         self._deadlines: list[tuple[float, int, str]] = []  # heap, lazily pruned
         self._attempt_floor: OrderedDict[str, int] = OrderedDict()
         self._ended = False  # a request ended during this event (see _prune_deadlines)
+        # When the AR dispatch pass may find something to do again (see _dispatch_ar): at once if _ar_dirty (an AR
+        # queue or an AR worker changed), else from _ar_recheck_at on (a waiting group's batch delay expires).
+        self._ar_dirty = False
+        self._ar_recheck_at = float("inf")
         # Event type -> its handler, in the order of the Event union (handle() looks up the exact type).
         self._handlers: dict[type, Callable[[Any, list[Action]], None]] = {
             RequestArrived: self._on_arrived,
@@ -244,9 +248,11 @@ class Scheduler:
         self._fail_stranded_denoise_requests(actions)
         if self._maybe_abandoned:  # the common case is none: skip the call
             self._stop_abandoned_batches(actions)
-        # Work conservation: every event may have freed a worker or queued work. The denoise pass needs both
+        # Work conservation: every event may have freed a worker or queued work. The AR pass runs only when what
+        # it reads has changed since it last found nothing to do (see _dispatch_ar). The denoise pass needs both
         # queued work and a denoiser that may be free (with either missing it does nothing, and touches nothing).
-        self._dispatch_ar(actions)
+        if self._ar_dirty or self._now >= self._ar_recheck_at:  # else the AR pass would find nothing to do
+            self._dispatch_ar(actions)
         if self._denoise_q and self._idle_denoisers:
             self._dispatch_denoise(actions)
         if self._ended:  # only an ended request can leave a dead entry on top of the deadline heap
@@ -511,6 +517,7 @@ class Scheduler:
                 batch = self._batches.pop(bid)  # fence: its result is ignored from now on
                 self._ar_batch_failed(batch, f"AR stage failed: {reason}", "worker_unhealthy", actions)
             w.batches.clear()
+            self._ar_dirty = True  # (already set by _recount above: it is unhealthy now)
         elif w.job is not None:
             job, w.job = w.job, None  # the slot is free; the old attempt is fenced by the attempt number
             found = self._live_output(job, w.address)
@@ -543,6 +550,8 @@ class Scheduler:
                 self._ready_ar += delta
             else:
                 self._ready_denoisers += delta
+        if w.role is WorkerRole.AR:
+            self._ar_dirty = True  # a worker joined, left, or may take batches now (or no longer)
 
     def _forget(self, w: _Worker) -> None:
         """Drop a worker from membership (its heap entry, if any, is discarded when it reaches the top)."""
@@ -599,6 +608,7 @@ class Scheduler:
             if not q:
                 del self._pending_ar[req.queue_key]
             self._pending_ar_outputs -= req.n
+            self._ar_dirty = True  # e.g. a solo request is at the head now: its group may leave
         elif req.stage is _Stage.DENOISING:
             if any(o.state is _OutState.QUEUED for o in req.outputs):
                 self._denoise_q = [k for k in self._denoise_q if k[1] != req.seq]
@@ -646,6 +656,7 @@ class Scheduler:
         else:
             q.append(req)
         self._pending_ar_outputs += req.n
+        self._ar_dirty = True
 
     def _take_batch(self, batch_id: int) -> _Batch | None:
         """Pop an in-flight batch and free its AR slot; None (and counted as fenced) if unknown."""
@@ -653,6 +664,7 @@ class Scheduler:
         if batch is None:
             self.counters.fenced_results += 1
             return None
+        self._ar_dirty = True  # an AR slot is free
         w = self._workers.get(batch.worker)
         if w is not None:
             w.batches.discard(batch_id)
@@ -687,17 +699,23 @@ class Scheduler:
     def _oldest(q: deque[_Request]) -> tuple[float, int]:
         return min((r.arrived_at, r.seq) for r in q)
 
-    def _eligible_group(self) -> tuple[int, int, int] | None:
-        """The resolution whose batch may leave now and whose oldest request is oldest."""
+    def _eligible_group(self) -> tuple[tuple[int, int, int] | None, float]:
+        """The resolution whose batch may leave now and whose oldest request is oldest (None if none may), and the
+        earliest time at which a group that may not leave yet will by age (inf if there is none)."""
         cfg = self.config
+        now = self._now
         best: tuple[tuple[float, int], tuple[int, int, int]] | None = None
+        wait_until = float("inf")
         for key, q in self._pending_ar.items():
             oldest = self._oldest(q)
-            full = sum(r.n for r in q) >= cfg.ar_batch_max_outputs or q[0].solo  # nothing may join a solo one
-            eligible = full or self._now >= oldest[0] + cfg.ar_batch_delay
-            if eligible and (best is None or oldest < best[0]):
-                best = (oldest, key)
-        return None if best is None else best[1]
+            due = oldest[0] + cfg.ar_batch_delay
+            if now >= due or q[0].solo or sum(r.n for r in q) >= cfg.ar_batch_max_outputs:  # full, or waited
+                # (a solo one counts as full: nothing may join it)
+                if best is None or oldest < best[0]:
+                    best = (oldest, key)
+            elif due < wait_until:
+                wait_until = due
+        return (None if best is None else best[1]), wait_until
 
     def _pack(self, q: deque[_Request]) -> list[_Request]:
         """Oldest first; skip what does not fit and keep scanning. An oversized or solo head goes alone."""
@@ -716,13 +734,22 @@ class Scheduler:
 
     def _dispatch_ar(self, actions: list[Action]) -> None:
         # Just in time: a batch is formed only when a worker can take it, so late arrivals can still join.
-        while self._pending_ar:  # checked first: cheaper than looking for a free worker
+        #
+        # This reads the AR queues, the AR workers (membership, flags, slots) and the clock. Every change to the
+        # first two sets _ar_dirty; when the pass ends with nothing left to do, _ar_recheck_at says when the clock
+        # alone will let a waiting group leave. handle() skips the pass until one of them says otherwise: most
+        # events (denoise results) change neither, and the pass would scan the queues for nothing.
+        self._ar_dirty = False
+        self._ar_recheck_at = float("inf")
+        while self._pending_ar:  # checked first: cheaper than looking for a group or a free worker
+            # The group first: usually none may leave yet (a batch is filling up), and then no worker is looked at.
+            key, wait_until = self._eligible_group()
+            if key is None:
+                self._ar_recheck_at = wait_until
+                return
             w = self._free_ar_worker()
             if w is None:
-                return
-            key = self._eligible_group()
-            if key is None:
-                return
+                return  # until a slot frees up or a worker becomes ready (both set _ar_dirty)
             q = self._pending_ar[key]
             taken = self._pack(q)
             ids = {id(r) for r in taken}
