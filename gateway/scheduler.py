@@ -305,6 +305,7 @@ class Scheduler:
     def _on_arrived(self, ev: RequestArrived, actions: list[Action]) -> None:
         cfg = self.config
         rid = ev.request_id
+        queued = self._pending_ar_outputs + len(self._denoise_q)  # queued_outputs(), on the hot path
         reject: tuple[ErrorKind, str] | None = None
         if not isinstance(ev.n, int) or ev.n < 1:
             reject = (ErrorKind.INVALID_ARGUMENT, f"n must be >= 1, got {ev.n!r}")
@@ -322,11 +323,11 @@ class Scheduler:
             reject = (ErrorKind.UNAVAILABLE, "no AR server is available; retry later")
         elif cfg.fail_fast_without_workers and not self._any_ready(WorkerRole.DENOISER):
             reject = (ErrorKind.UNAVAILABLE, "no denoiser is available; retry later")
-        elif self.queued_outputs() + ev.n > cfg.max_queued_outputs:
+        elif queued + ev.n > cfg.max_queued_outputs:
             reject = (
                 ErrorKind.RESOURCE_EXHAUSTED,
                 (
-                    f"the queues are full ({self.queued_outputs()} queued outputs + n={ev.n} "
+                    f"the queues are full ({queued} queued outputs + n={ev.n} "
                     f"> --max-queued-outputs={cfg.max_queued_outputs}); retry later"
                 ),
             )
@@ -610,23 +611,27 @@ class Scheduler:
             self._pending_ar_outputs -= req.n
             self._ar_dirty = True  # e.g. a solo request is at the head now: its group may leave
         elif req.stage is _Stage.DENOISING:
-            if any(o.state is _OutState.QUEUED for o in req.outputs):
-                self._denoise_q = [k for k in self._denoise_q if k[1] != req.seq]
-                heapq.heapify(self._denoise_q)
-            for out in req.outputs:
-                if out.state is _OutState.INFLIGHT and out.worker is not None:
+            queued = False
+            for out in req.outputs:  # one pass: on the hot path of every completion
+                if out.state is _OutState.QUEUED:
+                    queued = True
+                elif out.state is _OutState.INFLIGHT and out.worker is not None:
                     # The worker keeps the slot until the RPC ends, so it is never oversubscribed.
                     actions.append(CancelDenoise(JobId(req.request_id, out.index, out.attempt), out.worker))
+            if queued:
+                self._denoise_q = [k for k in self._denoise_q if k[1] != req.seq]
+                heapq.heapify(self._denoise_q)
         elif req.stage is _Stage.AR_INFLIGHT and req.ar_batch is not None:
             # The batch result will drop this request (it is no longer active). If nobody else waits for the
             # batch, it is stopped at the end of this event (unless this event is its result).
             self._maybe_abandoned.add(req.ar_batch)
-        top = max(o.attempt for o in req.outputs)
+        top = max([o.attempt for o in req.outputs])
         if top > 0:
-            self._attempt_floor[req.request_id] = top
-            self._attempt_floor.move_to_end(req.request_id)
-            if len(self._attempt_floor) > _ATTEMPT_MEMORY:
-                self._attempt_floor.popitem(last=False)
+            floor = self._attempt_floor
+            floor[req.request_id] = top
+            floor.move_to_end(req.request_id)
+            if len(floor) > _ATTEMPT_MEMORY:
+                floor.popitem(last=False)
 
     def _expire_deadlines(self, actions: list[Action]) -> None:
         while self._deadlines and self._deadlines[0][0] <= self._now:
@@ -650,7 +655,10 @@ class Scheduler:
 
     def _enqueue_ar(self, req: _Request, front: bool) -> None:
         req.stage = _Stage.PENDING_AR
-        q = self._pending_ar.setdefault(req.queue_key, deque())
+        key = req.queue_key
+        q = self._pending_ar.get(key)
+        if q is None:  # (not setdefault: that would build a deque on every call)
+            q = self._pending_ar[key] = deque()
         if front:
             q.appendleft(req)
         else:
@@ -793,7 +801,8 @@ class Scheduler:
 
         Returns the live output the result belongs to, or None if the result is fenced."""
         w = self._workers.get(worker)
-        if w is None or w.role is not WorkerRole.DENOISER or w.job != job:
+        # (``is`` first: the driver usually hands back the very JobId it was given; equal values also match.)
+        if w is None or w.role is not WorkerRole.DENOISER or (w.job is not job and w.job != job):
             # Superseded (worker went unhealthy and maybe took another job), unknown, or duplicated.
             self.counters.fenced_results += 1
             return None
@@ -843,21 +852,21 @@ class Scheduler:
 
     def _dispatch_denoise(self, actions: list[Action]) -> None:
         # One output per free denoiser, so a request's n outputs fan out to n workers at once.
-        while self._denoise_q:
+        queue = self._denoise_q  # (not replaced while this runs: only _end does that)
+        while queue:
             w = self._free_denoiser()
             if w is None:
                 return
-            _, _, index, rid = heapq.heappop(self._denoise_q)
+            _, _, index, rid = heapq.heappop(queue)
             req = self._active[rid]
             out = req.outputs[index]
-            out.attempt += 1
+            attempt = out.attempt = out.attempt + 1
             out.state = _OutState.INFLIGHT
-            out.worker = w.address
-            job = JobId(rid, index, out.attempt)
-            w.job = job
+            address = out.worker = w.address
+            job = w.job = JobId(rid, index, attempt)
             w.last_used = next(self._use_clock)
             self.counters.denoise_dispatches += 1
-            actions.append(DispatchDenoise(job, w.address, req.ar_outputs[index]))
+            actions.append(DispatchDenoise(job, address, req.ar_outputs[index]))
 
     # ---------------------------------------------------------------------------------------------- snapshots
 
