@@ -140,13 +140,54 @@ class _Worker:
     # sequence ``occupancy_seq``; such a denoiser gets no job from here until it is free again.
     elsewhere: bool = False
     occupancy_seq: int = -1
-    counted: bool = False  # in Scheduler's count of ready workers of its role (see Scheduler._recount)
+    # accepts_work() as of the last change to its flags, kept by Scheduler._recount (False once forgotten): it is
+    # what the ready counts count, and what the dispatch paths read instead of calling accepts_work().
+    ready: bool = False
 
     def busy(self) -> bool:
         return self.job is not None or bool(self.batches)
 
     def accepts_work(self) -> bool:
         return self.healthy and not self.draining and not self.not_serving
+
+
+class _ArQueue:
+    """One AR queue (a resolution's, or a solo request's own): its requests in dispatch order, and the two figures
+    the AR dispatch pass checks on every look, kept up to date instead of recomputed from the requests each time:
+    ``outputs`` (the sum of their n) and ``oldest()`` (the smallest (arrived_at, seq), cached)."""
+
+    __slots__ = ("requests", "outputs", "_oldest")
+
+    def __init__(self) -> None:
+        self.requests: deque[_Request] = deque()
+        self.outputs = 0
+        self._oldest: tuple[float, int] | None = None  # None: to be computed (empty, or its oldest left)
+
+    def push(self, req: _Request, front: bool) -> None:
+        if front:
+            self.requests.appendleft(req)
+        else:
+            self.requests.append(req)
+        self.outputs += req.n
+        if self._oldest is not None and (req.arrived_at, req.seq) < self._oldest:
+            self._oldest = (req.arrived_at, req.seq)  # a retried request keeps its age: it may be the oldest
+
+    def remove(self, req: _Request) -> None:
+        self.requests.remove(req)
+        self.outputs -= req.n
+        if (req.arrived_at, req.seq) == self._oldest:
+            self._oldest = None
+
+    def keep_only(self, rest: deque[_Request]) -> None:
+        """After a batch took some of the requests: ``rest`` are those left, in order."""
+        self.requests = rest
+        self.outputs = sum(r.n for r in rest)
+        self._oldest = None
+
+    def oldest(self) -> tuple[float, int]:
+        if self._oldest is None:
+            self._oldest = min((r.arrived_at, r.seq) for r in self.requests)
+        return self._oldest
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +222,7 @@ class Scheduler:
         self._use_clock = itertools.count(1)  # logical clock for least-recently-used choices
         self._active: dict[str, _Request] = {}
         # (height, width, 0) -> the requests that may batch together; a solo request queues under its own key.
-        self._pending_ar: dict[tuple[int, int, int], deque[_Request]] = {}
+        self._pending_ar: dict[tuple[int, int, int], _ArQueue] = {}  # none is empty
         self._pending_ar_outputs = 0
         self._denoise_q: list[_QueueKey] = []  # a heap: the smallest key is dispatched next
         self._batches: dict[int, _Batch] = {}
@@ -241,12 +282,16 @@ class Scheduler:
             self._now = event.now
         actions: list[Action] = []
         # Deadlines first: a result that arrives at or after the deadline must not complete the request.
-        self._expire_deadlines(actions)
+        # (Each pass below is called only when its first test would not return at once: this runs on every event.)
+        if self._deadlines and self._deadlines[0][0] <= self._now:
+            self._expire_deadlines(actions)
         handler(event, actions)
         # After any event: the last worker of a stage may be gone, a batch may have lost its last request.
-        self._fail_stranded_ar_requests(actions)
-        self._fail_stranded_denoise_requests(actions)
-        if self._maybe_abandoned:  # the common case is none: skip the call
+        if self._pending_ar and not self._ready_ar:
+            self._fail_stranded_ar_requests(actions)
+        if self._denoise_q and not self._ready_denoisers:
+            self._fail_stranded_denoise_requests(actions)
+        if self._maybe_abandoned:
             self._stop_abandoned_batches(actions)
         # Work conservation: every event may have freed a worker or queued work. The AR pass runs only when what
         # it reads has changed since it last found nothing to do (see _dispatch_ar). The denoise pass needs both
@@ -274,12 +319,12 @@ class Scheduler:
         # frees a worker triggers the dispatch. (Without this, an expired group would make the driver spin.)
         if self._pending_ar and self._free_ar_worker() is not None:
             delay = self.config.ar_batch_delay
-            candidates.extend(self._oldest(q)[0] + delay for q in self._pending_ar.values())
+            candidates.extend(q.oldest()[0] + delay for q in self._pending_ar.values())
         return min(candidates) if candidates else None
 
     def snapshot(self) -> Snapshot:
         return Snapshot(
-            pending_ar_requests=sum(len(q) for q in self._pending_ar.values()),
+            pending_ar_requests=sum(len(q.requests) for q in self._pending_ar.values()),
             pending_ar_outputs=self._pending_ar_outputs,
             pending_denoise_outputs=len(self._denoise_q),
             pending_denoise_requests=len({k[1] for k in self._denoise_q}),
@@ -418,7 +463,7 @@ class Scheduler:
             self._end(req, actions)
             self.counters.completed += 1
             actions.append(
-                CompleteRequest(req.request_id, tuple(o.result for o in req.outputs), req.ar_outputs)
+                CompleteRequest(req.request_id, tuple([o.result for o in req.outputs]), req.ar_outputs)
             )
 
     def _on_denoise_failed(self, ev: DenoiseFailed, actions: list[Action]) -> None:
@@ -542,10 +587,10 @@ class Scheduler:
         or to its membership (``member=False``: _forget).
 
         Every such change calls this, so the counts always equal the number of members for which accepts_work()
-        holds; w.counted says whether w is in them."""
+        holds, and w.ready says whether w is one of them."""
         ready = member and w.accepts_work()
-        if ready is not w.counted:
-            w.counted = ready
+        if ready is not w.ready:
+            w.ready = ready
             delta = 1 if ready else -1
             if w.role is WorkerRole.AR:
                 self._ready_ar += delta
@@ -564,7 +609,7 @@ class Scheduler:
         """With fail-fast on, requests still waiting for an AR batch fail once no AR worker is left to take it."""
         if not self._pending_ar or not self.config.fail_fast_without_workers or self._any_ready(WorkerRole.AR):
             return
-        stranded = [req for q in self._pending_ar.values() for req in q]
+        stranded = [req for q in self._pending_ar.values() for req in q.requests]
         for req in sorted(stranded, key=lambda r: r.seq):
             self._fail(req, ErrorKind.UNAVAILABLE, "no AR server is available (it went away); retry later", actions)
 
@@ -606,7 +651,7 @@ class Scheduler:
         if req.stage is _Stage.PENDING_AR:
             q = self._pending_ar[req.queue_key]
             q.remove(req)
-            if not q:
+            if not q.requests:
                 del self._pending_ar[req.queue_key]
             self._pending_ar_outputs -= req.n
             self._ar_dirty = True  # e.g. a solo request is at the head now: its group may leave
@@ -657,12 +702,9 @@ class Scheduler:
         req.stage = _Stage.PENDING_AR
         key = req.queue_key
         q = self._pending_ar.get(key)
-        if q is None:  # (not setdefault: that would build a deque on every call)
-            q = self._pending_ar[key] = deque()
-        if front:
-            q.appendleft(req)
-        else:
-            q.append(req)
+        if q is None:  # (not setdefault: that would build a queue on every call)
+            q = self._pending_ar[key] = _ArQueue()
+        q.push(req, front)
         self._pending_ar_outputs += req.n
         self._ar_dirty = True
 
@@ -698,14 +740,10 @@ class Scheduler:
         free = [
             w
             for w in self._ar_workers.values()
-            if w.accepts_work()
+            if w.ready
             and len(w.batches) < self.config.ar_max_inflight_batches
         ]
         return min(free, key=lambda w: (len(w.batches), w.last_used, w.added_seq), default=None)
-
-    @staticmethod
-    def _oldest(q: deque[_Request]) -> tuple[float, int]:
-        return min((r.arrived_at, r.seq) for r in q)
 
     def _eligible_group(self) -> tuple[tuple[int, int, int] | None, float]:
         """The resolution whose batch may leave now and whose oldest request is oldest (None if none may), and the
@@ -715,9 +753,9 @@ class Scheduler:
         best: tuple[tuple[float, int], tuple[int, int, int]] | None = None
         wait_until = float("inf")
         for key, q in self._pending_ar.items():
-            oldest = self._oldest(q)
+            oldest = q.oldest()
             due = oldest[0] + cfg.ar_batch_delay
-            if now >= due or q[0].solo or sum(r.n for r in q) >= cfg.ar_batch_max_outputs:  # full, or waited
+            if now >= due or q.requests[0].solo or q.outputs >= cfg.ar_batch_max_outputs:  # full, or waited
                 # (a solo one counts as full: nothing may join it)
                 if best is None or oldest < best[0]:
                     best = (oldest, key)
@@ -759,11 +797,11 @@ class Scheduler:
             if w is None:
                 return  # until a slot frees up or a worker becomes ready (both set _ar_dirty)
             q = self._pending_ar[key]
-            taken = self._pack(q)
+            taken = self._pack(q.requests)
             ids = {id(r) for r in taken}
-            rest = deque(r for r in q if id(r) not in ids)
+            rest = deque(r for r in q.requests if id(r) not in ids)
             if rest:
-                self._pending_ar[key] = rest
+                q.keep_only(rest)
             else:
                 del self._pending_ar[key]
             batch = _Batch(
@@ -832,7 +870,7 @@ class Scheduler:
     def _offer(self, w: _Worker) -> None:
         """Give a denoiser that may have become free its entry in the idle heap (one at most: its key only changes
         when it is dispatched, which takes the entry out first)."""
-        if w.role is WorkerRole.DENOISER and not w.offered and w.accepts_work() and w.job is None \
+        if w.role is WorkerRole.DENOISER and not w.offered and w.ready and w.job is None \
                 and not w.elsewhere:
             w.offered = True
             heapq.heappush(self._idle_denoisers, (w.last_used, w.added_seq, w))
@@ -846,7 +884,7 @@ class Scheduler:
         while heap:
             w = heapq.heappop(heap)[2]
             w.offered = False
-            if self._workers.get(w.address) is w and w.accepts_work() and w.job is None and not w.elsewhere:
+            if self._workers.get(w.address) is w and w.ready and w.job is None and not w.elsewhere:
                 return w
         return None
 
