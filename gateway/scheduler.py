@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -204,6 +205,8 @@ class _Batch:
 _QueueKey = tuple[int, int, int, str]
 _FRONT, _FRESH = 0, 1
 
+_NEVER = math.inf  # a time no clock reaches (a constant: float("inf") parses a string on every call)
+
 # How many ended request ids remember their highest attempt number. A reused id continues above it, so a late
 # result of the previous incarnation cannot pass the fencing check of the new one.
 _ATTEMPT_MEMORY = 4096
@@ -243,7 +246,7 @@ class Scheduler:
         # When the AR dispatch pass may find something to do again (see _dispatch_ar): at once if _ar_dirty (an AR
         # queue or an AR worker changed), else from _ar_recheck_at on (a waiting group's batch delay expires).
         self._ar_dirty = False
-        self._ar_recheck_at = float("inf")
+        self._ar_recheck_at = _NEVER
         # Event type -> its handler, in the order of the Event union (handle() looks up the exact type).
         self._handlers: dict[type, Callable[[Any, list[Action]], None]] = {
             RequestArrived: self._on_arrived,
@@ -751,7 +754,7 @@ class Scheduler:
         cfg = self.config
         now = self._now
         best: tuple[tuple[float, int], tuple[int, int, int]] | None = None
-        wait_until = float("inf")
+        wait_until = _NEVER
         for key, q in self._pending_ar.items():
             oldest = q.oldest()
             due = oldest[0] + cfg.ar_batch_delay
@@ -786,7 +789,7 @@ class Scheduler:
         # alone will let a waiting group leave. handle() skips the pass until one of them says otherwise: most
         # events (denoise results) change neither, and the pass would scan the queues for nothing.
         self._ar_dirty = False
-        self._ar_recheck_at = float("inf")
+        self._ar_recheck_at = _NEVER
         while self._pending_ar:  # checked first: cheaper than looking for a group or a free worker
             # The group first: usually none may leave yet (a batch is filling up), and then no worker is looked at.
             key, wait_until = self._eligible_group()
