@@ -24,7 +24,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
@@ -200,6 +200,65 @@ class _Batch:
     request_ids: tuple[str, ...]
 
 
+class _MinQueue:
+    """A priority queue of unique, comparable entries, smallest first: a heap with a fast lane.
+
+    Entries usually come in increasing order (deadlines of requests with the same timeout; the outputs of AR
+    batches answered in turn), and a pop from a heap of 10,000 sifts through cold memory. So an entry greater than
+    the last one in the lane is appended to the lane (a deque, sorted by construction), any other goes to the heap,
+    and a pop takes the smaller of the two heads: the same order as one heap. ``first`` is the smallest entry
+    (None if empty), kept up to date so that a peek costs an attribute read."""
+
+    __slots__ = ("first", "_lane", "_heap")
+
+    def __init__(self) -> None:
+        self.first: Any = None
+        self._lane: deque[Any] = deque()
+        self._heap: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self._lane) + len(self._heap)
+
+    def __iter__(self) -> Iterator[Any]:
+        """Every entry, in no particular order."""
+        yield from self._lane
+        yield from self._heap
+
+    def push(self, entry: Any) -> None:
+        lane = self._lane
+        if not lane or lane[-1] < entry:
+            lane.append(entry)
+        else:
+            heapq.heappush(self._heap, entry)
+        if self.first is None or entry < self.first:
+            self.first = entry
+
+    def pop(self) -> Any:
+        """Take the smallest entry out (the queue must not be empty)."""
+        entry = self.first
+        if self._heap and self._heap[0] is entry:
+            heapq.heappop(self._heap)
+        else:
+            self._lane.popleft()
+        self._find_first()
+        return entry
+
+    def drop_if(self, doomed: Callable[[Any], bool]) -> None:
+        self._lane = deque(e for e in self._lane if not doomed(e))
+        self._heap = [e for e in self._heap if not doomed(e)]
+        heapq.heapify(self._heap)
+        self._find_first()
+
+    def _find_first(self) -> None:
+        lane, heap = self._lane, self._heap
+        if lane and heap:
+            self.first = lane[0] if lane[0] < heap[0] else heap[0]
+        elif lane:
+            self.first = lane[0]
+        else:
+            self.first = heap[0] if heap else None
+
+
 # A denoise queue entry: (class, admission seq, index, request_id). Class 0 = requeued (goes to the front),
 # class 1 = fresh. (class, seq, index) is unique, so request_id never takes part in comparisons.
 _QueueKey = tuple[int, int, int, str]
@@ -227,7 +286,7 @@ class Scheduler:
         # (height, width, 0) -> the requests that may batch together; a solo request queues under its own key.
         self._pending_ar: dict[tuple[int, int, int], _ArQueue] = {}  # none is empty
         self._pending_ar_outputs = 0
-        self._denoise_q: list[_QueueKey] = []  # a heap: the smallest key is dispatched next
+        self._denoise_q = _MinQueue()  # of _QueueKey: the smallest is dispatched next
         self._batches: dict[int, _Batch] = {}
         self._workers: dict[str, _Worker] = {}
         # The same workers by role, so a choice among the few AR servers does not scan every denoiser.
@@ -240,7 +299,7 @@ class Scheduler:
         # Heap of denoisers that may be free, by (last_used, added_seq): the LRU choice without scanning the pool.
         # Validated lazily when it reaches the top (see _free_denoiser).
         self._idle_denoisers: list[tuple[int, int, _Worker]] = []
-        self._deadlines: list[tuple[float, int, str]] = []  # heap, lazily pruned
+        self._deadlines = _MinQueue()  # of (deadline, seq, request_id), lazily pruned
         self._attempt_floor: OrderedDict[str, int] = OrderedDict()
         self._ended = False  # a request ended during this event (see _prune_deadlines)
         # When the AR dispatch pass may find something to do again (see _dispatch_ar): at once if _ar_dirty (an AR
@@ -286,13 +345,14 @@ class Scheduler:
         actions: list[Action] = []
         # Deadlines first: a result that arrives at or after the deadline must not complete the request.
         # (Each pass below is called only when its first test would not return at once: this runs on every event.)
-        if self._deadlines and self._deadlines[0][0] <= self._now:
+        first = self._deadlines.first
+        if first is not None and first[0] <= self._now:
             self._expire_deadlines(actions)
         handler(event, actions)
         # After any event: the last worker of a stage may be gone, a batch may have lost its last request.
         if self._pending_ar and not self._ready_ar:
             self._fail_stranded_ar_requests(actions)
-        if self._denoise_q and not self._ready_denoisers:
+        if self._denoise_q.first is not None and not self._ready_denoisers:
             self._fail_stranded_denoise_requests(actions)
         if self._maybe_abandoned:
             self._stop_abandoned_batches(actions)
@@ -301,7 +361,7 @@ class Scheduler:
         # queued work and a denoiser that may be free (with either missing it does nothing, and touches nothing).
         if self._ar_dirty or self._now >= self._ar_recheck_at:  # else the AR pass would find nothing to do
             self._dispatch_ar(actions)
-        if self._denoise_q and self._idle_denoisers:
+        if self._idle_denoisers and self._denoise_q.first is not None:
             self._dispatch_denoise(actions)
         if self._ended:  # only an ended request can leave a dead entry on top of the deadline heap
             self._prune_deadlines()
@@ -316,8 +376,8 @@ class Scheduler:
     def next_wakeup(self) -> float | None:
         """Earliest time at which a Tick would change something, or None."""
         candidates: list[float] = []
-        if self._deadlines:
-            candidates.append(self._deadlines[0][0])  # pruned after every handle(): the top is live
+        if self._deadlines.first is not None:
+            candidates.append(self._deadlines.first[0])  # pruned after every handle(): the top is live
         # A batch delay expiry matters only if some AR worker could take the batch; otherwise the event that
         # frees a worker triggers the dispatch. (Without this, an expired group would make the driver spin.)
         if self._pending_ar and self._free_ar_worker() is not None:
@@ -404,7 +464,7 @@ class Scheduler:
             # Admitted and ended at once, so every admitted request still ends exactly once.
             self._fail(req, ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded on arrival", actions)
         elif ev.deadline is not None:
-            heapq.heappush(self._deadlines, (ev.deadline, req.seq, rid))
+            self._deadlines.push((ev.deadline, req.seq, rid))
 
     def _on_cancelled(self, ev: RequestCancelled, actions: list[Action]) -> None:
         req = self._active.get(ev.request_id)
@@ -667,8 +727,8 @@ class Scheduler:
                     # The worker keeps the slot until the RPC ends, so it is never oversubscribed.
                     actions.append(CancelDenoise(JobId(req.request_id, out.index, out.attempt), out.worker))
             if queued:
-                self._denoise_q = [k for k in self._denoise_q if k[1] != req.seq]
-                heapq.heapify(self._denoise_q)
+                seq = req.seq
+                self._denoise_q.drop_if(lambda k: k[1] == seq)
         elif req.stage is _Stage.AR_INFLIGHT and req.ar_batch is not None:
             # The batch result will drop this request (it is no longer active). If nobody else waits for the
             # batch, it is stopped at the end of this event (unless this event is its result).
@@ -682,8 +742,9 @@ class Scheduler:
                 floor.popitem(last=False)
 
     def _expire_deadlines(self, actions: list[Action]) -> None:
-        while self._deadlines and self._deadlines[0][0] <= self._now:
-            _, seq, rid = heapq.heappop(self._deadlines)
+        deadlines = self._deadlines
+        while deadlines.first is not None and deadlines.first[0] <= self._now:
+            _, seq, rid = deadlines.pop()
             req = self._active.get(rid)
             if req is not None and req.seq == seq:
                 self._fail(req, ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded", actions)
@@ -692,12 +753,13 @@ class Scheduler:
         # Drop entries of requests that ended otherwise, so next_wakeup() can peek at a live top. Only an ending
         # makes an entry dead (a pushed one is live), so handle() calls this only after an event that ended one.
         self._ended = False
-        while self._deadlines:
-            _, seq, rid = self._deadlines[0]
+        deadlines = self._deadlines
+        while deadlines.first is not None:
+            _, seq, rid = deadlines.first
             req = self._active.get(rid)
             if req is not None and req.seq == seq:
                 break
-            heapq.heappop(self._deadlines)
+            deadlines.pop()
 
     # ------------------------------------------------------------------------------------------------- AR stage
 
@@ -825,7 +887,7 @@ class Scheduler:
 
     def _enqueue_output(self, req: _Request, out: _Output, front: bool) -> None:
         out.state = _OutState.QUEUED
-        heapq.heappush(self._denoise_q, (_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
+        self._denoise_q.push((_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
 
     def _live_output(self, job: JobId, worker: str) -> tuple[_Request, _Output] | None:
         """The output ``job`` is the current, in-flight attempt of, on ``worker``; else None (stale)."""
@@ -893,12 +955,12 @@ class Scheduler:
 
     def _dispatch_denoise(self, actions: list[Action]) -> None:
         # One output per free denoiser, so a request's n outputs fan out to n workers at once.
-        queue = self._denoise_q  # (not replaced while this runs: only _end does that)
-        while queue:
+        queue = self._denoise_q
+        while queue.first is not None:
             w = self._free_denoiser()
             if w is None:
                 return
-            _, _, index, rid = heapq.heappop(queue)
+            _, _, index, rid = queue.pop()
             req = self._active[rid]
             out = req.outputs[index]
             attempt = out.attempt = out.attempt + 1
