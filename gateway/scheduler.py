@@ -87,13 +87,21 @@ class _OutState(enum.Enum):
     DONE = enum.auto()
 
 
+# The enum members the scheduler compares against, as module globals. Reading a member off its class
+# (``_Stage.DENOISING``) costs about ten times a global read in CPython 3.11 (the enum metaclass defines
+# __getattr__, which slows down every attribute read on the class), and every event does a dozen.
+_PENDING_AR, _AR_INFLIGHT, _DENOISING = _Stage.PENDING_AR, _Stage.AR_INFLIGHT, _Stage.DENOISING
+_IDLE, _QUEUED, _INFLIGHT, _DONE = _OutState.IDLE, _OutState.QUEUED, _OutState.INFLIGHT, _OutState.DONE
+_AR, _DENOISER = WorkerRole.AR, WorkerRole.DENOISER
+
+
 # The internal records use __slots__: their attributes are read and written on every event, and a slot is
 # quicker to reach than an instance __dict__ (and smaller, with 10,000 queued outputs).
 @dataclass(slots=True, eq=False)
 class _Output:
     index: int
     attempt: int  # JobId.attempt of the latest dispatch (starts at the request's attempt base)
-    state: _OutState = _OutState.IDLE
+    state: _OutState = _IDLE
     worker: str | None = None
     result: object = None
     refusals: int = 0  # dispatches a denoiser refused as busy with another gateway's job: not attempts used
@@ -110,7 +118,7 @@ class _Request:
     arrived_at: float  # AR queue age; kept across AR retries so a retried request is not starved
     attempt_base: int
     outputs: list[_Output]
-    stage: _Stage = _Stage.PENDING_AR
+    stage: _Stage = _PENDING_AR
     ar_batch: int | None = None
     ar_failures: int = 0
     # An edit, or it shared a batch the AR refused as bad input: it goes alone (from now on).
@@ -291,7 +299,7 @@ class Scheduler:
         self._workers: dict[str, _Worker] = {}
         # The same workers by role, so a choice among the few AR servers does not scan every denoiser.
         self._by_role: dict[WorkerRole, dict[str, _Worker]] = {r: {} for r in WorkerRole}
-        self._ar_workers = self._by_role[WorkerRole.AR]  # looked up on every event; an enum's hash is not free
+        self._ar_workers = self._by_role[_AR]  # looked up on every event; an enum's hash is not free
         # How many members of each role accept work, kept by _recount and _forget, so that "is any worker of this
         # stage ready" (asked on every event with fail-fast on) costs O(1), not a scan of the denoiser pool.
         self._ready_ar = 0
@@ -427,9 +435,9 @@ class Scheduler:
                 ErrorKind.INVALID_ARGUMENT,
                 f"n={ev.n} exceeds the gateway limit --max-queued-outputs={cfg.max_queued_outputs}",
             )
-        elif cfg.fail_fast_without_workers and not self._any_ready(WorkerRole.AR):
+        elif cfg.fail_fast_without_workers and not self._any_ready(_AR):
             reject = (ErrorKind.UNAVAILABLE, "no AR server is available; retry later")
-        elif cfg.fail_fast_without_workers and not self._any_ready(WorkerRole.DENOISER):
+        elif cfg.fail_fast_without_workers and not self._any_ready(_DENOISER):
             reject = (ErrorKind.UNAVAILABLE, "no denoiser is available; retry later")
         elif queued + ev.n > cfg.max_queued_outputs:
             reject = (
@@ -484,7 +492,7 @@ class Scheduler:
                     req, ErrorKind.INTERNAL, f"AR stage returned {got} outputs, expected {req.n}", actions
                 )
                 continue
-            req.stage = _Stage.DENOISING
+            req.stage = _DENOISING
             req.ar_outputs = tuple(outs)
             for out in req.outputs[:1] if self.config.serial_outputs else req.outputs:
                 self._enqueue_output(req, out, front=False)
@@ -515,7 +523,7 @@ class Scheduler:
         if found is None:
             return
         req, out = found
-        out.state = _OutState.DONE
+        out.state = _DONE
         out.worker = None
         out.result = ev.result
         req.done += 1
@@ -534,7 +542,7 @@ class Scheduler:
         if found is None:
             return
         req, out = found
-        out.state, out.worker = _OutState.IDLE, None
+        out.state, out.worker = _IDLE, None
         if ev.retryable:
             self._retry_output(req, out, "denoise_failed", ev.message, actions)
         else:
@@ -545,7 +553,7 @@ class Scheduler:
     def _on_denoise_refused_busy(self, ev: DenoiseRefusedBusy, actions: list[Action]) -> None:
         self.counters.collisions += 1
         w = self._workers.get(ev.worker)
-        held = w is not None and w.role is WorkerRole.DENOISER and w.job == ev.job
+        held = w is not None and w.role is _DENOISER and w.job == ev.job
         found = self._take_job(ev.job, ev.worker)
         if held and (ev.sequence is None or ev.sequence >= w.occupancy_seq):
             # Busy until its stream says free; a free state newer than the refusal already came (stale).
@@ -554,13 +562,13 @@ class Scheduler:
                 w.occupancy_seq = ev.sequence
         if found is not None:
             req, out = found
-            out.state, out.worker = _OutState.IDLE, None
+            out.state, out.worker = _IDLE, None
             out.refusals += 1
             self._enqueue_output(req, out, front=True)  # to another free denoiser in this same event
 
     def _on_denoiser_occupancy(self, ev: DenoiserOccupancy, actions: list[Action]) -> None:
         w = self._workers.get(ev.worker)
-        if w is None or w.role is not WorkerRole.DENOISER:
+        if w is None or w.role is not _DENOISER:
             return
         if ev.sequence is not None:
             if ev.sequence <= w.occupancy_seq:
@@ -618,9 +626,9 @@ class Scheduler:
         self._recount(w)
         w.elsewhere = False  # its occupancy stream broke too; it says again when the worker is back
         # Client-facing: which stage, never which address (the driver logs that with the request ids).
-        reason = "the AR server running it became unavailable" if w.role is WorkerRole.AR else \
+        reason = "the AR server running it became unavailable" if w.role is _AR else \
             "the denoiser running it became unavailable"
-        if w.role is WorkerRole.AR:
+        if w.role is _AR:
             for bid in sorted(w.batches):
                 actions.append(CancelArBatch(bid, w.address))
                 batch = self._batches.pop(bid)  # fence: its result is ignored from now on
@@ -633,7 +641,7 @@ class Scheduler:
             if found is not None:
                 req, out = found
                 actions.append(CancelDenoise(job, w.address))
-                out.state, out.worker = _OutState.IDLE, None
+                out.state, out.worker = _IDLE, None
                 self._retry_output(req, out, "worker_unhealthy", reason, actions)
             # else: the request already ended and CancelDenoise was sent then.
         if w.draining:
@@ -643,7 +651,7 @@ class Scheduler:
 
     def _any_ready(self, role: WorkerRole) -> bool:
         """Whether some member of ``role`` accepts work (what a scan of accepts_work() would say)."""
-        return (self._ready_ar if role is WorkerRole.AR else self._ready_denoisers) > 0
+        return (self._ready_ar if role is _AR else self._ready_denoisers) > 0
 
     def _recount(self, w: _Worker, member: bool = True) -> None:
         """Bring the ready counts up to date after a change to a worker's healthy, draining or not_serving flag,
@@ -655,11 +663,11 @@ class Scheduler:
         if ready is not w.ready:
             w.ready = ready
             delta = 1 if ready else -1
-            if w.role is WorkerRole.AR:
+            if w.role is _AR:
                 self._ready_ar += delta
             else:
                 self._ready_denoisers += delta
-        if w.role is WorkerRole.AR:
+        if w.role is _AR:
             self._ar_dirty = True  # a worker joined, left, or may take batches now (or no longer)
 
     def _forget(self, w: _Worker) -> None:
@@ -670,7 +678,7 @@ class Scheduler:
 
     def _fail_stranded_ar_requests(self, actions: list[Action]) -> None:
         """With fail-fast on, requests still waiting for an AR batch fail once no AR worker is left to take it."""
-        if not self._pending_ar or not self.config.fail_fast_without_workers or self._any_ready(WorkerRole.AR):
+        if not self._pending_ar or not self.config.fail_fast_without_workers or self._any_ready(_AR):
             return
         stranded = [req for q in self._pending_ar.values() for req in q.requests]
         for req in sorted(stranded, key=lambda r: r.seq):
@@ -695,7 +703,7 @@ class Scheduler:
     def _fail_stranded_denoise_requests(self, actions: list[Action]) -> None:
         """With fail-fast on, requests with an output waiting for a denoiser fail once none is left to take it
         (the last one went away or is draining), rather than at their deadline minutes later."""
-        if not self._denoise_q or not self.config.fail_fast_without_workers or self._any_ready(WorkerRole.DENOISER):
+        if not self._denoise_q or not self.config.fail_fast_without_workers or self._any_ready(_DENOISER):
             return
         stranded = {self._active[rid] for _, _, _, rid in self._denoise_q if rid in self._active}
         for req in sorted(stranded, key=lambda r: r.seq):
@@ -711,25 +719,25 @@ class Scheduler:
         """Remove an active request from every queue and cancel its in-flight denoise jobs."""
         del self._active[req.request_id]
         self._ended = True
-        if req.stage is _Stage.PENDING_AR:
+        if req.stage is _PENDING_AR:
             q = self._pending_ar[req.queue_key]
             q.remove(req)
             if not q.requests:
                 del self._pending_ar[req.queue_key]
             self._pending_ar_outputs -= req.n
             self._ar_dirty = True  # e.g. a solo request is at the head now: its group may leave
-        elif req.stage is _Stage.DENOISING:
+        elif req.stage is _DENOISING:
             queued = False
             for out in req.outputs:  # one pass: on the hot path of every completion
-                if out.state is _OutState.QUEUED:
+                if out.state is _QUEUED:
                     queued = True
-                elif out.state is _OutState.INFLIGHT and out.worker is not None:
+                elif out.state is _INFLIGHT and out.worker is not None:
                     # The worker keeps the slot until the RPC ends, so it is never oversubscribed.
                     actions.append(CancelDenoise(JobId(req.request_id, out.index, out.attempt), out.worker))
             if queued:
                 seq = req.seq
                 self._denoise_q.drop_if(lambda k: k[1] == seq)
-        elif req.stage is _Stage.AR_INFLIGHT and req.ar_batch is not None:
+        elif req.stage is _AR_INFLIGHT and req.ar_batch is not None:
             # The batch result will drop this request (it is no longer active). If nobody else waits for the
             # batch, it is stopped at the end of this event (unless this event is its result).
             self._maybe_abandoned.add(req.ar_batch)
@@ -764,7 +772,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------------- AR stage
 
     def _enqueue_ar(self, req: _Request, front: bool) -> None:
-        req.stage = _Stage.PENDING_AR
+        req.stage = _PENDING_AR
         key = req.queue_key
         q = self._pending_ar.get(key)
         if q is None:  # (not setdefault: that would build a queue on every call)
@@ -873,7 +881,7 @@ class Scheduler:
                 next(self._batch_ids), w.address, key[0], key[1], tuple(r.request_id for r in taken)
             )
             for r in taken:
-                r.stage = _Stage.AR_INFLIGHT
+                r.stage = _AR_INFLIGHT
                 r.ar_batch = batch.batch_id
                 self._pending_ar_outputs -= r.n
             self._batches[batch.batch_id] = batch
@@ -886,16 +894,16 @@ class Scheduler:
     # -------------------------------------------------------------------------------------------- denoise stage
 
     def _enqueue_output(self, req: _Request, out: _Output, front: bool) -> None:
-        out.state = _OutState.QUEUED
+        out.state = _QUEUED
         self._denoise_q.push((_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
 
     def _live_output(self, job: JobId, worker: str) -> tuple[_Request, _Output] | None:
         """The output ``job`` is the current, in-flight attempt of, on ``worker``; else None (stale)."""
         req = self._active.get(job.request_id)
-        if req is None or req.stage is not _Stage.DENOISING or not 0 <= job.index < req.n:
+        if req is None or req.stage is not _DENOISING or not 0 <= job.index < req.n:
             return None
         out = req.outputs[job.index]
-        if out.state is not _OutState.INFLIGHT or out.attempt != job.attempt or out.worker != worker:
+        if out.state is not _INFLIGHT or out.attempt != job.attempt or out.worker != worker:
             return None
         return req, out
 
@@ -905,7 +913,7 @@ class Scheduler:
         Returns the live output the result belongs to, or None if the result is fenced."""
         w = self._workers.get(worker)
         # (``is`` first: the driver usually hands back the very JobId it was given; equal values also match.)
-        if w is None or w.role is not WorkerRole.DENOISER or (w.job is not job and w.job != job):
+        if w is None or w.role is not _DENOISER or (w.job is not job and w.job != job):
             # Superseded (worker went unhealthy and maybe took another job), unknown, or duplicated.
             self.counters.fenced_results += 1
             return None
@@ -935,7 +943,7 @@ class Scheduler:
     def _offer(self, w: _Worker) -> None:
         """Give a denoiser that may have become free its entry in the idle heap (one at most: its key only changes
         when it is dispatched, which takes the entry out first)."""
-        if w.role is WorkerRole.DENOISER and not w.offered and w.ready and w.job is None \
+        if w.role is _DENOISER and not w.offered and w.ready and w.job is None \
                 and not w.elsewhere:
             w.offered = True
             heapq.heappush(self._idle_denoisers, (w.last_used, w.added_seq, w))
@@ -964,7 +972,7 @@ class Scheduler:
             req = self._active[rid]
             out = req.outputs[index]
             attempt = out.attempt = out.attempt + 1
-            out.state = _OutState.INFLIGHT
+            out.state = _INFLIGHT
             address = out.worker = w.address
             job = w.job = JobId(rid, index, attempt)
             w.last_used = next(self._use_clock)
@@ -974,7 +982,7 @@ class Scheduler:
     # ---------------------------------------------------------------------------------------------- snapshots
 
     def _worker_snapshot(self, w: _Worker) -> WorkerSnapshot:
-        if w.role is WorkerRole.AR:
+        if w.role is _AR:
             inflight = len(w.batches)
             full = inflight >= self.config.ar_max_inflight_batches
         else:
