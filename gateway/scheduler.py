@@ -810,13 +810,17 @@ class Scheduler:
         self.counters.requeues[reason] += len(retry)
 
     def _free_ar_worker(self) -> _Worker | None:
-        free = [
-            w
-            for w in self._ar_workers.values()
-            if w.ready
-            and len(w.batches) < self.config.ar_max_inflight_batches
-        ]
-        return min(free, key=lambda w: (len(w.batches), w.last_used, w.added_seq), default=None)
+        """The AR worker with room that holds the fewest batches, then was used least recently (then joined first).
+        (A loop, not min() over a list with a key function: this runs for every batch and every next_wakeup().)"""
+        room = self.config.ar_max_inflight_batches
+        best: _Worker | None = None
+        best_key: tuple[int, int, int] = (0, 0, 0)
+        for w in self._ar_workers.values():
+            if w.ready and len(w.batches) < room:
+                key = (len(w.batches), w.last_used, w.added_seq)
+                if best is None or key < best_key:
+                    best, best_key = w, key
+        return best
 
     def _eligible_group(self) -> tuple[tuple[int, int, int] | None, float]:
         """The resolution whose batch may leave now and whose oldest request is oldest (None if none may), and the
