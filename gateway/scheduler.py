@@ -342,8 +342,8 @@ class Scheduler:
     def handle(self, event: Event) -> list[Action]:
         """Apply one event; return the actions to perform, in order."""
         # One dict lookup on the exact type instead of isinstance over the union and a 14-case match: this runs on
-        # every event. A subclass of an event type (or anything else) takes the slow path, which matches the way
-        # the match statement did.
+        # every event. Anything else (a subclass of an event type, or not an event) takes the slow path: isinstance
+        # against each type in the union's order, as the match did.
         handler = self._handlers.get(type(event))
         if handler is None:
             handler = self._handler_by_isinstance(event)
@@ -371,7 +371,7 @@ class Scheduler:
             self._dispatch_ar(actions)
         if self._idle_denoisers and self._denoise_q.first is not None:
             self._dispatch_denoise(actions)
-        if self._ended:  # only an ended request can leave a dead entry on top of the deadline heap
+        if self._ended:  # only an ended request can leave a dead entry at the head of the deadline queue
             self._prune_deadlines()
         return actions
 
@@ -385,7 +385,7 @@ class Scheduler:
         """Earliest time at which a Tick would change something, or None."""
         candidates: list[float] = []
         if self._deadlines.first is not None:
-            candidates.append(self._deadlines.first[0])  # pruned after every handle(): the top is live
+            candidates.append(self._deadlines.first[0])  # pruned after every handle(): the head is live
         # A batch delay expiry matters only if some AR worker could take the batch; otherwise the event that
         # frees a worker triggers the dispatch. (Without this, an expired group would make the driver spin.)
         if self._pending_ar and self._free_ar_worker() is not None:
@@ -634,7 +634,7 @@ class Scheduler:
                 batch = self._batches.pop(bid)  # fence: its result is ignored from now on
                 self._ar_batch_failed(batch, f"AR stage failed: {reason}", "worker_unhealthy", actions)
             w.batches.clear()
-            self._ar_dirty = True  # (already set by _recount above: it is unhealthy now)
+            self._ar_dirty = True  # its slots are free (_recount above has set it too: it is unhealthy now)
         elif w.job is not None:
             job, w.job = w.job, None  # the slot is free; the old attempt is fenced by the attempt number
             found = self._live_output(job, w.address)
@@ -725,7 +725,9 @@ class Scheduler:
             if not q.requests:
                 del self._pending_ar[req.queue_key]
             self._pending_ar_outputs -= req.n
-            self._ar_dirty = True  # e.g. a solo request is at the head now: its group may leave
+            # (A removal cannot let a batch leave: its group only gets smaller and younger. Set all the same, so
+            # that the rule stays simple: every change to the AR queues sets the flag.)
+            self._ar_dirty = True
         elif req.stage is _DENOISING:
             queued = False
             for out in req.outputs:  # one pass: on the hot path of every completion
@@ -758,7 +760,7 @@ class Scheduler:
                 self._fail(req, ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded", actions)
 
     def _prune_deadlines(self) -> None:
-        # Drop entries of requests that ended otherwise, so next_wakeup() can peek at a live top. Only an ending
+        # Drop entries of requests that ended otherwise, so next_wakeup() can peek at a live head. Only an ending
         # makes an entry dead (a pushed one is live), so handle() calls this only after an event that ended one.
         self._ended = False
         deadlines = self._deadlines
