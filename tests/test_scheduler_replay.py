@@ -92,10 +92,10 @@ def _random_config(r: random.Random) -> SchedulerConfig:
     )
 
 
-def _random_run(seed: int, steps: int, d: _Digest | None = None) -> _Digest:
+def _random_run(seed: int, steps: int) -> _Digest:
     """One seeded run: the next event is drawn from the cluster's state (the dispatches not yet answered)."""
     r = random.Random(seed)
-    d = d or _Digest(Scheduler(_random_config(r)))
+    d = _Digest(Scheduler(_random_config(r)))
     now, rids, occupancy = 0.0, 0, 0
     jobs: list[DispatchDenoise] = []
     batches: list[DispatchArBatch] = []
