@@ -70,10 +70,10 @@ class _Digest:
         return self.hash.hexdigest()[:16]
 
 
-def _bench_stream_digest() -> tuple[str, int]:
+def _bench_stream_digest(scheduler: type = Scheduler) -> tuple[str, int]:
     # Small enough for a test: 20 denoisers; the harness still fills 10,000 queued outputs first.
     stream = scheduler_micro._record(20, 3000)
-    d = _Digest(scheduler_micro._Harness(20).sched)
+    d = _Digest(scheduler_micro._Harness(20, scheduler).sched)
     for ev in stream:
         d.feed(ev)
     return d.hexdigest(), d.events
@@ -92,10 +92,10 @@ def _random_config(r: random.Random) -> SchedulerConfig:
     )
 
 
-def _random_run(seed: int, steps: int) -> _Digest:
+def _random_run(seed: int, steps: int, scheduler: type = Scheduler) -> _Digest:
     """One seeded run: the next event is drawn from the cluster's state (the dispatches not yet answered)."""
     r = random.Random(seed)
-    d = _Digest(Scheduler(_random_config(r)))
+    d = _Digest(scheduler(_random_config(r)))
     now, rids, occupancy = 0.0, 0, 0
     jobs: list[DispatchDenoise] = []
     batches: list[DispatchArBatch] = []
@@ -175,11 +175,11 @@ def _random_run(seed: int, steps: int) -> _Digest:
     return d
 
 
-def _random_stream_digest() -> tuple[str, int]:
+def _random_stream_digest(scheduler: type = Scheduler) -> tuple[str, int]:
     total = hashlib.sha256()
     events = 0
     for seed in range(40):
-        d = _random_run(seed, 400)
+        d = _random_run(seed, 400, scheduler)
         total.update(d.hexdigest().encode())
         events += d.events
     return total.hexdigest()[:16], events
