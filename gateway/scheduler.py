@@ -970,7 +970,7 @@ class Scheduler:
     def _dispatch_denoise(self, actions: list[Action]) -> None:
         # One output per free denoiser, so a request's n outputs fan out to n workers at once.
         queue = self._denoise_q
-        while queue.first is not None:
+        while queue.first is not None and self._idle_denoisers:  # (no entry left in the idle heap: none is free)
             w = self._free_denoiser()
             if w is None:
                 return
