@@ -7,16 +7,25 @@ next queued output), RequestArrived and ArBatchSucceeded to keep the queue at ~1
 
 The stream is recorded once from a live run (the events depend on the job and batch ids the scheduler hands out)
 and then replayed, timed, on fresh twins built the same way: the scheduler is deterministic, so a twin produces the
-very same actions, and the clock measures handle() alone, not this harness. Figures are medians of rounds.
+very same actions, and the clock measures handle() alone, not this harness. Figures are medians of rounds:
+events/s and ns per event for each pool size, and the cost curve (ns per event at the largest pool over the
+smallest, which logarithmic growth bounds by log(1000)/log(10) = 3).
+
+With ``--base REV`` the scheduler of an earlier revision (its gateway/scheduler.py, over this checkout's exchange
+types) replays the same streams, in rounds alternating with this one's, so both see the same machine load; the
+head/base ratio of the medians is the speed-up, and both must complete the same requests.
 Writes bench/results/scheduler_micro.json.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import subprocess
 import sys
 import time
+import types
 from collections import deque
+from pathlib import Path
 
 from bench.common import median, write_result
 from gateway.scheduler import (
@@ -39,13 +48,14 @@ QUEUED = 10_000  # outputs kept waiting for a denoiser
 BATCH = 8  # AR batch capacity in outputs; a batch leaves when full (the delay is out of reach)
 TICK = 1e-6  # simulated seconds between events
 TARGET_EVENTS_PER_S = 100_000
+REPO = Path(__file__).resolve().parents[1]
 
 
 class _Harness:
     """Plays the driver and the workers: answers every dispatch, in order, with a success."""
 
-    def __init__(self, denoisers: int) -> None:
-        self.sched = Scheduler(SchedulerConfig(max_queued_outputs=4 * QUEUED, ar_batch_max_outputs=BATCH,
+    def __init__(self, denoisers: int, scheduler: type = Scheduler) -> None:
+        self.sched = scheduler(SchedulerConfig(max_queued_outputs=4 * QUEUED, ar_batch_max_outputs=BATCH,
                                                ar_batch_delay=3600.0))
         self.now = 0.0
         self.arrivals = 0
@@ -93,9 +103,9 @@ def _record(denoisers: int, events: int) -> list[Event]:
     return stream
 
 
-def _replay(denoisers: int, stream: list[Event]) -> tuple[float, int]:
+def _replay(denoisers: int, stream: list[Event], scheduler: type = Scheduler) -> tuple[float, int]:
     """Seconds to handle the stream on a fresh twin, and how many requests it completed (the twin's check)."""
-    sched = _Harness(denoisers).sched
+    sched = _Harness(denoisers, scheduler).sched
     handle = sched.handle
     t0 = time.perf_counter()
     for ev in stream:
@@ -103,37 +113,73 @@ def _replay(denoisers: int, stream: list[Event]) -> tuple[float, int]:
     return time.perf_counter() - t0, sched.counters.completed
 
 
-def run(pools: tuple[int, ...], events: int, rounds: int) -> dict:
+def scheduler_at(rev: str) -> tuple[type, str]:
+    """The Scheduler class of gateway/scheduler.py as of ``rev`` (loaded as a module of its own, next to this
+    checkout's gateway.scheduler_types), and the commit ``rev`` names."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}").strip()
+    module = types.ModuleType(f"bench_scheduler_at_{commit[:10]}")
+    module.__file__ = f"{commit[:10]}:gateway/scheduler.py"
+    sys.modules[module.__name__] = module  # dataclasses look their module up while the class body is built
+    exec(compile(git("show", f"{commit}:gateway/scheduler.py"), module.__file__, "exec"), module.__dict__)
+    return module.Scheduler, commit
+
+
+def _figures(times: list[float], events: int) -> dict:
+    s = median(times)
+    return {"rounds_s": [round(t, 5) for t in times], "events_per_s": round(events / s),
+            "events_per_s_range": [round(events / max(times)), round(events / min(times))],
+            "ns_per_event": round(s / events * 1e9), "us_per_event": round(s / events * 1e6, 3)}
+
+
+def run(pools: tuple[int, ...], events: int, rounds: int, base: str | None = None) -> dict:
+    base_scheduler, base_commit = scheduler_at(base) if base else (None, None)
     by_pool: dict[str, dict] = {}
     for d in pools:
         stream = _record(d, events)
         mix = {name: sum(type(e).__name__ == name for e in stream)
                for name in ("DenoiseSucceeded", "RequestArrived", "ArBatchSucceeded")}
-        times, completed = [], set()
-        for _ in range(rounds):
-            seconds, done = _replay(d, stream)
-            times.append(seconds)
-            completed.add(done)
-        assert len(completed) == 1, "replays diverged: the scheduler is not deterministic"
-        s = median(times)
-        by_pool[str(d)] = {"denoisers": d, "events": len(stream), "event_mix": mix,
-                           "rounds_s": [round(t, 5) for t in times], "events_per_s": round(len(stream) / s),
-                           "us_per_event": round(s / len(stream) * 1e6, 3)}
-        print(f"{d:>5} denoisers: {by_pool[str(d)]['events_per_s']:>8} events/s, "
-              f"{by_pool[str(d)]['us_per_event']:.2f} us/event", flush=True)
+        sides = {"head": Scheduler} if base_scheduler is None else {"head": Scheduler, "base": base_scheduler}
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        completed = set()
+        for i in range(rounds):
+            # Alternate which side goes first (ABBA...), so drift in the machine's load favours neither.
+            for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+                seconds, done = _replay(d, stream, sides[side])
+                times[side].append(seconds)
+                completed.add(done)
+        assert len(completed) == 1, "replays diverged: a scheduler is not deterministic, or the two differ"
+        row = by_pool[str(d)] = {"denoisers": d, "events": len(stream), "event_mix": mix,
+                                 **_figures(times["head"], len(stream))}
+        line = (f"{d:>5} denoisers: {row['events_per_s']:>8} events/s ({row['events_per_s_range'][0]}-"
+                f"{row['events_per_s_range'][1]}), {row['ns_per_event']} ns/event")
+        if "base" in times:
+            row["base"] = _figures(times["base"], len(stream))
+            row["speedup_over_base"] = round(row["events_per_s"] / row["base"]["events_per_s"], 3)
+            line += (f"; base {row['base']['events_per_s']} events/s, {row['base']['ns_per_event']} ns/event: "
+                     f"{row['speedup_over_base']:.2f}x")
+        print(line, flush=True)
     lo, hi = by_pool[str(pools[0])], by_pool[str(pools[-1])]
-    growth = hi["us_per_event"] / lo["us_per_event"]
+    growth = hi["ns_per_event"] / lo["ns_per_event"]
     # Logarithmic growth allows cost(hi)/cost(lo) up to log(hi)/log(lo) (3.0 for 1,000 over 10).
     log_bound = math.log(pools[-1]) / math.log(pools[0])
-    summary = {"events_per_s_at_max_pool": hi["events_per_s"], "cost_growth_max_over_min_pool": round(growth, 3),
-               "log_growth_bound": round(log_bound, 3)}
+    summary = {"events_per_s_at_max_pool": hi["events_per_s"],
+               "ns_per_event_by_pool": {k: v["ns_per_event"] for k, v in by_pool.items()},
+               "cost_growth_max_over_min_pool": round(growth, 3), "log_growth_bound": round(log_bound, 3)}
+    if base:
+        summary["base"] = {"rev": base, "commit": base_commit,
+                           "events_per_s_at_max_pool": hi["base"]["events_per_s"],
+                           "ns_per_event_by_pool": {k: v["base"]["ns_per_event"] for k, v in by_pool.items()},
+                           "speedup_by_pool": {k: v["speedup_over_base"] for k, v in by_pool.items()}}
     targets = {f">= {TARGET_EVENTS_PER_S:,} events/s at {pools[-1]} denoisers":
                hi["events_per_s"] >= TARGET_EVENTS_PER_S,
                f"per-event cost {pools[-1]} vs {pools[0]} denoisers <= log ratio ({log_bound:.1f}x)":
                growth <= log_bound}
     return {"setup": {"pools": list(pools), "ar_servers": AR_SERVERS, "queued_outputs": QUEUED,
                       "ar_batch_max_outputs": BATCH, "n": 1, "events_per_round": events, "rounds": rounds,
-                      "python": sys.version.split()[0]},
+                      "base": base, "python": sys.version.split()[0]},
             "by_pool": by_pool, "summary": summary, "targets_met": targets}
 
 
@@ -143,9 +189,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--pools", type=lambda s: tuple(int(x) for x in s.split(",")), default=POOLS,
                    help="comma-separated denoiser counts, smallest first")
+    p.add_argument("--base", metavar="REV", help="also replay on gateway/scheduler.py as of this git revision, "
+                   "in alternating rounds, and report the speed-up")
     args = p.parse_args(argv)
-    results = run(args.pools, args.events, args.rounds)
+    results = run(args.pools, args.events, args.rounds, args.base)
     write_result("scheduler_micro", results, "python -m bench.scheduler_micro " + " ".join(argv or sys.argv[1:]))
+    s = results["summary"]
+    print(f"cost curve: {', '.join(f'{k}: {v} ns' for k, v in s['ns_per_event_by_pool'].items())}; "
+          f"{args.pools[-1]} over {args.pools[0]}: {s['cost_growth_max_over_min_pool']}x "
+          f"(logarithmic: <= {s['log_growth_bound']}x)")
     for k, v in results["targets_met"].items():
         print(f"- {k}: {'met' if v else 'MISSED'}")
 

@@ -22,9 +22,11 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import get_args
+from typing import Any, get_args
 
 # The exchange types live in gateway/scheduler_types.py; they are re-exported here (see __all__) for every user.
 from gateway import scheduler_types
@@ -85,17 +87,27 @@ class _OutState(enum.Enum):
     DONE = enum.auto()
 
 
-@dataclass(eq=False)
+# The enum members the scheduler compares against, as module globals. Reading a member off its class
+# (``_Stage.DENOISING``) costs about ten times a global read in CPython 3.11 (the enum metaclass defines
+# __getattr__, which slows down every attribute read on the class), and every event does a dozen.
+_PENDING_AR, _AR_INFLIGHT, _DENOISING = _Stage.PENDING_AR, _Stage.AR_INFLIGHT, _Stage.DENOISING
+_IDLE, _QUEUED, _INFLIGHT, _DONE = _OutState.IDLE, _OutState.QUEUED, _OutState.INFLIGHT, _OutState.DONE
+_AR, _DENOISER = WorkerRole.AR, WorkerRole.DENOISER
+
+
+# The internal records use __slots__: their attributes are read and written on every event, and a slot is
+# quicker to reach than an instance __dict__ (and smaller, with 10,000 queued outputs).
+@dataclass(slots=True, eq=False)
 class _Output:
     index: int
     attempt: int  # JobId.attempt of the latest dispatch (starts at the request's attempt base)
-    state: _OutState = _OutState.IDLE
+    state: _OutState = _IDLE
     worker: str | None = None
     result: object = None
     refusals: int = 0  # dispatches a denoiser refused as busy with another gateway's job: not attempts used
 
 
-@dataclass(eq=False)  # identity equality: deque.remove must not confuse two requests
+@dataclass(slots=True, eq=False)  # identity equality: deque.remove must not confuse two requests
 class _Request:
     request_id: str
     seq: int  # admission order; also distinguishes incarnations of a reused request_id
@@ -106,7 +118,7 @@ class _Request:
     arrived_at: float  # AR queue age; kept across AR retries so a retried request is not starved
     attempt_base: int
     outputs: list[_Output]
-    stage: _Stage = _Stage.PENDING_AR
+    stage: _Stage = _PENDING_AR
     ar_batch: int | None = None
     ar_failures: int = 0
     # An edit, or it shared a batch the AR refused as bad input: it goes alone (from now on).
@@ -121,7 +133,7 @@ class _Request:
         return (self.height, self.width, self.seq if self.solo else 0)
 
 
-@dataclass(eq=False)
+@dataclass(slots=True, eq=False)
 class _Worker:
     address: str
     role: WorkerRole
@@ -137,6 +149,9 @@ class _Worker:
     # sequence ``occupancy_seq``; such a denoiser gets no job from here until it is free again.
     elsewhere: bool = False
     occupancy_seq: int = -1
+    # accepts_work() as of the last change to its flags, kept by Scheduler._recount (False once forgotten): it is
+    # what the ready counts count, and what the dispatch paths read instead of calling accepts_work().
+    ready: bool = False
 
     def busy(self) -> bool:
         return self.job is not None or bool(self.batches)
@@ -145,7 +160,46 @@ class _Worker:
         return self.healthy and not self.draining and not self.not_serving
 
 
-@dataclass(frozen=True)
+class _ArQueue:
+    """One AR queue (a resolution's, or a solo request's own): its requests in dispatch order, and the two figures
+    the AR dispatch pass checks on every look, kept up to date instead of recomputed from the requests each time:
+    ``outputs`` (the sum of their n) and ``oldest()`` (the smallest (arrived_at, seq), cached)."""
+
+    __slots__ = ("requests", "outputs", "_oldest")
+
+    def __init__(self) -> None:
+        self.requests: deque[_Request] = deque()
+        self.outputs = 0
+        self._oldest: tuple[float, int] | None = None  # None: to be computed (empty, or its oldest left)
+
+    def push(self, req: _Request, front: bool) -> None:
+        if front:
+            self.requests.appendleft(req)
+        else:
+            self.requests.append(req)
+        self.outputs += req.n
+        if self._oldest is not None and (req.arrived_at, req.seq) < self._oldest:
+            self._oldest = (req.arrived_at, req.seq)  # a retried request keeps its age: it may be the oldest
+
+    def remove(self, req: _Request) -> None:
+        self.requests.remove(req)
+        self.outputs -= req.n
+        if (req.arrived_at, req.seq) == self._oldest:
+            self._oldest = None
+
+    def keep_only(self, rest: deque[_Request]) -> None:
+        """After a batch took some of the requests: ``rest`` are those left, in order."""
+        self.requests = rest
+        self.outputs = sum(r.n for r in rest)
+        self._oldest = None
+
+    def oldest(self) -> tuple[float, int]:
+        if self._oldest is None:
+            self._oldest = min((r.arrived_at, r.seq) for r in self.requests)
+        return self._oldest
+
+
+@dataclass(frozen=True, slots=True)
 class _Batch:
     batch_id: int
     worker: str
@@ -154,10 +208,71 @@ class _Batch:
     request_ids: tuple[str, ...]
 
 
+class _MinQueue:
+    """A priority queue of unique, comparable entries, smallest first: a heap with a fast lane.
+
+    Entries usually come in increasing order (deadlines of requests with the same timeout; the outputs of AR
+    batches answered in turn), and a pop from a heap of 10,000 sifts through cold memory. So an entry greater than
+    the last one in the lane is appended to the lane (a deque, sorted by construction), any other goes to the heap,
+    and a pop takes the smaller of the two heads: the same order as one heap. ``first`` is the smallest entry
+    (None if empty), kept up to date so that a peek costs an attribute read."""
+
+    __slots__ = ("first", "_lane", "_heap")
+
+    def __init__(self) -> None:
+        self.first: Any = None
+        self._lane: deque[Any] = deque()
+        self._heap: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self._lane) + len(self._heap)
+
+    def __iter__(self) -> Iterator[Any]:
+        """Every entry, in no particular order."""
+        yield from self._lane
+        yield from self._heap
+
+    def push(self, entry: Any) -> None:
+        lane = self._lane
+        if not lane or lane[-1] < entry:
+            lane.append(entry)
+        else:
+            heapq.heappush(self._heap, entry)
+        if self.first is None or entry < self.first:
+            self.first = entry
+
+    def pop(self) -> Any:
+        """Take the smallest entry out (the queue must not be empty)."""
+        entry = self.first
+        if self._heap and self._heap[0] is entry:
+            heapq.heappop(self._heap)
+        else:
+            self._lane.popleft()
+        self._find_first()
+        return entry
+
+    def drop_if(self, doomed: Callable[[Any], bool]) -> None:
+        self._lane = deque(e for e in self._lane if not doomed(e))
+        self._heap = [e for e in self._heap if not doomed(e)]
+        heapq.heapify(self._heap)
+        self._find_first()
+
+    def _find_first(self) -> None:
+        lane, heap = self._lane, self._heap
+        if lane and heap:
+            self.first = lane[0] if lane[0] < heap[0] else heap[0]
+        elif lane:
+            self.first = lane[0]
+        else:
+            self.first = heap[0] if heap else None
+
+
 # A denoise queue entry: (class, admission seq, index, request_id). Class 0 = requeued (goes to the front),
 # class 1 = fresh. (class, seq, index) is unique, so request_id never takes part in comparisons.
 _QueueKey = tuple[int, int, int, str]
 _FRONT, _FRESH = 0, 1
+
+_NEVER = math.inf  # a time no clock reaches (a constant: float("inf") parses a string on every call)
 
 # How many ended request ids remember their highest attempt number. A reused id continues above it, so a late
 # result of the previous incarnation cannot pass the fencing check of the new one.
@@ -177,19 +292,46 @@ class Scheduler:
         self._use_clock = itertools.count(1)  # logical clock for least-recently-used choices
         self._active: dict[str, _Request] = {}
         # (height, width, 0) -> the requests that may batch together; a solo request queues under its own key.
-        self._pending_ar: dict[tuple[int, int, int], deque[_Request]] = {}
+        self._pending_ar: dict[tuple[int, int, int], _ArQueue] = {}  # none is empty
         self._pending_ar_outputs = 0
-        self._denoise_q: list[_QueueKey] = []  # a heap: the smallest key is dispatched next
+        self._denoise_q = _MinQueue()  # of _QueueKey: the smallest is dispatched next
         self._batches: dict[int, _Batch] = {}
         self._workers: dict[str, _Worker] = {}
         # The same workers by role, so a choice among the few AR servers does not scan every denoiser.
         self._by_role: dict[WorkerRole, dict[str, _Worker]] = {r: {} for r in WorkerRole}
-        self._ar_workers = self._by_role[WorkerRole.AR]  # looked up on every event; an enum's hash is not free
+        self._ar_workers = self._by_role[_AR]  # looked up on every event; an enum's hash is not free
+        # How many members of each role accept work, kept by _recount and _forget, so that "is any worker of this
+        # stage ready" (asked on every event with fail-fast on) costs O(1), not a scan of the denoiser pool.
+        self._ready_ar = 0
+        self._ready_denoisers = 0
         # Heap of denoisers that may be free, by (last_used, added_seq): the LRU choice without scanning the pool.
         # Validated lazily when it reaches the top (see _free_denoiser).
         self._idle_denoisers: list[tuple[int, int, _Worker]] = []
-        self._deadlines: list[tuple[float, int, str]] = []  # heap, lazily pruned
+        self._deadlines = _MinQueue()  # of (deadline, seq, request_id), lazily pruned
         self._attempt_floor: OrderedDict[str, int] = OrderedDict()
+        self._ended = False  # a request ended during this event (see _prune_deadlines)
+        # When the AR dispatch pass may find something to do again (see _dispatch_ar): at once if _ar_dirty (an AR
+        # queue or an AR worker changed), else from _ar_recheck_at on (a waiting group's batch delay expires).
+        self._ar_dirty = False
+        self._ar_recheck_at = _NEVER
+        # Event type -> its handler, in the order of the Event union (handle() looks up the exact type).
+        self._handlers: dict[type, Callable[[Any, list[Action]], None]] = {
+            RequestArrived: self._on_arrived,
+            ArBatchSucceeded: self._on_ar_succeeded,
+            ArBatchFailed: self._on_ar_failed,
+            DenoiseSucceeded: self._on_denoise_succeeded,
+            DenoiseFailed: self._on_denoise_failed,
+            DenoiseRefusedBusy: self._on_denoise_refused_busy,
+            DenoiserOccupancy: self._on_denoiser_occupancy,
+            WorkerAdded: self._on_worker_added,
+            WorkerRemoved: self._on_worker_removed,
+            WorkerHealthy: self._on_worker_healthy,
+            WorkerUnhealthy: self._on_worker_unhealthy,
+            WorkerNotServing: self._on_worker_not_serving,
+            RequestCancelled: self._on_cancelled,
+            Tick: self._on_tick,
+        }
+        assert tuple(self._handlers) == _EVENT_TYPES, "a handler per event type, in the union's order"
 
     # ------------------------------------------------------------------------------------------------ public API
 
@@ -199,67 +341,61 @@ class Scheduler:
 
     def handle(self, event: Event) -> list[Action]:
         """Apply one event; return the actions to perform, in order."""
-        if not isinstance(event, _EVENT_TYPES):
-            raise TypeError(f"unknown event type {type(event).__name__}")
+        # One dict lookup on the exact type instead of isinstance over the union and a 14-case match: this runs on
+        # every event. Anything else (a subclass of an event type, or not an event) takes the slow path: isinstance
+        # against each type in the union's order, as the match did.
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            handler = self._handler_by_isinstance(event)
         # Time never goes backwards, even if the driver delivers slightly out-of-order timestamps.
-        self._now = max(self._now, event.now)
+        if event.now > self._now:
+            self._now = event.now
         actions: list[Action] = []
         # Deadlines first: a result that arrives at or after the deadline must not complete the request.
-        self._expire_deadlines(actions)
-        match event:
-            case RequestArrived():
-                self._on_arrived(event, actions)
-            case ArBatchSucceeded():
-                self._on_ar_succeeded(event, actions)
-            case ArBatchFailed():
-                self._on_ar_failed(event, actions)
-            case DenoiseSucceeded():
-                self._on_denoise_succeeded(event, actions)
-            case DenoiseFailed():
-                self._on_denoise_failed(event, actions)
-            case DenoiseRefusedBusy():
-                self._on_denoise_refused_busy(event)
-            case DenoiserOccupancy():
-                self._on_denoiser_occupancy(event)
-            case WorkerAdded():
-                self._on_worker_added(event)
-            case WorkerRemoved():
-                self._on_worker_removed(event)
-            case WorkerHealthy():
-                self._on_worker_healthy(event)
-            case WorkerUnhealthy():
-                self._on_worker_unhealthy(event, actions)
-            case WorkerNotServing():
-                self._on_worker_not_serving(event)
-            case RequestCancelled():
-                self._on_cancelled(event, actions)
-            case Tick():
-                pass  # time moved: deadlines above, batch delays in the dispatch loop below
+        # (Each pass below is called only when its first test would not return at once: this runs on every event.)
+        first = self._deadlines.first
+        if first is not None and first[0] <= self._now:
+            self._expire_deadlines(actions)
+        handler(event, actions)
         # After any event: the last worker of a stage may be gone, a batch may have lost its last request.
-        self._fail_stranded_ar_requests(actions)
-        self._fail_stranded_denoise_requests(actions)
-        self._stop_abandoned_batches(actions)
-        # Work conservation: every event may have freed a worker or queued work.
-        self._dispatch_ar(actions)
-        self._dispatch_denoise(actions)
-        self._prune_deadlines()
+        if self._pending_ar and not self._ready_ar:
+            self._fail_stranded_ar_requests(actions)
+        if self._denoise_q.first is not None and not self._ready_denoisers:
+            self._fail_stranded_denoise_requests(actions)
+        if self._maybe_abandoned:
+            self._stop_abandoned_batches(actions)
+        # Work conservation: every event may have freed a worker or queued work. The AR pass runs only when what
+        # it reads has changed since it last found nothing to do (see _dispatch_ar). The denoise pass needs both
+        # queued work and a denoiser that may be free (with either missing it does nothing, and touches nothing).
+        if self._ar_dirty or self._now >= self._ar_recheck_at:  # else the AR pass would find nothing to do
+            self._dispatch_ar(actions)
+        if self._idle_denoisers and self._denoise_q.first is not None:
+            self._dispatch_denoise(actions)
+        if self._ended:  # only an ended request can leave a dead entry at the head of the deadline queue
+            self._prune_deadlines()
         return actions
+
+    def _handler_by_isinstance(self, event: Event) -> Callable[[Any, list[Action]], None]:
+        for event_type, handler in self._handlers.items():  # in the order of the Event union
+            if isinstance(event, event_type):
+                return handler
+        raise TypeError(f"unknown event type {type(event).__name__}")
 
     def next_wakeup(self) -> float | None:
         """Earliest time at which a Tick would change something, or None."""
         candidates: list[float] = []
-        if self._deadlines:
-            candidates.append(self._deadlines[0][0])  # pruned after every handle(): the top is live
+        if self._deadlines.first is not None:
+            candidates.append(self._deadlines.first[0])  # pruned after every handle(): the head is live
         # A batch delay expiry matters only if some AR worker could take the batch; otherwise the event that
         # frees a worker triggers the dispatch. (Without this, an expired group would make the driver spin.)
         if self._pending_ar and self._free_ar_worker() is not None:
             delay = self.config.ar_batch_delay
-            candidates.extend(self._oldest(q)[0] + delay for q in self._pending_ar.values())
+            candidates.extend(q.oldest()[0] + delay for q in self._pending_ar.values())
         return min(candidates) if candidates else None
 
     def snapshot(self) -> Snapshot:
         return Snapshot(
-            pending_ar_requests=sum(len(q) for q in self._pending_ar.values()),
+            pending_ar_requests=sum(len(q.requests) for q in self._pending_ar.values()),
             pending_ar_outputs=self._pending_ar_outputs,
             pending_denoise_outputs=len(self._denoise_q),
             pending_denoise_requests=len({k[1] for k in self._denoise_q}),
@@ -285,6 +421,7 @@ class Scheduler:
     def _on_arrived(self, ev: RequestArrived, actions: list[Action]) -> None:
         cfg = self.config
         rid = ev.request_id
+        queued = self._pending_ar_outputs + len(self._denoise_q)  # queued_outputs(), on the hot path
         reject: tuple[ErrorKind, str] | None = None
         if not isinstance(ev.n, int) or ev.n < 1:
             reject = (ErrorKind.INVALID_ARGUMENT, f"n must be >= 1, got {ev.n!r}")
@@ -298,15 +435,15 @@ class Scheduler:
                 ErrorKind.INVALID_ARGUMENT,
                 f"n={ev.n} exceeds the gateway limit --max-queued-outputs={cfg.max_queued_outputs}",
             )
-        elif cfg.fail_fast_without_workers and not self._any_ready(WorkerRole.AR):
+        elif cfg.fail_fast_without_workers and not self._any_ready(_AR):
             reject = (ErrorKind.UNAVAILABLE, "no AR server is available; retry later")
-        elif cfg.fail_fast_without_workers and not self._any_ready(WorkerRole.DENOISER):
+        elif cfg.fail_fast_without_workers and not self._any_ready(_DENOISER):
             reject = (ErrorKind.UNAVAILABLE, "no denoiser is available; retry later")
-        elif self.queued_outputs() + ev.n > cfg.max_queued_outputs:
+        elif queued + ev.n > cfg.max_queued_outputs:
             reject = (
                 ErrorKind.RESOURCE_EXHAUSTED,
                 (
-                    f"the queues are full ({self.queued_outputs()} queued outputs + n={ev.n} "
+                    f"the queues are full ({queued} queued outputs + n={ev.n} "
                     f"> --max-queued-outputs={cfg.max_queued_outputs}); retry later"
                 ),
             )
@@ -335,7 +472,7 @@ class Scheduler:
             # Admitted and ended at once, so every admitted request still ends exactly once.
             self._fail(req, ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded on arrival", actions)
         elif ev.deadline is not None:
-            heapq.heappush(self._deadlines, (ev.deadline, req.seq, rid))
+            self._deadlines.push((ev.deadline, req.seq, rid))
 
     def _on_cancelled(self, ev: RequestCancelled, actions: list[Action]) -> None:
         req = self._active.get(ev.request_id)
@@ -355,7 +492,7 @@ class Scheduler:
                     req, ErrorKind.INTERNAL, f"AR stage returned {got} outputs, expected {req.n}", actions
                 )
                 continue
-            req.stage = _Stage.DENOISING
+            req.stage = _DENOISING
             req.ar_outputs = tuple(outs)
             for out in req.outputs[:1] if self.config.serial_outputs else req.outputs:
                 self._enqueue_output(req, out, front=False)
@@ -386,7 +523,7 @@ class Scheduler:
         if found is None:
             return
         req, out = found
-        out.state = _OutState.DONE
+        out.state = _DONE
         out.worker = None
         out.result = ev.result
         req.done += 1
@@ -397,7 +534,7 @@ class Scheduler:
             self._end(req, actions)
             self.counters.completed += 1
             actions.append(
-                CompleteRequest(req.request_id, tuple(o.result for o in req.outputs), req.ar_outputs)
+                CompleteRequest(req.request_id, tuple([o.result for o in req.outputs]), req.ar_outputs)
             )
 
     def _on_denoise_failed(self, ev: DenoiseFailed, actions: list[Action]) -> None:
@@ -405,7 +542,7 @@ class Scheduler:
         if found is None:
             return
         req, out = found
-        out.state, out.worker = _OutState.IDLE, None
+        out.state, out.worker = _IDLE, None
         if ev.retryable:
             self._retry_output(req, out, "denoise_failed", ev.message, actions)
         else:
@@ -413,10 +550,10 @@ class Scheduler:
             message = ev.message if ev.code is ErrorKind.INVALID_ARGUMENT else f"denoise failed: {ev.message}"
             self._fail(req, ev.code, message, actions, field=ev.field)
 
-    def _on_denoise_refused_busy(self, ev: DenoiseRefusedBusy) -> None:
+    def _on_denoise_refused_busy(self, ev: DenoiseRefusedBusy, actions: list[Action]) -> None:
         self.counters.collisions += 1
         w = self._workers.get(ev.worker)
-        held = w is not None and w.role is WorkerRole.DENOISER and w.job == ev.job
+        held = w is not None and w.role is _DENOISER and w.job == ev.job
         found = self._take_job(ev.job, ev.worker)
         if held and (ev.sequence is None or ev.sequence >= w.occupancy_seq):
             # Busy until its stream says free; a free state newer than the refusal already came (stale).
@@ -425,13 +562,13 @@ class Scheduler:
                 w.occupancy_seq = ev.sequence
         if found is not None:
             req, out = found
-            out.state, out.worker = _OutState.IDLE, None
+            out.state, out.worker = _IDLE, None
             out.refusals += 1
             self._enqueue_output(req, out, front=True)  # to another free denoiser in this same event
 
-    def _on_denoiser_occupancy(self, ev: DenoiserOccupancy) -> None:
+    def _on_denoiser_occupancy(self, ev: DenoiserOccupancy, actions: list[Action]) -> None:
         w = self._workers.get(ev.worker)
-        if w is None or w.role is not WorkerRole.DENOISER:
+        if w is None or w.role is not _DENOISER:
             return
         if ev.sequence is not None:
             if ev.sequence <= w.occupancy_seq:
@@ -441,36 +578,44 @@ class Scheduler:
         if not w.elsewhere:
             self._offer(w)
 
-    def _on_worker_added(self, ev: WorkerAdded) -> None:
+    def _on_tick(self, ev: Tick, actions: list[Action]) -> None:
+        pass  # time moved: deadlines before the handler, batch delays in the dispatch loop after it
+
+    def _on_worker_added(self, ev: WorkerAdded, actions: list[Action]) -> None:
         w = self._workers.get(ev.worker)
         if w is None:
             w = self._workers[ev.worker] = _Worker(ev.worker, ev.role, added_seq=next(self._seq))
             self._by_role[ev.role][ev.worker] = w
+            self._recount(w)
         elif w.role is ev.role:
             w.draining = False  # re-added while draining (endpoint flap): keep it
+            self._recount(w)
             self._offer(w)
         # A different role under a live address is a discovery glitch: keep the known worker until it is gone.
 
-    def _on_worker_removed(self, ev: WorkerRemoved) -> None:
+    def _on_worker_removed(self, ev: WorkerRemoved, actions: list[Action]) -> None:
         w = self._workers.get(ev.worker)
         if w is None:
             return
         if w.busy():
             w.draining = True
+            self._recount(w)
         else:
             self._forget(w)
 
-    def _on_worker_healthy(self, ev: WorkerHealthy) -> None:
+    def _on_worker_healthy(self, ev: WorkerHealthy, actions: list[Action]) -> None:
         w = self._workers.get(ev.worker)
         if w is not None:
             w.healthy = True  # the dispatch loop at the end of handle() hands it work right away
             w.not_serving = False
+            self._recount(w)
             self._offer(w)
 
-    def _on_worker_not_serving(self, ev: WorkerNotServing) -> None:
+    def _on_worker_not_serving(self, ev: WorkerNotServing, actions: list[Action]) -> None:
         w = self._workers.get(ev.worker)
         if w is not None and w.healthy:
             w.not_serving = True  # unlike WorkerUnhealthy, nothing it holds is cancelled or requeued
+            self._recount(w)
 
     def _on_worker_unhealthy(self, ev: WorkerUnhealthy, actions: list[Action]) -> None:
         w = self._workers.get(ev.worker)
@@ -478,23 +623,25 @@ class Scheduler:
             return  # an unhealthy worker holds nothing (released when it went down)
         w.healthy = False
         w.not_serving = False
+        self._recount(w)
         w.elsewhere = False  # its occupancy stream broke too; it says again when the worker is back
         # Client-facing: which stage, never which address (the driver logs that with the request ids).
-        reason = "the AR server running it became unavailable" if w.role is WorkerRole.AR else \
+        reason = "the AR server running it became unavailable" if w.role is _AR else \
             "the denoiser running it became unavailable"
-        if w.role is WorkerRole.AR:
+        if w.role is _AR:
             for bid in sorted(w.batches):
                 actions.append(CancelArBatch(bid, w.address))
                 batch = self._batches.pop(bid)  # fence: its result is ignored from now on
                 self._ar_batch_failed(batch, f"AR stage failed: {reason}", "worker_unhealthy", actions)
             w.batches.clear()
+            self._ar_dirty = True  # its slots are free (_recount above has set it too: it is unhealthy now)
         elif w.job is not None:
             job, w.job = w.job, None  # the slot is free; the old attempt is fenced by the attempt number
             found = self._live_output(job, w.address)
             if found is not None:
                 req, out = found
                 actions.append(CancelDenoise(job, w.address))
-                out.state, out.worker = _OutState.IDLE, None
+                out.state, out.worker = _IDLE, None
                 self._retry_output(req, out, "worker_unhealthy", reason, actions)
             # else: the request already ended and CancelDenoise was sent then.
         if w.draining:
@@ -503,18 +650,37 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------- request lifecycle
 
     def _any_ready(self, role: WorkerRole) -> bool:
-        return any(w.accepts_work() for w in self._by_role[role].values())
+        """Whether some member of ``role`` accepts work (what a scan of accepts_work() would say)."""
+        return (self._ready_ar if role is _AR else self._ready_denoisers) > 0
+
+    def _recount(self, w: _Worker, member: bool = True) -> None:
+        """Bring the ready counts up to date after a change to a worker's healthy, draining or not_serving flag,
+        or to its membership (``member=False``: _forget).
+
+        Every such change calls this, so the counts always equal the number of members for which accepts_work()
+        holds, and w.ready says whether w is one of them."""
+        ready = member and w.accepts_work()
+        if ready is not w.ready:
+            w.ready = ready
+            delta = 1 if ready else -1
+            if w.role is _AR:
+                self._ready_ar += delta
+            else:
+                self._ready_denoisers += delta
+        if w.role is _AR:
+            self._ar_dirty = True  # a worker joined, left, or may take batches now (or no longer)
 
     def _forget(self, w: _Worker) -> None:
         """Drop a worker from membership (its heap entry, if any, is discarded when it reaches the top)."""
         del self._workers[w.address]
         del self._by_role[w.role][w.address]
+        self._recount(w, member=False)
 
     def _fail_stranded_ar_requests(self, actions: list[Action]) -> None:
         """With fail-fast on, requests still waiting for an AR batch fail once no AR worker is left to take it."""
-        if not self._pending_ar or not self.config.fail_fast_without_workers or self._any_ready(WorkerRole.AR):
+        if not self._pending_ar or not self.config.fail_fast_without_workers or self._any_ready(_AR):
             return
-        stranded = [req for q in self._pending_ar.values() for req in q]
+        stranded = [req for q in self._pending_ar.values() for req in q.requests]
         for req in sorted(stranded, key=lambda r: r.seq):
             self._fail(req, ErrorKind.UNAVAILABLE, "no AR server is available (it went away); retry later", actions)
 
@@ -537,7 +703,7 @@ class Scheduler:
     def _fail_stranded_denoise_requests(self, actions: list[Action]) -> None:
         """With fail-fast on, requests with an output waiting for a denoiser fail once none is left to take it
         (the last one went away or is draining), rather than at their deadline minutes later."""
-        if not self._denoise_q or not self.config.fail_fast_without_workers or self._any_ready(WorkerRole.DENOISER):
+        if not self._denoise_q or not self.config.fail_fast_without_workers or self._any_ready(_DENOISER):
             return
         stranded = {self._active[rid] for _, _, _, rid in self._denoise_q if rid in self._active}
         for req in sorted(stranded, key=lambda r: r.seq):
@@ -552,57 +718,70 @@ class Scheduler:
     def _end(self, req: _Request, actions: list[Action]) -> None:
         """Remove an active request from every queue and cancel its in-flight denoise jobs."""
         del self._active[req.request_id]
-        if req.stage is _Stage.PENDING_AR:
+        self._ended = True
+        if req.stage is _PENDING_AR:
             q = self._pending_ar[req.queue_key]
             q.remove(req)
-            if not q:
+            if not q.requests:
                 del self._pending_ar[req.queue_key]
             self._pending_ar_outputs -= req.n
-        elif req.stage is _Stage.DENOISING:
-            if any(o.state is _OutState.QUEUED for o in req.outputs):
-                self._denoise_q = [k for k in self._denoise_q if k[1] != req.seq]
-                heapq.heapify(self._denoise_q)
-            for out in req.outputs:
-                if out.state is _OutState.INFLIGHT and out.worker is not None:
+            # (A removal cannot let a batch leave: its group only gets smaller and younger. Set all the same, so
+            # that the rule stays simple: every change to the AR queues sets the flag.)
+            self._ar_dirty = True
+        elif req.stage is _DENOISING:
+            queued = False
+            for out in req.outputs:  # one pass: on the hot path of every completion
+                if out.state is _QUEUED:
+                    queued = True
+                elif out.state is _INFLIGHT and out.worker is not None:
                     # The worker keeps the slot until the RPC ends, so it is never oversubscribed.
                     actions.append(CancelDenoise(JobId(req.request_id, out.index, out.attempt), out.worker))
-        elif req.stage is _Stage.AR_INFLIGHT and req.ar_batch is not None:
+            if queued:
+                seq = req.seq
+                self._denoise_q.drop_if(lambda k: k[1] == seq)
+        elif req.stage is _AR_INFLIGHT and req.ar_batch is not None:
             # The batch result will drop this request (it is no longer active). If nobody else waits for the
             # batch, it is stopped at the end of this event (unless this event is its result).
             self._maybe_abandoned.add(req.ar_batch)
-        top = max(o.attempt for o in req.outputs)
+        top = max([o.attempt for o in req.outputs])
         if top > 0:
-            self._attempt_floor[req.request_id] = top
-            self._attempt_floor.move_to_end(req.request_id)
-            if len(self._attempt_floor) > _ATTEMPT_MEMORY:
-                self._attempt_floor.popitem(last=False)
+            floor = self._attempt_floor
+            floor[req.request_id] = top
+            floor.move_to_end(req.request_id)
+            if len(floor) > _ATTEMPT_MEMORY:
+                floor.popitem(last=False)
 
     def _expire_deadlines(self, actions: list[Action]) -> None:
-        while self._deadlines and self._deadlines[0][0] <= self._now:
-            _, seq, rid = heapq.heappop(self._deadlines)
+        deadlines = self._deadlines
+        while deadlines.first is not None and deadlines.first[0] <= self._now:
+            _, seq, rid = deadlines.pop()
             req = self._active.get(rid)
             if req is not None and req.seq == seq:
                 self._fail(req, ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded", actions)
 
     def _prune_deadlines(self) -> None:
-        # Drop entries of requests that ended otherwise, so next_wakeup() can peek at a live top.
-        while self._deadlines:
-            _, seq, rid = self._deadlines[0]
+        # Drop entries of requests that ended otherwise, so next_wakeup() can peek at a live head. Only an ending
+        # makes an entry dead (a pushed one is live), so handle() calls this only after an event that ended one.
+        self._ended = False
+        deadlines = self._deadlines
+        while deadlines.first is not None:
+            _, seq, rid = deadlines.first
             req = self._active.get(rid)
             if req is not None and req.seq == seq:
                 break
-            heapq.heappop(self._deadlines)
+            deadlines.pop()
 
     # ------------------------------------------------------------------------------------------------- AR stage
 
     def _enqueue_ar(self, req: _Request, front: bool) -> None:
-        req.stage = _Stage.PENDING_AR
-        q = self._pending_ar.setdefault(req.queue_key, deque())
-        if front:
-            q.appendleft(req)
-        else:
-            q.append(req)
+        req.stage = _PENDING_AR
+        key = req.queue_key
+        q = self._pending_ar.get(key)
+        if q is None:  # (not setdefault: that would build a queue on every call)
+            q = self._pending_ar[key] = _ArQueue()
+        q.push(req, front)
         self._pending_ar_outputs += req.n
+        self._ar_dirty = True
 
     def _take_batch(self, batch_id: int) -> _Batch | None:
         """Pop an in-flight batch and free its AR slot; None (and counted as fenced) if unknown."""
@@ -610,6 +789,7 @@ class Scheduler:
         if batch is None:
             self.counters.fenced_results += 1
             return None
+        self._ar_dirty = True  # an AR slot is free
         w = self._workers.get(batch.worker)
         if w is not None:
             w.batches.discard(batch_id)
@@ -632,29 +812,35 @@ class Scheduler:
         self.counters.requeues[reason] += len(retry)
 
     def _free_ar_worker(self) -> _Worker | None:
-        free = [
-            w
-            for w in self._ar_workers.values()
-            if w.accepts_work()
-            and len(w.batches) < self.config.ar_max_inflight_batches
-        ]
-        return min(free, key=lambda w: (len(w.batches), w.last_used, w.added_seq), default=None)
+        """The AR worker with room that holds the fewest batches, then was used least recently (then joined first).
+        (A loop, not min() over a list with a key function: this runs for every batch and every next_wakeup().)"""
+        room = self.config.ar_max_inflight_batches
+        best: _Worker | None = None
+        best_key: tuple[int, int, int] = (0, 0, 0)
+        for w in self._ar_workers.values():
+            if w.ready and len(w.batches) < room:
+                key = (len(w.batches), w.last_used, w.added_seq)
+                if best is None or key < best_key:
+                    best, best_key = w, key
+        return best
 
-    @staticmethod
-    def _oldest(q: deque[_Request]) -> tuple[float, int]:
-        return min((r.arrived_at, r.seq) for r in q)
-
-    def _eligible_group(self) -> tuple[int, int, int] | None:
-        """The resolution whose batch may leave now and whose oldest request is oldest."""
+    def _eligible_group(self) -> tuple[tuple[int, int, int] | None, float]:
+        """The resolution whose batch may leave now and whose oldest request is oldest (None if none may), and the
+        earliest time at which a group that may not leave yet will by age (inf if there is none)."""
         cfg = self.config
+        now = self._now
         best: tuple[tuple[float, int], tuple[int, int, int]] | None = None
+        wait_until = _NEVER
         for key, q in self._pending_ar.items():
-            oldest = self._oldest(q)
-            full = sum(r.n for r in q) >= cfg.ar_batch_max_outputs or q[0].solo  # nothing may join a solo one
-            eligible = full or self._now >= oldest[0] + cfg.ar_batch_delay
-            if eligible and (best is None or oldest < best[0]):
-                best = (oldest, key)
-        return None if best is None else best[1]
+            oldest = q.oldest()
+            due = oldest[0] + cfg.ar_batch_delay
+            if now >= due or q.requests[0].solo or q.outputs >= cfg.ar_batch_max_outputs:  # full, or waited
+                # (a solo one counts as full: nothing may join it)
+                if best is None or oldest < best[0]:
+                    best = (oldest, key)
+            elif due < wait_until:
+                wait_until = due
+        return (None if best is None else best[1]), wait_until
 
     def _pack(self, q: deque[_Request]) -> list[_Request]:
         """Oldest first; skip what does not fit and keep scanning. An oversized or solo head goes alone."""
@@ -673,26 +859,35 @@ class Scheduler:
 
     def _dispatch_ar(self, actions: list[Action]) -> None:
         # Just in time: a batch is formed only when a worker can take it, so late arrivals can still join.
-        while self._pending_ar:  # checked first: cheaper than looking for a free worker
+        #
+        # This reads the AR queues, the AR workers (membership, flags, slots) and the clock. Every change to the
+        # first two sets _ar_dirty; when the pass ends with nothing left to do, _ar_recheck_at says when the clock
+        # alone will let a waiting group leave. handle() skips the pass until one of them says otherwise: most
+        # events (denoise results) change neither, and the pass would scan the queues for nothing.
+        self._ar_dirty = False
+        self._ar_recheck_at = _NEVER
+        while self._pending_ar:  # checked first: cheaper than looking for a group or a free worker
+            # The group first: usually none may leave yet (a batch is filling up), and then no worker is looked at.
+            key, wait_until = self._eligible_group()
+            if key is None:
+                self._ar_recheck_at = wait_until
+                return
             w = self._free_ar_worker()
             if w is None:
-                return
-            key = self._eligible_group()
-            if key is None:
-                return
+                return  # until a slot frees up or a worker becomes ready (both set _ar_dirty)
             q = self._pending_ar[key]
-            taken = self._pack(q)
+            taken = self._pack(q.requests)
             ids = {id(r) for r in taken}
-            rest = deque(r for r in q if id(r) not in ids)
+            rest = deque(r for r in q.requests if id(r) not in ids)
             if rest:
-                self._pending_ar[key] = rest
+                q.keep_only(rest)
             else:
                 del self._pending_ar[key]
             batch = _Batch(
                 next(self._batch_ids), w.address, key[0], key[1], tuple(r.request_id for r in taken)
             )
             for r in taken:
-                r.stage = _Stage.AR_INFLIGHT
+                r.stage = _AR_INFLIGHT
                 r.ar_batch = batch.batch_id
                 self._pending_ar_outputs -= r.n
             self._batches[batch.batch_id] = batch
@@ -705,16 +900,16 @@ class Scheduler:
     # -------------------------------------------------------------------------------------------- denoise stage
 
     def _enqueue_output(self, req: _Request, out: _Output, front: bool) -> None:
-        out.state = _OutState.QUEUED
-        heapq.heappush(self._denoise_q, (_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
+        out.state = _QUEUED
+        self._denoise_q.push((_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
 
     def _live_output(self, job: JobId, worker: str) -> tuple[_Request, _Output] | None:
         """The output ``job`` is the current, in-flight attempt of, on ``worker``; else None (stale)."""
         req = self._active.get(job.request_id)
-        if req is None or req.stage is not _Stage.DENOISING or not 0 <= job.index < req.n:
+        if req is None or req.stage is not _DENOISING or not 0 <= job.index < req.n:
             return None
         out = req.outputs[job.index]
-        if out.state is not _OutState.INFLIGHT or out.attempt != job.attempt or out.worker != worker:
+        if out.state is not _INFLIGHT or out.attempt != job.attempt or out.worker != worker:
             return None
         return req, out
 
@@ -723,7 +918,8 @@ class Scheduler:
 
         Returns the live output the result belongs to, or None if the result is fenced."""
         w = self._workers.get(worker)
-        if w is None or w.role is not WorkerRole.DENOISER or w.job != job:
+        # (``is`` first: the driver usually hands back the very JobId it was given; equal values also match.)
+        if w is None or w.role is not _DENOISER or (w.job is not job and w.job != job):
             # Superseded (worker went unhealthy and maybe took another job), unknown, or duplicated.
             self.counters.fenced_results += 1
             return None
@@ -753,7 +949,7 @@ class Scheduler:
     def _offer(self, w: _Worker) -> None:
         """Give a denoiser that may have become free its entry in the idle heap (one at most: its key only changes
         when it is dispatched, which takes the entry out first)."""
-        if w.role is WorkerRole.DENOISER and not w.offered and w.accepts_work() and w.job is None \
+        if w.role is _DENOISER and not w.offered and w.ready and w.job is None \
                 and not w.elsewhere:
             w.offered = True
             heapq.heappush(self._idle_denoisers, (w.last_used, w.added_seq, w))
@@ -767,32 +963,32 @@ class Scheduler:
         while heap:
             w = heapq.heappop(heap)[2]
             w.offered = False
-            if self._workers.get(w.address) is w and w.accepts_work() and w.job is None and not w.elsewhere:
+            if self._workers.get(w.address) is w and w.ready and w.job is None and not w.elsewhere:
                 return w
         return None
 
     def _dispatch_denoise(self, actions: list[Action]) -> None:
         # One output per free denoiser, so a request's n outputs fan out to n workers at once.
-        while self._denoise_q:
+        queue = self._denoise_q
+        while queue.first is not None and self._idle_denoisers:  # (no entry left in the idle heap: none is free)
             w = self._free_denoiser()
             if w is None:
                 return
-            _, _, index, rid = heapq.heappop(self._denoise_q)
+            _, _, index, rid = queue.pop()
             req = self._active[rid]
             out = req.outputs[index]
-            out.attempt += 1
-            out.state = _OutState.INFLIGHT
-            out.worker = w.address
-            job = JobId(rid, index, out.attempt)
-            w.job = job
+            attempt = out.attempt = out.attempt + 1
+            out.state = _INFLIGHT
+            address = out.worker = w.address
+            job = w.job = JobId(rid, index, attempt)
             w.last_used = next(self._use_clock)
             self.counters.denoise_dispatches += 1
-            actions.append(DispatchDenoise(job, w.address, req.ar_outputs[index]))
+            actions.append(DispatchDenoise(job, address, req.ar_outputs[index]))
 
     # ---------------------------------------------------------------------------------------------- snapshots
 
     def _worker_snapshot(self, w: _Worker) -> WorkerSnapshot:
-        if w.role is WorkerRole.AR:
+        if w.role is _AR:
             inflight = len(w.batches)
             full = inflight >= self.config.ar_max_inflight_batches
         else:
