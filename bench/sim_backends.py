@@ -207,6 +207,10 @@ class SimDenoiser(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         self.cancelled = 0
         self.refused_busy = 0
         self.holding = self.max_holding = 0  # jobs holding the slot now / at most at once (1: never two)
+        self.taken_at = self.freed_at = 0.0  # loop time the current job took the slot / the last one freed it
+        # Per busy refusal: seconds since the job holding the slot took it, and how long the slot had been free
+        # before that (near 0: the holder took a denoiser just freed, so the refused gateway raced it for it).
+        self.refused_after: list[tuple[float, float]] = []
         self.occupancy = OccupancyBoard()  # published like the real denoiser's, for several gateways
 
     async def WatchOccupancy(self, request, context: grpc.aio.ServicerContext):
@@ -221,12 +225,15 @@ class SimDenoiser(denoiser_service_pb2_grpc.DenoiserServiceServicer):
             raise InvalidArgument("prior_tokens", "must not be empty")
         if self.busy:
             self.refused_busy += 1
+            self.refused_after.append((asyncio.get_running_loop().time() - self.taken_at,
+                                       self.taken_at - self.freed_at))
             held = self.occupancy.state
             raise ResourceExhausted("busy: this denoiser runs one job at a time", reason=DENOISER_BUSY,
                                     info={"owner": held.owner, "sequence": str(held.sequence)})
         total = request.num_inference_steps or self.default_steps
         previews = {max(1, (j + 1) * total // (partial_images + 1)): j for j in range(partial_images)}
         self.busy = True
+        self.taken_at = asyncio.get_running_loop().time()
         self.holding += 1
         self.max_holding = max(self.max_holding, self.holding)
         self.occupancy.take(request.owner, request.request_id)
@@ -248,6 +255,7 @@ class SimDenoiser(denoiser_service_pb2_grpc.DenoiserServiceServicer):
             self.busy = False
             self.holding -= 1
             self.occupancy.release()
+            self.freed_at = asyncio.get_running_loop().time()
             self.running.clear()
 
     def _result(self, request: denoiser_service_pb2.DenoiseRequest, steps: int) -> denoiser_service_pb2.DenoiseResponse:
@@ -299,6 +307,7 @@ async def _main(args: argparse.Namespace) -> None:
            for _ in range(args.denoisers)]
     addresses = {"ar": [f"{args.host}:{s.port}" for s in ars], "denoisers": [f"{args.host}:{s.port}" for s in dns]}
     stop = install_shutdown_signals()
+    lag = asyncio.ensure_future(_loop_lag(lags := [])) if args.stats_file else None
     if args.ready_file:
         tmp = args.ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(addresses))
@@ -307,17 +316,31 @@ async def _main(args: argparse.Namespace) -> None:
     await stop.wait()
     for server in (*ars, *dns):
         await server.stop(None)
-    if args.stats_file:
-        write_stats(args.stats_file, [s.servicer for s in ars], [s.servicer for s in dns])
+    if lag is not None:
+        lag.cancel()
+        write_stats(args.stats_file, [s.servicer for s in ars], [s.servicer for s in dns], lags)
 
 
-def write_stats(path: Path, ars: Sequence[SimAr], dns: Sequence[SimDenoiser]) -> None:
+async def _loop_lag(out: list[float], every: float = 0.01) -> None:
+    """How late this process's event loop wakes a 10 ms sleep: how long any message waits to be handled here."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t0 = loop.time()
+        await asyncio.sleep(every)
+        out.append(loop.time() - t0 - every)
+
+
+def write_stats(path: Path, ars: Sequence[SimAr], dns: Sequence[SimDenoiser], lags: Sequence[float] = ()) -> None:
     """What the simulated workers saw, for a benchmark to read once they have stopped."""
     stats = {"ar": [{"batches": len(a.batches), "outputs": sum(a.batches), "calls": a.calls,
                      "merged_calls": a.merged_calls} for a in ars],
              "denoisers": {"completed": sum(d.completed for d in dns), "cancelled": sum(d.cancelled for d in dns),
                            "refused_busy": sum(d.refused_busy for d in dns),
+                           # Wall seconds since the holder took the slot, per refusal: a few ms is a race for a
+                           # denoiser just freed; more is a gateway acting on a view its stream had not updated.
+                           "refused_after_s": [t for d in dns for t in d.refused_after],
                            "max_holding": max((d.max_holding for d in dns), default=0)}}
+    stats["loop_lag_s"] = sorted(lags)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(stats))
     tmp.replace(path)
