@@ -80,7 +80,7 @@ SCENARIOS: dict[str, Scenario] = {
     "g4_ar1_d14": Scenario(gateways=4, ar=1, denoisers=14, clients=288, scale=0.01, warmup=4.0, window=12.0,
                            repeats=2),
     "g4_ar8_d112": Scenario(gateways=4, ar=8, denoisers=112, clients=4 * 8 * 40, scale=0.1, warmup=15.0,
-                            window=30.0, repeats=1),
+                            window=30.0, repeats=2),
 }
 SINGLE = "g1_ar1_d14"  # what the 14-denoiser latencies are compared with
 
