@@ -272,7 +272,14 @@ def summary_of(name: str, sc: Scenario, runs: list[dict], single: dict | None) -
     if single is not None and name != SINGLE and sc.denoisers == SCENARIOS[SINGLE].denoisers:
         out["latency_mean_vs_single"] = round(out["latency_mean"] / single["latency_mean"], 3)
         out["latency_p95_vs_single"] = round(out["latency_p95"] / single["latency_p95"], 3)
+    refused = [r["refused_after_ms"] for r in runs if r["refused_after_ms"]]
+    if refused:
+        out["refused_after_ms"] = {k: round(float(statistics.median(x[k] for x in refused)), 3) for k in refused[0]}
+    lags = [r["sim_loop_lag_ms"] for r in runs if r["sim_loop_lag_ms"]]
+    if lags:
+        out["sim_loop_lag_ms"] = {k: round(float(statistics.median(x[k] for x in lags)), 1) for k in lags[0]}
     out["gateway_cpu_per_wall_s_max"] = max(max(r["cpu_per_wall_s"]["gateways"]) for r in runs)
+    out["sim_cpu_per_wall_s"] = median_of([r["cpu_per_wall_s"] for r in runs], "sim_backends")
     out["machine_busy_fraction"] = median_of([r["cpu_per_wall_s"] for r in runs], "machine_busy_fraction")
     return out
 
