@@ -13,7 +13,8 @@ Cost model (reference figures of the 16-NPU deployment, DESIGN.md section 2), mu
 - Denoise: 12.2 s per image, batch 1 (a busy simulated denoiser refuses a second job, like the real one).
 
 `python -m bench.sim_backends --denoisers 14 --scale 0.01 --ready-file FILE` serves a simulated cluster
-(`--ar N` AR servers, `--merge-window-ms`, `--ar-batch-cap`, `--stats-file` for the batches and merges seen).
+(`--ar N` AR servers, `--merge-window-ms`, `--ar-batch-cap`, `--ar-stagger` to run several out of phase,
+`--stats-file` for what the workers saw).
 """
 from __future__ import annotations
 
@@ -98,16 +99,21 @@ class SimAr(ar_service_pb2_grpc.ArServiceServicer):
     """Simulated AR server: one model batch at a time, merging concurrent calls, sleeping the cost model's time."""
 
     def __init__(self, costs: SimCosts = SimCosts(), cached_tokens: int = 0, tokens_per_output: int = 16, *,
-                 merge_window: float = AR_MERGE_WINDOW, cap: int = AR_MERGE_CAP) -> None:
+                 merge_window: float = AR_MERGE_WINDOW, cap: int = AR_MERGE_CAP, phase: float = 0.0) -> None:
+        """phase: seconds the engine stays busy after the first call arrives, as if ending a batch from before it
+        (identical simulated servers that get their first calls at once otherwise run in lockstep for good, every
+        one returning its batches at the same instant, since their costs do not vary)."""
         self.costs = costs
         self.cached_tokens = cached_tokens  # reported per output, as a prefix-caching AR would
         self.tokens_per_output = tokens_per_output
         self.merge_window = merge_window  # seconds after a batch starts in which a call may still join it
         self.cap = cap  # the most outputs one merged batch holds (a single larger call still runs, alone)
+        self.phase = phase
         self._waiting: list[_ArCall] = []  # in arrival order (FIFO, like the real admission queue)
         self._arrived = asyncio.Event()
         self._engine: asyncio.Task | None = None
         self.batches: list[int] = []  # output slots of each batch run, in order
+        self.started: list[float] = []  # loop time each of them started
         self.calls = 0  # calls that ran (alone or merged)
         self.merged_calls = 0  # of those, calls that joined a batch another call started
 
@@ -151,6 +157,9 @@ class SimAr(ar_service_pb2_grpc.ArServiceServicer):
     async def _engine_loop(self) -> None:
         """Run batches while calls wait: the first waiting call leads, the others join while they fit."""
         loop = asyncio.get_running_loop()
+        if self.phase > 0:
+            phase, self.phase = self.phase, 0.0
+            await asyncio.sleep(phase)
         while True:
             self._waiting = [c for c in self._waiting if not c.done.done()]
             if not self._waiting:
@@ -169,6 +178,7 @@ class SimAr(ar_service_pb2_grpc.ArServiceServicer):
                 continue
             rows = sum(c.outputs for c in live)
             self.batches.append(rows)
+            self.started.append(t0)
             self.calls += len(live)
             self.merged_calls += len(live) - 1
             left = t0 + self.costs.ar(rows) - loop.time()
@@ -210,13 +220,18 @@ class SimDenoiser(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         self.taken_at = self.freed_at = 0.0  # loop time the current job took the slot / the last one freed it
         # Per busy refusal: seconds since the job holding the slot took it, and how long the slot had been free
         # before that (near 0: the holder took a denoiser just freed, so the refused gateway raced it for it).
-        self.refused_after: list[tuple[float, float]] = []
+        self.refused_after: list[tuple[float, float, float | None]] = []
+        # Per gateway connection (its channel's peer, shared by its calls and its occupancy stream): the last state
+        # written to its stream, and when. At a refusal: was the state that refuses it already sent there?
+        self.delivered: dict[str, tuple[int, float]] = {}
         self.occupancy = OccupancyBoard()  # published like the real denoiser's, for several gateways
 
     async def WatchOccupancy(self, request, context: grpc.aio.ServicerContext):
+        peer = context.peer()
         async for state in self.occupancy.watch():
             yield denoiser_service_pb2.WatchOccupancyResponse(sequence=state.sequence, busy=state.busy,
                                                               owner=state.owner, request_id=state.request_id)
+            self.delivered[peer] = (state.sequence, asyncio.get_running_loop().time())
 
     async def _steps(self, request: denoiser_service_pb2.DenoiseRequest, partial_images: int,
                      context: grpc.aio.ServicerContext):
@@ -225,9 +240,11 @@ class SimDenoiser(denoiser_service_pb2_grpc.DenoiserServiceServicer):
             raise InvalidArgument("prior_tokens", "must not be empty")
         if self.busy:
             self.refused_busy += 1
-            self.refused_after.append((asyncio.get_running_loop().time() - self.taken_at,
-                                       self.taken_at - self.freed_at))
             held = self.occupancy.state
+            now = asyncio.get_running_loop().time()
+            seq, at = self.delivered.get(context.peer(), (None, 0.0))
+            self.refused_after.append((now - self.taken_at, self.taken_at - self.freed_at,
+                                       now - at if seq == held.sequence else None))
             raise ResourceExhausted("busy: this denoiser runs one job at a time", reason=DENOISER_BUSY,
                                     info={"owner": held.owner, "sequence": str(held.sequence)})
         total = request.num_inference_steps or self.default_steps
@@ -301,8 +318,10 @@ async def serve_sim_denoiser(servicer: SimDenoiser, host: str = "127.0.0.1", por
 
 async def _main(args: argparse.Namespace) -> None:
     costs = SimCosts(scale=args.scale)
-    ars = [await serve_sim_ar(SimAr(costs, merge_window=args.merge_window_ms / 1000, cap=args.ar_batch_cap),
-                              args.host) for _ in range(args.ar)]
+    # --ar-stagger: server k of N starts k/N of a full batch's time late, so the servers run out of phase.
+    ars = [await serve_sim_ar(SimAr(costs, merge_window=args.merge_window_ms / 1000, cap=args.ar_batch_cap,
+                                    phase=costs.ar(args.ar_batch_cap) * k / args.ar if args.ar_stagger else 0.0),
+                              args.host) for k in range(args.ar)]
     dns = [await serve_sim_denoiser(SimDenoiser(costs, default_steps=args.steps), args.host)
            for _ in range(args.denoisers)]
     addresses = {"ar": [f"{args.host}:{s.port}" for s in ars], "denoisers": [f"{args.host}:{s.port}" for s in dns]}
@@ -333,7 +352,7 @@ async def _loop_lag(out: list[float], every: float = 0.01) -> None:
 def write_stats(path: Path, ars: Sequence[SimAr], dns: Sequence[SimDenoiser], lags: Sequence[float] = ()) -> None:
     """What the simulated workers saw, for a benchmark to read once they have stopped."""
     stats = {"ar": [{"batches": len(a.batches), "outputs": sum(a.batches), "calls": a.calls,
-                     "merged_calls": a.merged_calls} for a in ars],
+                     "merged_calls": a.merged_calls, "started": a.started} for a in ars],
              "denoisers": {"completed": sum(d.completed for d in dns), "cancelled": sum(d.cancelled for d in dns),
                            "refused_busy": sum(d.refused_busy for d in dns),
                            # Wall seconds since the holder took the slot, per refusal: a few ms is a race for a
@@ -358,6 +377,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="a simulated AR batch takes in calls arriving this long after it starts (within its time)")
     p.add_argument("--ar-batch-cap", type=int, default=AR_MERGE_CAP,
                    help="the most outputs a merged simulated AR batch holds")
+    p.add_argument("--ar-stagger", action="store_true",
+                   help="AR server k of N holds its first batch k/N of a full batch's time, so the servers run out "
+                        "of phase (identical servers started at once stay in lockstep)")
     p.add_argument("--ready-file", type=Path, default=None, help="write {ar: [...], denoisers: [...]} here")
     p.add_argument("--stats-file", type=Path, default=None,
                    help="on shutdown, write what the workers saw (AR batches and merges, denoise jobs) here")

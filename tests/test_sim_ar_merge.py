@@ -76,3 +76,10 @@ async def test_a_batch_every_caller_left_stops_at_once() -> None:
     took = await timed(sim, 1)  # the engine is free again at once, not after the abandoned second
     assert took < ar_batch_seconds(1) * 0.05 * 1.5
     assert sim.batches == [1, 1]
+
+
+async def test_a_phase_holds_the_first_batch_only() -> None:
+    sim = SimAr(COSTS, phase=0.05)
+    first = await timed(sim, 1)
+    second = await timed(sim, 1)
+    assert first >= COSTS.ar(1) + 0.05 * 0.99 and second < COSTS.ar(1) + 0.05
