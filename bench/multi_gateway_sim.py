@@ -84,7 +84,7 @@ SCENARIOS: dict[str, Scenario] = {
     "g4_ar1_d14": Scenario(gateways=4, ar=1, denoisers=14, clients=288, scale=0.01, warmup=4.0, window=12.0,
                            repeats=2),
     "g4_ar8_d112": Scenario(gateways=4, ar=8, denoisers=112, clients=4 * 8 * 48, scale=0.1, warmup=15.0,
-                            window=45.0, repeats=2),
+                            window=45.0, repeats=3),
 }
 SINGLE = "g1_ar1_d14"  # what the 14-denoiser latencies are compared with
 
