@@ -116,27 +116,27 @@ def cpu_seconds(pids: list[int]) -> list[float]:
 async def closed_loop(stubs: list[gateway_service_pb2_grpc.GatewayServiceStub], sc: Scenario,
                       on_start, on_end) -> tuple[list[tuple[float, float, int]], int, float, float]:
     """sc.clients clients, client i on gateway i % G, each sending its next request when the previous one returns.
-    Returns (end, latency, gateway) of every request, the errors, and the window's wall bounds; ``on_start`` and
+    Returns (end, latency, gateway) of every request, the errors by code (with the first message of each), and
+    the window's wall bounds; ``on_start`` and
     ``on_end`` run at the window's edges (while the load runs)."""
     start = time.monotonic()
     t0, t1 = start + sc.warmup, start + sc.warmup + sc.window
     ramp = ar_batch_seconds(AR_BATCH_MAX_OUTPUTS) * sc.scale
     done: list[tuple[float, float, int]] = []
-    errors = 0
+    errors: dict[str, list] = {}  # code -> [count, first message]
 
     async def client(i: int) -> None:
-        nonlocal errors
         g = i % len(stubs)
-        # Arrivals spread over one AR batch time: identical simulated AR servers started in the same instant would
-        # run their batches in lockstep for good, and return them to every gateway at once.
-        await asyncio.sleep(random.Random(i).uniform(0, ramp))
+        await asyncio.sleep(random.Random(i).uniform(0, ramp))  # arrivals spread over one AR batch time
         while True:
             began = time.monotonic()
             try:
                 await stubs[g].GenerateImages(pb.GenerateImagesRequest(n=1, seed=i, **REQUEST), timeout=600)
             except grpc.aio.AioRpcError as exc:
-                errors += 1
-                print(f"error on gateway {g}: {exc.code().name}: {exc.details()}", flush=True)
+                seen = errors.setdefault(exc.code().name, [0, f"gateway {g}: {exc.details()}"])
+                seen[0] += 1
+                if seen[0] == 1:
+                    print(f"error on gateway {g}: {exc.code().name}: {exc.details()}", flush=True)
                 await asyncio.sleep(0.05)
                 continue
             end = time.monotonic()
@@ -201,7 +201,7 @@ async def run_once(sc: Scenario, workdir: Path, tag: str) -> dict:
     return summarise(sc, done, errors, t0, t1, marks, stats)
 
 
-def summarise(sc: Scenario, done: list[tuple[float, float, int]], errors: int, t0: float, t1: float,
+def summarise(sc: Scenario, done: list[tuple[float, float, int]], errors: dict[str, list], t0: float, t1: float,
               marks: dict[str, tuple], stats: dict) -> dict:
     counted = [(lat, g) for end, lat, g in done if t0 <= end < t1]
     latencies = [lat / sc.scale for lat, _ in counted]
@@ -217,7 +217,8 @@ def summarise(sc: Scenario, done: list[tuple[float, float, int]], errors: int, t
     ar = stats.get("ar", [])
     sim_batches, sim_outputs = sum(a["batches"] for a in ar), sum(a["outputs"] for a in ar)
     return {
-        "requests": len(counted), "images": len(counted), "errors": errors,
+        "requests": len(counted), "images": len(counted), "errors": sum(n for n, _ in errors.values()),
+        "errors_by_code": {code: {"count": n, "first": first} for code, (n, first) in errors.items()},
         "throughput": round(throughput, 4), "throughput_vs_bound": round(throughput / sc.bound, 4),
         "latency_mean": round(statistics.fmean(latencies), 2) if latencies else float("nan"),
         "latency_p95": round(percentile(latencies, 0.95), 2),
