@@ -333,11 +333,16 @@ def plot(results: dict, path: Path) -> None:
         ax2.bar(i + 0.2, sc["summary"]["latency_p95"], 0.4, color="tab:olive", alpha=0.7,
                 label="p95" if i == 0 else None)
         ax3.bar(i, sc["summary"]["collisions_per_dispatch"], color="tab:red", alpha=0.7)
+        ax3.plot([i] * len(sc["runs"]), [r["collisions_per_dispatch"] for r in sc["runs"]], "k.")
+        ax3.annotate(f"{sc['summary']['collisions_per_dispatch']:.3f}", (i, sc["summary"]["collisions_per_dispatch"]),
+                     ha="center", va="bottom", xytext=(0, 3), textcoords="offset points")
+    worst = max(r["collisions_per_dispatch"] for sc in results["scenarios"].values() for r in sc["runs"])
+    ax3.set_ylim(0, max(0.05, 1.25 * worst))
     ax1.axhline(0.95, color="grey", linestyle=":", label="target 0.95")
     ax1.set_ylim(0, 1.1)
     ax1.set_ylabel("throughput / bound (bars: median, dots: runs)")
     ax2.set_ylabel("latency (s, reference time)")
-    ax3.set_ylabel("busy collisions per denoise dispatch")
+    ax3.set_ylabel("busy collisions per denoise dispatch (dots: runs)")
     for ax in (ax1, ax2, ax3):
         ax.set_xticks(list(x), labels)
         ax.grid(True, axis="y", alpha=0.3)
