@@ -75,6 +75,7 @@ class Driver:
         self._denoise_on: dict[sch.JobId, str] = {}  # the worker each denoise call went to
         self._background: set[asyncio.Task] = set()
         self._timer: asyncio.TimerHandle | None = None
+        self._publish_due = False  # a publish of the metrics' state is scheduled for the loop's next turn
         self._closed = False
         self._duplicates = itertools.count(1)
         self.dns: list[DnsMembership] = []
@@ -239,8 +240,26 @@ class Driver:
             self._perform(action)
         if self._removed:
             self._reap()
-        self.observe.publish(self.scheduler, (a for a, w in self._workers.items() if w.health.stuck))
+        self._publish_soon()
         self._arm_timer()
+
+    def _publish_soon(self) -> None:
+        """Publish the metrics' state once per turn of the event loop, however many events that turn handled:
+        building it walks every worker, and over a large pool shared by several gateways most events are other
+        gateways' jobs starting and ending (a burst of them once cost a full walk each, and lagged the loop)."""
+        if self.observe.metrics is None or self._publish_due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # fed outside a loop (no later turn to wait for): publish now
+            self._publish()
+            return
+        self._publish_due = True
+        loop.call_soon(self._publish)
+
+    def _publish(self) -> None:
+        self._publish_due = False
+        self.observe.publish(self.scheduler, (a for a, w in self._workers.items() if w.health.stuck))
 
     def _from_watch(self, event: sch.Event, quiet: bool = False) -> None:
         """A worker's health change, from its watch. A draining worker (it said NOT_SERVING) that goes away has
