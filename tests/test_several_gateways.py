@@ -268,9 +268,14 @@ async def test_a_balanced_tls_channel_checks_the_server_name_override(pki) -> No
             transport = httpx.ASGITransport(app=app)
             async with (app.router.lifespan_context(app),
                         httpx.AsyncClient(transport=transport, base_url="http://t") as client):
+                answered = False
                 for _ in range(40):
                     resp = await client.post("/v1/images/generations", json=BODY)
+                    if status == 200 and not answered and resp.status_code == 503:
+                        continue  # the TLS handshakes may outlast the reconnect wait on a loaded machine
                     assert resp.status_code == status, resp.text
+                    answered = True
                     if status != 200 or (_generations(a) and _generations(b)):
                         break
+                assert answered
         assert _generations(a) and _generations(b)
