@@ -322,48 +322,63 @@ def test_overload_small_queue_gets_429_and_memory_stays_flat(cluster: Cluster) -
 
 
 def test_two_gateways_over_three_denoisers_share_them_without_a_double_booking(cluster: Cluster) -> None:
-    # A second gateway process over the same AR and denoisers, nothing shared with the first but the workers.
+    # Two more gateway processes over the same AR and denoisers, nothing shared with the first or each other but the
+    # workers; fresh, so both pick free denoisers in the same order.
     g1 = cluster.procs["gateway"]
-    g2 = cluster.start("gateway-b", "gateway", list(g1.flags[:-2]), metrics=True)  # without g1's --metrics-port
+    flags = list(g1.flags[:-2])  # without g1's --metrics-port
+    gateways = ["gateway-b", "gateway-c"]
+    b, c = (cluster.start(name, "gateway", flags, metrics=True) for name in gateways)
     try:
-        _until(lambda: all(w.state == pb.WORKER_STATE_AVAILABLE for w in _status(cluster, "gateway-b").workers)
-               and len(_status(cluster, "gateway-b").workers) == 4, 30, "the second gateway to see every worker")
+        for name in gateways:
+            _until(lambda name=name: [w.state for w in _status(cluster, name).workers]
+                   == [pb.WORKER_STATE_AVAILABLE] * 4, 30, f"{name} to see every worker")
         denoisers = [f"d{i}" for i in range(3)]
-        refused = {d: _metric(cluster, d, 'glmimage_denoiser_jobs_total{outcome="rejected_busy"}') for d in denoisers}
-        collisions = {g: _metric(cluster, g, "glmimage_gateway_denoise_collisions_total")
-                      for g in ("gateway", "gateway-b")}
-        # Denoising is the bottleneck (two images a request, 30 steps each): both gateways hold a backlog, so a
-        # denoiser that frees is wanted by both at once.
-        jobs = [(gw, 10 * i, 2) for i in range(8) for gw in (g1.address, g2.address)]
 
-        def generate(job: tuple[str, int, int]) -> list[bytes]:
-            address, seed, n = job
+        def refusals() -> float:
+            return sum(_metric(cluster, d, 'glmimage_denoiser_jobs_total{outcome="rejected_busy"}') for d in denoisers)
+
+        def collisions() -> float:
+            return sum(_metric(cluster, g, "glmimage_gateway_denoise_collisions_total") for g in gateways)
+
+        def generate(address: str, seed: int, n: int = 2, size: int = SIZE) -> list[bytes]:
             resp = _stub(address).GenerateImages(pb.GenerateImagesRequest(
-                prompt=PROMPT, n=n, height=SIZE, width=SIZE, seed=seed, num_inference_steps=30), timeout=120)
+                prompt=PROMPT, n=n, height=size, width=size, seed=seed, num_inference_steps=8), timeout=120)
             return [img.image for img in resp.images]
 
+        refused0, counted0 = refusals(), collisions()
+        # A collision on purpose: while the AR runs a long batch of the first gateway's, one request reaches each of
+        # the two others; their AR calls wait and run merged, so both get their tokens at once and both send the
+        # job to the same free denoiser at once. One of them is refused and sends it on to another at once.
+        with cf.ThreadPoolExecutor(3) as pool:
+            long = pool.submit(generate, g1.address, 500, 1, 512)
+            _until(lambda: (st := _status(cluster)).active_requests == 1 and st.pending_ar_requests == 0, 30,
+                   "the first gateway's batch on the AR")
+            pair = [pool.submit(generate, gw.address, 600) for gw in (b, c)]
+            assert [len(f.result()) for f in (long, *pair)] == [1, 2, 2]
+        assert pair[0].result() == pair[1].result()
+        assert collisions() - counted0 == refusals() - refused0 >= 1
+
+        # A burst through both: every request succeeds, with the same images for the same seed.
+        jobs = [(gw.address, 10 * i) for i in range(8) for gw in (b, c)]
         with cf.ThreadPoolExecutor(len(jobs)) as pool:
-            results = list(pool.map(generate, jobs))
-        # Every request succeeded, through either gateway, with the same images for the same seed.
-        assert [len(r) for r in results] == [n for _, _, n in jobs]
-        by_seed: dict[tuple[int, int], list[bytes]] = {}
-        for (_, seed, n), images in zip(jobs, results, strict=True):
-            by_seed.setdefault((seed, n), []).append(b"".join(images))
-        assert all(a == b for a, b in by_seed.values())
+            results = list(pool.map(lambda job: generate(*job), jobs))
+        assert all(len(r) == 2 for r in results)
+        by_seed: dict[int, set[bytes]] = {}
+        for (_, seed), images in zip(jobs, results, strict=True):
+            by_seed.setdefault(seed, set()).add(b"".join(images))
+        assert all(len(v) == 1 for v in by_seed.values())
         # No denoiser ever held two jobs, by its own count; every busy refusal it gave reached a gateway as a
-        # collision (sent elsewhere at once), and the gateways did collide under this burst.
+        # counted collision (sent elsewhere at once), never as a failed attempt.
         assert all(_metric(cluster, d, "glmimage_denoiser_busy_max") == 1 for d in denoisers)
-        refusals = sum(_metric(cluster, d, 'glmimage_denoiser_jobs_total{outcome="rejected_busy"}') - refused[d]
-                       for d in denoisers)
-        counted = sum(_metric(cluster, g, "glmimage_gateway_denoise_collisions_total") - collisions[g]
-                      for g in ("gateway", "gateway-b"))
-        assert counted == refusals > 0
-        assert _metric(cluster, "gateway", 'glmimage_gateway_requeues_total{reason="denoise_failed"}') == 0
-        _assert_settled(cluster, gateway="gateway-b")
+        assert collisions() - counted0 == refusals() - refused0
+        for name in gateways:
+            assert _metric(cluster, name, 'glmimage_gateway_requeues_total{reason="denoise_failed"}') == 0
+            _assert_settled(cluster, gateway=name)
         _assert_settled(cluster)
     finally:
-        cluster.kill("gateway-b", signal.SIGTERM)
-        del cluster.procs["gateway-b"]
+        for name in gateways:
+            cluster.kill(name, signal.SIGTERM)
+            del cluster.procs[name]
 
 
 def test_sigterm_gateway_under_load(cluster: Cluster) -> None:
