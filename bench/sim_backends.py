@@ -228,10 +228,9 @@ class SimDenoiser(denoiser_service_pb2_grpc.DenoiserServiceServicer):
 
     async def WatchOccupancy(self, request, context: grpc.aio.ServicerContext):
         peer = context.peer()
-        async for state in self.occupancy.watch():
-            yield denoiser_service_pb2.WatchOccupancyResponse(sequence=state.sequence, busy=state.busy,
-                                                              owner=state.owner, request_id=state.request_id)
-            self.delivered[peer] = (state.sequence, asyncio.get_running_loop().time())
+        async for message in self.occupancy.messages():
+            yield message
+            self.delivered[peer] = (message.sequence, asyncio.get_running_loop().time())
 
     async def _steps(self, request: denoiser_service_pb2.DenoiseRequest, partial_images: int,
                      context: grpc.aio.ServicerContext):

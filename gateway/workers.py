@@ -127,6 +127,8 @@ class Worker:
                     return
                 if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     log.warning("denoiser %s refused its occupancy stream: %s", self.address, err.code().name)
+            except Exception:  # noqa: BLE001 - like the health watch: the mirror must outlive any surprise
+                log.exception("occupancy stream of %s failed unexpectedly", self.address)
             if elsewhere:
                 feed(sch.DenoiserOccupancy(now=time.monotonic(), worker=self.address, elsewhere=False))
             await asyncio.sleep(backoff)

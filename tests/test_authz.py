@@ -388,7 +388,9 @@ async def test_workers_require_the_internal_token_and_the_gateway_presents_it(to
                          ar_stub.GenerateBatch(ar_service_pb2.GenerateBatchRequest(requests=[generate]), metadata=md),
                          den_stub.Denoise(denoise, metadata=md),
                          den_stub.DenoiseStream(denoiser_service_pb2.DenoiseStreamRequest(job=denoise),
-                                                metadata=md).read()):
+                                                metadata=md).read(),
+                         # Who holds the slot is the gateways' to know, not any caller's.
+                         den_stub.WatchOccupancy(denoiser_service_pb2.WatchOccupancyRequest(), metadata=md).read()):
                 err = await rpc_error(call)
                 assert err.code() == UNAUTH and "internal token" in err.details(), md
         # Health and reflection stay open: probes and grpcurl discovery need no token.

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from bench.sim_backends import SimAr, SimCosts, SimDenoiser, serve_sim_ar, serve_sim_denoiser
+from gateway import workers
 from gateway.metrics import GatewayMetrics
 from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.runtime.errors import DENOISER_BUSY
@@ -166,3 +167,34 @@ async def test_a_gateway_with_a_trickle_is_not_starved_by_one_with_a_backlog() -
             assert left > 0, "the light gateway got a denoiser only once the backlog was gone"
             await asyncio.gather(*backlog)
             assert all(sim.max_holding == 1 for sim in sims)
+
+
+
+async def test_the_occupancy_mirror_outlives_an_exception_in_its_follower(monkeypatch: pytest.MonkeyPatch) -> None:
+    follow, raised = workers.Worker._follow_occupancy, []
+
+    def broken_once(self, feed, closed):
+        def feed_once_broken(event, quiet=False):
+            if not raised:
+                raised.append(event)
+                raise RuntimeError("a bug in the follower")
+            feed(event, quiet)
+        return follow(self, feed_once_broken, closed)
+
+    gate = asyncio.Event()
+    ar = await serve_sim_ar(SimAr(COSTS))
+    held = SimDenoiser(COSTS, gate=gate)
+    server = await serve_sim_denoiser(held)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        async with running_gateway([f"127.0.0.1:{ar.port}"], [address]) as a:
+            monkeypatch.setattr(workers.Worker, "_follow_occupancy", broken_once)  # b's follower only
+            async with running_gateway([f"127.0.0.1:{ar.port}"], [address]) as b:
+                await wait_for(lambda: bool(raised))
+                first = asyncio.ensure_future(a.stub.GenerateImages(request(num_inference_steps=4)))
+                await b.until(lambda s: any(w.held_elsewhere for w in s.workers))  # the follower started over
+                gate.set()
+                await first
+    finally:
+        for s in (ar, server):
+            await s.stop(None)

@@ -3,6 +3,7 @@ resubmission when a gateway is gone, the same over one balanced channel (a dns:/
 it), and the SDK's one round_robin channel with its retries."""
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from collections.abc import AsyncIterator, Iterator
@@ -279,3 +280,26 @@ async def test_a_balanced_tls_channel_checks_the_server_name_override(pki) -> No
                         break
                 assert answered
         assert _generations(a) and _generations(b)
+
+
+async def test_resubmissions_share_one_deadline(fakes: list[FakeServer]) -> None:
+    """A request resubmitted to the next gateway gets what is left of its timeout, not a fresh one: otherwise a
+    request could run for the timeout once per gateway."""
+    settings = RestSettings(gateway_address=",".join(f.address for f in fakes))
+    gateways = upstream.open_gateways(settings, None)
+    try:
+        attempts = upstream.Resubmissions(gateways, "rid", timeout=0.2)
+        await attempts.__anext__()
+        assert 0 < attempts.remaining() <= 0.2
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + attempts.remaining()
+        while loop.time() < deadline:  # let the whole timeout pass (the request's own clock, nothing to wait on)
+            await asyncio.sleep(deadline - loop.time())
+        with pytest.raises(StopAsyncIteration):  # the second gateway is left, but not the time to try it
+            await attempts.__anext__()
+        fresh = upstream.Resubmissions(gateways, "rid", timeout=30)
+        await fresh.__anext__()
+        await fresh.__anext__()  # the next gateway, with what is left of the same 30 s
+        assert fresh.remaining() <= 30
+    finally:
+        await gateways.close()

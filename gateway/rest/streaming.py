@@ -127,9 +127,10 @@ async def stream(
     # Resubmitted to the next gateway only while nothing was relayed: a failure after the first event is the
     # client's (an error event), as a second run would send its events again.
     gone: GatewayGone | None = None
-    async for gateway in Resubmissions(gateways, gen.rid):
+    attempts = Resubmissions(gateways, gen.rid, settings.request_timeout)
+    async for gateway in attempts:
         await gateway.connected()
-        call = gateway.stub.GenerateImagesStream(req, metadata=gen.metadata, timeout=settings.request_timeout)
+        call = gateway.stub.GenerateImagesStream(req, metadata=gen.metadata, timeout=attempts.remaining())
         guard = CallGuard(call, receive, gen.rid, resubmit=True)
         try:
             # Wait for the first message before committing to a 200, so that errors the gateway reports at once

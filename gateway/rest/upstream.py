@@ -242,17 +242,24 @@ class Resubmissions:
     gateway of the list once, in ``Gateways.attempts`` order. The caller answers with its last failure when
     they run out (``unanswered``)."""
 
-    def __init__(self, gateways: Gateways, rid: str) -> None:
+    def __init__(self, gateways: Gateways, rid: str, timeout: float) -> None:
         self.rid = rid
         self._order = gateways.attempts()
         self._index = 0
         self._again: int | None = None  # resubmissions left on the current gateway, once counted
         self.tries = 0
+        # One deadline for the request, however many gateways it goes to: a resubmission gets what is left.
+        self._deadline = asyncio.get_running_loop().time() + timeout
+
+    def remaining(self) -> float:
+        return self._deadline - asyncio.get_running_loop().time()
 
     def __aiter__(self) -> Resubmissions:
         return self
 
     async def __anext__(self) -> Gateway:
+        if self.tries and self.remaining() <= 0:
+            raise StopAsyncIteration  # the last failure is the answer
         if self.tries:
             current = self._order[self._index]
             if self._again is None:
@@ -284,10 +291,11 @@ async def generate(
     """Run GenerateImages; None if the HTTP client went away (the RPC is then cancelled). A gateway that fails
     it UNAVAILABLE hands it to the next one (see Resubmissions); the last failure is the answer."""
     gone: GatewayGone | None = None
-    async for gateway in Resubmissions(gateways, gen.rid):
+    attempts = Resubmissions(gateways, gen.rid, timeout)
+    async for gateway in attempts:
         await gateway.connected()
-        guard = CallGuard(gateway.stub.GenerateImages(gen.request, metadata=gen.metadata, timeout=timeout), receive,
-                          gen.rid, resubmit=True)
+        guard = CallGuard(gateway.stub.GenerateImages(gen.request, metadata=gen.metadata,
+                                                      timeout=attempts.remaining()), receive, gen.rid, resubmit=True)
         try:
             return await guard.wait(guard.call)
         except GatewayGone as exc:

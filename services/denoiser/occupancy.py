@@ -12,6 +12,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from glmimage.v1 import denoiser_service_pb2
+
 
 @dataclass(frozen=True)
 class Occupancy:
@@ -55,3 +57,9 @@ class OccupancyBoard:
                 yield sent
             if self._state == sent:
                 await changed.wait()
+
+    async def messages(self) -> AsyncIterator[denoiser_service_pb2.WatchOccupancyResponse]:
+        """``watch`` as WatchOccupancy sends it (the real servicer and the simulated one both serve this)."""
+        async for state in self.watch():
+            yield denoiser_service_pb2.WatchOccupancyResponse(sequence=state.sequence, busy=state.busy,
+                                                              owner=state.owner, request_id=state.request_id)

@@ -131,9 +131,8 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
 
     async def WatchOccupancy(self, request, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[denoiser_service_pb2.WatchOccupancyResponse]:
-        async for state in self.occupancy.watch():
-            yield denoiser_service_pb2.WatchOccupancyResponse(sequence=state.sequence, busy=state.busy,
-                                                              owner=state.owner, request_id=state.request_id)
+        async for message in self.occupancy.messages():
+            yield message
 
     async def Denoise(self, request, context: grpc.aio.ServicerContext):
         result = await self._execute(request, 0, context)
