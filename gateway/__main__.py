@@ -16,10 +16,16 @@ from gateway.timeouts import TimeoutPolicy
 from glmimage.sizes import size_arg
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.auth import add_internal_token_args, bearer_metadata, internal_token_from_args
-from services.runtime.limits import FIELDS, add_limit_args, limits_from_args
+from services.runtime.limits import FIELDS, Limits, add_limit_args, limits_from_args, max_request_bytes
 from services.runtime.logs import configure_logging
 from services.runtime.metrics import serve_metrics
-from services.runtime.server import announce, common_server_args, run_until_signalled, start_server
+from services.runtime.server import (
+    announce,
+    common_server_args,
+    intake_from_args,
+    run_until_signalled,
+    start_server,
+)
 from services.runtime.tls import client_tls_args, client_tls_from_args, server_tls_from_args
 
 log = logging.getLogger("gateway")
@@ -175,11 +181,13 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = GatewayServicer(driver, config)
     # Always installed: with no admin key it is what keeps AddWorker/RemoveWorker off.
     interceptors = [gateway_interceptor(config.api_keys, config.admin_keys)]
-    # A reply carries every image of a request (10 PNGs at 2048x2048 can pass 100 MB): the same 256 MiB the REST
-    # front and the Python client accept, so a big reply is not refused as RESOURCE_EXHAUSTED (a retryable 429).
+    # A request is one edit's references at most (its own reference flags, else the defaults). A reply carries
+    # every image of a request (10 PNGs at 2048x2048 can pass 100 MB): the same 256 MiB the REST front and the
+    # Python client accept, so a big reply is not refused as RESOURCE_EXHAUSTED (a retryable 429).
+    intake = intake_from_args(args, max_request_bytes(Limits(**dict(config.own_limits))))
     server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
                                 [SERVICE_NAME], f"{args.host}:{args.port}", interceptors=interceptors, tls=tls,
-                                max_message_mb=256)
+                                intake=intake, max_send_mb=256)
     await driver.start()
     announce(server, args, "GatewayService")
     serve_metrics(args.host, args.metrics_port)

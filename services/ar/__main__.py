@@ -14,7 +14,7 @@ from services.model.device import DeviceUnavailable
 from services.model.loading import CheckpointError
 from services.model.serving import model_args, serve_model
 from services.runtime.errors import ServiceError
-from services.runtime.limits import AR_FIELDS, Limits, add_limit_args, limits_from_args
+from services.runtime.limits import AR_FIELDS, Limits, add_limit_args, limits_from_args, max_request_bytes
 from services.runtime.logs import configure_logging
 from services.runtime.server import common_server_args
 
@@ -64,7 +64,9 @@ async def run(args: argparse.Namespace) -> None:
             args, name="ar-engine", service_name=SERVICE_NAME, load=load,
             make_servicer=functools.partial(ArServicer, max_queue=args.max_queue,
                                             merge_window=args.merge_window_ms / 1000),
-            register=ar_service_pb2_grpc.add_ArServiceServicer_to_server)
+            register=ar_service_pb2_grpc.add_ArServiceServicer_to_server,
+            # A batch carries up to max_batch_outputs prompts, or one edit with its references.
+            max_request_bytes=max_request_bytes(limits, prompts=limits.max_batch_outputs))
     except (DeviceUnavailable, CheckpointError, ServiceError) as exc:  # e.g. an srt server that is not up
         log.error("%s", exc)
         raise SystemExit(f"services.ar: {exc}") from None

@@ -10,7 +10,7 @@ from services.denoiser.encoding import PNG_LEVELS
 from services.denoiser.engine import DenoiseEngine, DenoiseSettings
 from services.denoiser.servicer import DenoiserServicer
 from services.model.serving import model_args, serve_model
-from services.runtime.limits import DENOISER_FIELDS, Limits, add_limit_args, limits_from_args
+from services.runtime.limits import DENOISER_FIELDS, Limits, add_limit_args, limits_from_args, max_request_bytes
 from services.runtime.logs import configure_logging
 from services.runtime.server import common_server_args
 
@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> None:
         args, name="denoise-engine", service_name=SERVICE_NAME,
         load=functools.partial(DenoiseEngine.load, args.model_path, args.device, args.dtype, settings),
         make_servicer=DenoiserServicer,
-        register=denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server))
+        register=denoiser_service_pb2_grpc.add_DenoiserServiceServicer_to_server,
+        # A job carries the edit's references with their tokens beside the target's.
+        max_request_bytes=max_request_bytes(args.limits, tokens=True)))
 
 
 if __name__ == "__main__":

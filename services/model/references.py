@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from services.runtime.errors import InvalidArgument
-from services.runtime.limits import MAX_REFERENCE_ASPECT, SIZE_MULTIPLE
-
-TOKEN_PATCH = 16  # one prior token per 16x16 pixels, for the target and each reference alike
+from services.runtime.limits import MAX_REFERENCE_ASPECT, SIZE_MULTIPLE, TOKEN_PATCH
 
 
 @dataclass(frozen=True)

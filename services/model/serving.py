@@ -16,7 +16,13 @@ from services.model.device import DEVICE_CHOICES, DTYPE_CHOICES
 from services.runtime.auth import add_internal_token_args, internal_token_from_args, internal_token_interceptor
 from services.runtime.executor import SerialExecutor
 from services.runtime.metrics import serve_metrics
-from services.runtime.server import announce, install_shutdown_signals, run_until_signalled, start_server
+from services.runtime.server import (
+    announce,
+    install_shutdown_signals,
+    intake_from_args,
+    run_until_signalled,
+    start_server,
+)
 from services.runtime.tls import server_tls_from_args
 
 log = logging.getLogger(__name__)
@@ -44,10 +50,12 @@ async def serve_model(
     load: Callable[[], Any],
     make_servicer: Callable[[Any, SerialExecutor], Any],
     register: Callable[[Any, grpc.aio.Server], None],
+    max_request_bytes: int,
 ) -> None:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     tls = server_tls_from_args(args)  # flag errors before the (slow) model load
+    intake = intake_from_args(args, max_request_bytes)
     # Signals are ours from here on: without this a SIGTERM while loading killed the process (exit 143) and a
     # SIGINT printed a KeyboardInterrupt traceback.
     stop = install_shutdown_signals()
@@ -59,7 +67,7 @@ async def serve_model(
     engine = await _unless_stopped(executor.run(load), stop)
     servicer = make_servicer(engine, executor)
     server = await start_server(lambda s: register(servicer, s), [service_name], f"{args.host}:{args.port}",
-                                tls=tls, interceptors=interceptors)
+                                tls=tls, interceptors=interceptors, intake=intake)
     announce(server, args, service_name)
     if token:
         log.info("%s requires the internal token", service_name)

@@ -131,23 +131,21 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that only answers ``code``."""
-    des, ser = handler.request_deserializer, handler.response_serializer
+    """A handler for ``handler``'s method that answers ``code`` without reading the request: served as
+    client-streaming on raw bytes (the same on the wire as unary), so no message of an unknown caller is ever
+    received, let alone decoded (services.runtime.intake)."""
+    ser = handler.response_serializer
 
-    async def unary(request, context: grpc.aio.ServicerContext):
+    async def unary(requests, context: grpc.aio.ServicerContext):
         await context.abort(code, message)
 
-    async def stream(request, context: grpc.aio.ServicerContext):
+    async def stream(requests, context: grpc.aio.ServicerContext):
         await context.abort(code, message)
         yield  # pragma: no cover - makes this an async generator; abort always raises
 
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, des, ser)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(stream, des, ser)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, des, ser)
-    return grpc.stream_stream_rpc_method_handler(stream, des, ser)
+    if handler.unary_unary or handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, None, ser)
+    return grpc.stream_stream_rpc_method_handler(stream, None, ser)
 
 
 # ---- the internal token (gateway -> AR and denoisers) -----------------------------------------------------------

@@ -24,6 +24,8 @@ from services.runtime.errors import InvalidArgument
 SEED_SPACE = 2**32
 # The AR grid is H/32 x W/32 (upsampled 2x to the DiT's H/16 x W/16): both stages round sizes up to this.
 SIZE_MULTIPLE = 32
+# One prior token per 16x16 pixels, for the target and each reference alike.
+TOKEN_PATCH = 16
 # AR sampling ranges (fixed by the model's sampler, not configurable): temperature in (0, 2], top_p in (0, 1].
 MAX_TEMPERATURE = 2.0
 MAX_TOP_K = 1_000_000
@@ -65,6 +67,26 @@ class Limits:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Limits))
+
+# ---- the largest legitimate request message ---------------------------------------------------------------------
+
+# A token id on the wire: a packed int32 varint of a non-negative id takes at most 5 bytes.
+TOKEN_WIRE_BYTES = 5
+# A prompt character in UTF-8: at most 4 bytes.
+PROMPT_CHAR_BYTES = 4
+# Tags, lengths, sizes, ids and sampling fields: far less than this in any request.
+MESSAGE_SLACK_BYTES = 256 << 10
+
+
+def max_request_bytes(limits: Limits, *, prompts: int = 1, tokens: bool = False) -> int:
+    """The largest request message a server of these limits must receive, and so its gRPC receive limit: the
+    reference files of one edit, ``prompts`` prompts (an AR batch carries up to max_batch_outputs) and, with
+    ``tokens`` (a denoise job), the prior tokens of the target and of every reference at their largest."""
+    size = limits.max_reference_total_bytes + prompts * PROMPT_CHAR_BYTES * limits.max_prompt_chars
+    if tokens:
+        pixels = limits.max_pixels + limits.max_reference_images * limits.max_reference_pixels
+        size += TOKEN_WIRE_BYTES * (pixels // TOKEN_PATCH**2)
+    return size + MESSAGE_SLACK_BYTES
 # What each server applies, and so advertises: the gateway must not take a default it never checks as a bound.
 REFERENCE_FIELDS = ("max_reference_images", "max_reference_bytes", "max_reference_total_bytes", "max_reference_pixels")
 AR_FIELDS = ("max_prompt_chars", "max_n", "max_pixels", "max_batch_outputs", *REFERENCE_FIELDS)
