@@ -17,7 +17,7 @@ import grpc
 from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.observe import Observer, Timing
-from gateway.timeouts import ArTimeouts, DenoiseTimeouts
+from gateway.timeouts import CostModel, DenoiseTimeouts, ar_work
 from gateway.workers import Worker, WorkerHealth
 from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2, gateway_service_pb2
 from services.runtime.errors import DENOISER_BUSY
@@ -154,8 +154,10 @@ def denoise_request(action: sch.DispatchDenoise, p: gateway_service_pb2.Generate
 
 class Downstream:
     """Performs the workers' calls for the driver. Each returns the scheduler event that reports its end; a call
-    that timed out or broke first sidelines its worker (through ``sideline``), *before* its job is requeued, so the
-    retry goes elsewhere."""
+    that broke, or timed out on a worker that then fails a health probe too, first sidelines its worker (through
+    ``sideline``), *before* its job is requeued, so the retry goes elsewhere. A call that timed out on a worker that
+    answers its probe was a slow job, not a sick worker: the worker keeps serving, and the cost model allows such
+    work more time from then on."""
 
     def __init__(self, config: GatewayConfig, observe: Observer,
                  sideline: Callable[[Worker, WorkerHealth, grpc.StatusCode], None]) -> None:
@@ -163,18 +165,26 @@ class Downstream:
         self.instance_id = config.instance_id
         self.observe = observe
         self.sideline = sideline
-        self.ar_timeouts = ArTimeouts(config.ar_timeout)
+        self.ar_costs = CostModel(config.ar_timeout)
         self.denoise_timeouts = DenoiseTimeouts(config.denoise_timeout)
 
-    def _failure(self, worker: Worker, err: grpc.aio.AioRpcError, role: str, default: sch.ErrorKind) -> Failure:
+    async def _failure(self, worker: Worker, err: grpc.aio.AioRpcError, role: str, default: sch.ErrorKind,
+                       overran: Callable[[], None]) -> Failure:
+        """``err`` read back; the worker sidelined if it is at fault. ``overran`` records a slow job."""
         failed = failure(err, role, default)
-        if failed.sideline is not None:
+        if failed.sideline is WorkerHealth.TIMED_OUT and await worker.answers_probe():
+            log.warning("%s %s still answers its health checks: a slow job, not a sick worker; it keeps serving, "
+                        "and such jobs get more time", role, worker.address)
+            overran()
+        elif failed.sideline is not None:
             self.sideline(worker, failed.sideline, err.code())
         return failed
 
     async def ar_batch(self, worker: Worker | None, action: sch.DispatchArBatch,
-                       members: Sequence[tuple[str, gateway_service_pb2.GenerateImagesRequest, Timing]]) -> sch.Event:
-        """Run the batch for ``members`` (request id, request, its timing), the requests still waiting for it."""
+                       members: Sequence[tuple[str, gateway_service_pb2.GenerateImagesRequest, Timing]],
+                       reference_pixels: int = 0) -> sch.Event:
+        """Run the batch for ``members`` (request id, request, its timing), the requests still waiting for it;
+        ``reference_pixels``: what their reference images declare, in all."""
         if worker is None:
             return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id,
                                      message="the AR server went away")
@@ -182,7 +192,8 @@ class Downstream:
             return sch.ArBatchSucceeded(now=time.monotonic(), batch_id=action.batch_id, outputs={})
         rids = [rid for rid, _, _ in members]
         batch = ar_batch(action, rids, [request for _, request, _ in members])
-        timeout = self.ar_timeouts.timeout(action.height, action.width)
+        work = ar_work(action.height, action.width, reference_pixels)
+        timeout = self.ar_costs.timeout(work)
         started = time.monotonic()
         try:
             response = await worker.stub.GenerateBatch(
@@ -191,11 +202,13 @@ class Downstream:
             log.warning("AR batch %d (%s) on %s failed after %.1fs: %s: %s", action.batch_id, ",".join(rids),
                         worker.address, time.monotonic() - started, err.code().name, err.details())
             # The AR names the field within its batch ("requests[1].prompt"); the client sent one request.
-            failed = self._failure(worker, err, "AR server", sch.ErrorKind.UNAVAILABLE)
+            failed = await self._failure(
+                worker, err, "AR server", sch.ErrorKind.UNAVAILABLE,
+                lambda: self.ar_costs.observe_overrun(work, time.monotonic() - started))
             return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id, message=failed.message,
                                      code=failed.kind, field=failed.field)
         now = time.monotonic()
-        self.ar_timeouts.observe(action.height, action.width, now - started)
+        self.ar_costs.observe(work, dict.fromkeys(work, now - started))
         self.observe.ar_done((timing for _, _, timing in members), started, now)
         # A short reply leaves some requests without outputs; the scheduler fails exactly those (INTERNAL).
         outputs = {rid: [ArOutput(o, tuple(r.references)) for o in r.outputs]
@@ -204,12 +217,15 @@ class Downstream:
 
     async def denoise(self, worker: Worker, action: sch.DispatchDenoise,
                       request: gateway_service_pb2.GenerateImagesRequest, height: int, width: int,
-                      stream: StreamOptions | None) -> sch.Event:
-        """Run one output's job, unary or (``stream`` given) streamed with its events relayed."""
+                      stream: StreamOptions | None, reference_pixels: int = 0) -> sch.Event:
+        """Run one output's job, unary or (``stream`` given) streamed with its events relayed;
+        ``reference_pixels``: what the request's reference images declare, in all."""
         job = action.job
         job_request = denoise_request(action, request, height, width, self.instance_id)
         metadata = (("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"), *self.metadata)
-        timeout = self.denoise_timeouts.timeout(job_request.num_inference_steps, height, width)
+        timeouts = self.denoise_timeouts
+        work = timeouts.work(job_request.num_inference_steps, height, width, reference_pixels)
+        timeout = timeouts.timeout(work)
         started = time.monotonic()
         try:
             response = await _denoise(worker, job_request, metadata, timeout, stream, job.index)
@@ -221,7 +237,11 @@ class Downstream:
                                               sequence=sequence)
             log.warning("denoise %s on %s failed after %.1fs (timeout %.1fs): %s: %s", metadata[0][1],
                         worker.address, time.monotonic() - started, timeout, err.code().name, err.details())
-            failed = self._failure(worker, err, "denoiser", sch.ErrorKind.INTERNAL)
+            def overran() -> None:
+                if work is not None:
+                    timeouts.model.observe_overrun(work, time.monotonic() - started)
+
+            failed = await self._failure(worker, err, "denoiser", sch.ErrorKind.INTERNAL, overran)
             return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address, message=failed.message,
                                      retryable=failed.retryable, code=failed.kind, field=failed.field)
         if response is None:
@@ -229,8 +249,9 @@ class Downstream:
                                      message="the denoise stream ended without a result", retryable=True)
         now = time.monotonic()
         timings = response.timings
-        self.denoise_timeouts.observe(job_request.num_inference_steps, response.steps_completed, height, width,
-                                      timings.denoise_seconds, timings.decode_seconds + timings.encode_seconds)
+        timeouts.observe(job_request.num_inference_steps, response.steps_completed, height, width, reference_pixels,
+                         denoise_seconds=timings.denoise_seconds, prepare_seconds=timings.prepare_seconds,
+                         post_seconds=timings.decode_seconds + timings.encode_seconds)
         self.observe.denoise_done(now - started)
         return sch.DenoiseSucceeded(now=now, job=job, worker=worker.address, result=response)
 

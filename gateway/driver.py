@@ -57,6 +57,7 @@ class _Pending:
     future: asyncio.Future[Outcome]
     stream: StreamOptions | None
     timing: Timing
+    reference_pixels: int = 0  # what its reference images declare, in all: work its calls' timeouts allow for
     expired: bool = False  # cancelled because its deadline passed: it ends as a deadline, not as cancelled
 
 
@@ -182,14 +183,15 @@ class Driver:
 
     async def generate(self, request_id: str, request: gateway_service_pb2.GenerateImagesRequest,
                        height: int, width: int, n: int, timeout: float,
-                       stream: StreamOptions | None = None, expired: Callable[[], bool] | None = None) -> Outcome:
+                       stream: StreamOptions | None = None, expired: Callable[[], bool] | None = None,
+                       reference_pixels: int = 0) -> Outcome:
         """Admit a request and wait for it. Cancelling the awaiting task cancels the request downstream; when
         ``expired()`` says the cancel came from the caller's deadline, the request ends as a deadline."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         request.n = n  # admission's n (0 meant 1): every downstream request reads it from here
         pending = _Pending(request=request, height=height, width=width, n=n, future=loop.create_future(),
-                           stream=stream, timing=Timing(arrived=now))
+                           stream=stream, timing=Timing(arrived=now), reference_pixels=reference_pixels)
         # The id comes from the client's x-request-id and may repeat; the scheduler needs it unique.
         original = request_id
         while request_id in self._pending:  # a loop: "abc.1" may itself be a client's id already in flight
@@ -340,8 +342,10 @@ class Driver:
 
     async def _run_ar_batch(self, action: sch.DispatchArBatch) -> sch.Event:
         # A request cancelled since dispatch is left out; the scheduler drops it when the batch returns anyway.
-        members = [(rid, p.request, p.timing) for rid in action.request_ids if (p := self._pending.get(rid))]
-        return await self.downstream.ar_batch(self._workers.get(action.worker), action, members)
+        waiting = [(rid, p) for rid in action.request_ids if (p := self._pending.get(rid))]
+        return await self.downstream.ar_batch(self._workers.get(action.worker), action,
+                                              [(rid, p.request, p.timing) for rid, p in waiting],
+                                              sum(p.reference_pixels for _, p in waiting))
 
     def _ar_task_done(self, action: sch.DispatchArBatch, task: asyncio.Task) -> None:
         if self._ar_calls.get(action.batch_id) is task:
@@ -365,7 +369,7 @@ class Driver:
             return sch.DenoiseFailed(now=time.monotonic(), job=action.job, worker=action.worker,
                                      message="request already finished", retryable=False)
         return await self.downstream.denoise(worker, action, pending.request, pending.height, pending.width,
-                                             pending.stream)
+                                             pending.stream, pending.reference_pixels)
 
     def _denoise_task_done(self, action: sch.DispatchDenoise, task: asyncio.Task) -> None:
         # The scheduler keeps the worker's slot until it hears how the call ended, so every end reports.

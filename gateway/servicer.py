@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import astuple
 
 import grpc
 
@@ -95,10 +94,12 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             output_format=outcome.images[0].output_format, request_id=request_id_var.get())
 
     async def GenerateImages(self, request, context: grpc.aio.ServicerContext):
-        n, height, width = astuple(self._check(request, self.driver.limits()))
+        checked = self._check(request, self.driver.limits())
+        n, height, width = checked.n, checked.height, checked.width
         try:
             outcome = await self.driver.generate(request_id_var.get(), request, height, width, n,
-                                                 self._timeout(context), expired=self._expired(context))
+                                                 self._timeout(context), expired=self._expired(context),
+                                                 reference_pixels=checked.reference_pixels)
         except RequestFailed as exc:
             raise error_for(exc.code, exc.message, exc.field) from None
         except asyncio.CancelledError:
@@ -109,7 +110,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
     async def GenerateImagesStream(self, request, context: grpc.aio.ServicerContext
                                    ) -> AsyncIterator[gateway_service_pb2.GenerateImagesStreamResponse]:
         limits = self.driver.limits()
-        n, height, width = astuple(self._check(request.request, limits))
+        checked = self._check(request.request, limits)
+        n, height, width = checked.n, checked.height, checked.width
         check_partial_images(request.partial_images, limits)
         done = object()
         events: asyncio.Queue[gateway_service_pb2.GenerateImagesStreamResponse | object] = asyncio.Queue()
@@ -138,7 +140,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
         task = asyncio.ensure_future(self.driver.generate(
             request_id_var.get(), request.request, height, width, n, self._timeout(context),
-            stream=StreamOptions(partial_images=request.partial_images, relay=relay), expired=self._expired(context)))
+            stream=StreamOptions(partial_images=request.partial_images, relay=relay), expired=self._expired(context),
+            reference_pixels=checked.reference_pixels))
         task.add_done_callback(lambda _: events.put_nowait(done))
         # A client that goes away while this generator is parked at a yield does not cancel the generator's
         # frame, so the call's own end cancels the request too.

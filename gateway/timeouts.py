@@ -1,20 +1,37 @@
-"""Per-call timeouts that follow the work: a call may take a margin over what such a call recently took.
+"""Per-call timeouts that follow the work: one cost model for AR batches and denoise jobs alike.
 
 A fixed timeout is either far too long (a hung worker holds a request for minutes) or too short for the largest
-job. Instead each stage keeps the recent cost per unit of work (denoise: per step and megapixel, plus decode and
-encode per megapixel; AR: per megapixel of the batch's resolution) and allows ``margin`` times the estimate plus a
-floor for the RPC itself, never more than ``cap``. Until it has seen a call, the cap applies: a cold first job
-is never cut short. The estimate uses the slowest of the recent observations, so one fast call does not shrink
-the timeout below what a slower worker of the same pool needs.
+job. Instead a call's work is split into parts, each measured in the units its time grows with:
+
+- a denoise job: ``steps`` (steps x megapixels of the target), ``post`` (decode and encode, per target
+  megapixel) and ``references`` (decoding and VAE-encoding an edit's references, per megapixel their headers
+  declare); the denoiser reports the seconds of each part, so each rate is learned on its own;
+- an AR batch: ``text`` (megapixels of the batch's resolution) for a batch of prompts, or ``edit`` (the target's
+  megapixels plus the references' declared megapixels) for an edit, which goes alone and whose references the AR
+  decodes and prefills: a kind of call with its own rate, since the AR reports only the batch's total.
+
+The timeout allows ``margin`` times the estimate plus a floor for the RPC itself, never more than ``cap``. A part
+the call needs but no call has shown yet leaves the estimate unknown, and the cap applies: a cold first job of
+a kind (the first edit after a hundred plain requests) is never cut short. Each rate is the slowest of the
+recent observations, so one fast call does not shrink the timeout below what a slower worker of the pool needs.
+A call that overran on a worker that still answers its health probe teaches the model too: that work takes at
+least that long, so the next such call is allowed more (``observe_overrun``).
 
 Pure and clock-free like the scheduler: the driver feeds observations and asks for timeouts.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MEGAPIXEL = 1_000_000
+
+# Parts of a call (see the module's docstring).
+STEPS, POST, REFERENCES = "steps", "post", "references"
+TEXT, EDIT = "text", "edit"
+
+Work = Mapping[str, float]  # part -> units of it the call does
 
 
 @dataclass(frozen=True)
@@ -23,7 +40,7 @@ class TimeoutPolicy:
     margin: float = 3.0
     floor: float = 5.0  # seconds added to every estimate: connection, queueing for the slot, transfer
     cap: float = 600.0
-    window: int = 32  # recent observations kept
+    window: int = 32  # recent observations kept per part
 
     def __post_init__(self) -> None:
         if self.fixed is not None and self.fixed <= 0:
@@ -48,51 +65,93 @@ class _Rates:
         return max(self.values) if self.values else None
 
 
+class CostModel:
+    """Seconds per unit of each part of a kind of call, learned from the calls that ended; timeouts from them."""
+
+    def __init__(self, policy: TimeoutPolicy) -> None:
+        self.policy = policy
+        self._rates: dict[str, _Rates] = {}
+
+    def _series(self, part: str) -> _Rates:
+        if part not in self._rates:
+            self._rates[part] = _Rates(self.policy.window)
+        return self._rates[part]
+
+    def observe(self, work: Work, seconds: Mapping[str, float]) -> None:
+        """A call that did ``work`` and took ``seconds`` of each part (a part it did no units of teaches nothing)."""
+        for part, units in work.items():
+            if units > 0 and part in seconds:
+                self._series(part).add(seconds[part] / units)
+
+    def estimate(self, work: Work) -> float | None:
+        """Seconds ``work`` should take; None while a part of it has never been seen."""
+        total = 0.0
+        for part, units in work.items():
+            if units <= 0:
+                continue
+            rate = self._rates[part].high() if part in self._rates else None
+            if rate is None:
+                return None
+            total += rate * units
+        return total
+
+    def timeout(self, work: Work) -> float:
+        p = self.policy
+        if p.fixed is not None:
+            return p.fixed
+        estimate = self.estimate(work)
+        return p.cap if estimate is None else min(p.cap, p.floor + p.margin * estimate)
+
+    def observe_overrun(self, work: Work, seconds: float) -> None:
+        """A call that was still running after ``seconds`` on a worker that answers its health checks: the work was
+        slower than estimated, by at least seconds / estimate. Every part it did is scaled up by that."""
+        estimate = self.estimate(work)
+        if estimate is None or estimate <= 0:
+            return  # it ran under the cap: nothing longer to allow
+        scale = max(1.0, seconds / estimate)
+        for part, units in work.items():
+            if units > 0:
+                series = self._rates[part]
+                series.add(series.high() * scale)  # type: ignore[operator] - estimate() saw every rate
+
+
+def megapixels(height: int, width: int) -> float:
+    return max(height * width / MEGAPIXEL, 1e-6)
+
+
+def denoise_work(steps: int, height: int, width: int, reference_pixels: int) -> dict[str, float]:
+    """A denoise job's parts; ``steps`` as the job runs them (the request's, else the denoisers' default)."""
+    mp = megapixels(height, width)
+    return {STEPS: steps * mp, POST: mp, REFERENCES: reference_pixels / MEGAPIXEL}
+
+
+def ar_work(height: int, width: int, reference_pixels: int) -> dict[str, float]:
+    """An AR batch's part: a batch of prompts, or one edit with its references."""
+    mp = megapixels(height, width)
+    return {EDIT: mp + reference_pixels / MEGAPIXEL} if reference_pixels else {TEXT: mp}
+
+
 class DenoiseTimeouts:
-    """Timeout of one denoise call from its steps and size."""
+    """The denoise stage's cost model, plus the step count the denoisers run when a request leaves it at 0."""
 
     def __init__(self, policy: TimeoutPolicy) -> None:
-        self.policy = policy
-        self._per_step = _Rates(policy.window)  # seconds per step per megapixel
-        self._post = _Rates(policy.window)  # decode + encode seconds per megapixel
-        self._default_steps: int | None = None  # what the denoisers run when a request leaves steps at 0
+        self.model = CostModel(policy)
+        self._default_steps: int | None = None
 
-    def observe(self, requested_steps: int, steps_completed: int, height: int, width: int,
-                denoise_seconds: float, post_seconds: float) -> None:
-        mp = max(height * width / MEGAPIXEL, 1e-6)
-        if steps_completed > 0:
-            self._per_step.add(denoise_seconds / (steps_completed * mp))
-            if requested_steps == 0:
-                self._default_steps = steps_completed
-        self._post.add(post_seconds / mp)
+    def work(self, requested_steps: int, height: int, width: int, reference_pixels: int) -> dict[str, float] | None:
+        """The job's work; None while the default step count it would run is unknown."""
+        steps = requested_steps or self._default_steps
+        return None if not steps else denoise_work(steps, height, width, reference_pixels)
 
-    def timeout(self, steps: int, height: int, width: int) -> float:
-        p = self.policy
-        if p.fixed is not None:
-            return p.fixed
-        per_step, post = self._per_step.high(), self._post.high()
-        steps = steps or self._default_steps or 0
-        if per_step is None or post is None or steps == 0:
-            return p.cap
-        mp = height * width / MEGAPIXEL
-        return min(p.cap, p.floor + p.margin * mp * (steps * per_step + post))
+    def timeout(self, work: Work | None) -> float:
+        p = self.model.policy
+        return p.fixed if p.fixed is not None else (p.cap if work is None else self.model.timeout(work))
 
-
-class ArTimeouts:
-    """Timeout of one AR batch call from its resolution (the tokens each row generates grow with the pixels)."""
-
-    def __init__(self, policy: TimeoutPolicy) -> None:
-        self.policy = policy
-        self._per_mp = _Rates(policy.window)
-
-    def observe(self, height: int, width: int, seconds: float) -> None:
-        self._per_mp.add(seconds / max(height * width / MEGAPIXEL, 1e-6))
-
-    def timeout(self, height: int, width: int) -> float:
-        p = self.policy
-        if p.fixed is not None:
-            return p.fixed
-        rate = self._per_mp.high()
-        if rate is None:
-            return p.cap
-        return min(p.cap, p.floor + p.margin * rate * height * width / MEGAPIXEL)
+    def observe(self, requested_steps: int, steps_completed: int, height: int, width: int, reference_pixels: int,
+                *, denoise_seconds: float, prepare_seconds: float, post_seconds: float) -> None:
+        """A job that ended: ``denoise_seconds`` includes ``prepare_seconds``, the references' preparation."""
+        if steps_completed > 0 and requested_steps == 0:
+            self._default_steps = steps_completed
+        work = denoise_work(steps_completed, height, width, reference_pixels)
+        steps_seconds = denoise_seconds - prepare_seconds if reference_pixels else denoise_seconds
+        self.model.observe(work, {STEPS: steps_seconds, POST: post_seconds, REFERENCES: prepare_seconds})

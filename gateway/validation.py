@@ -33,6 +33,7 @@ class Checked:
     n: int
     height: int  # as asked (the workers round up to multiples of 32 and crop back)
     width: int
+    reference_pixels: int = 0  # what the reference images' headers declare, in all
 
 
 def check_generate(r: gateway_service_pb2.GenerateImagesRequest, limits: Limits, *, default_height: int,
@@ -56,6 +57,8 @@ def check_generate(r: gateway_service_pb2.GenerateImagesRequest, limits: Limits,
         check_sampling(sp.temperature if sp.HasField("temperature") else None,
                        sp.top_p if sp.HasField("top_p") else None,
                        sp.top_k if sp.HasField("top_k") else None)
+    reference_pixels = 0
     if r.reference_images:  # an edit: count, bytes and each header's format and pixels, before anything decodes
-        check_reference_images([image.data for image in r.reference_images], limits)
-    return Checked(n=n, height=height, width=width)
+        sizes = check_reference_images([image.data for image in r.reference_images], limits)
+        reference_pixels = sum(w * h for w, h in sizes)
+    return Checked(n=n, height=height, width=width, reference_pixels=reference_pixels)

@@ -143,6 +143,16 @@ class Worker:
         self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=self.address))
         self.watch_task = asyncio.create_task(self._watch(self._feed, self._closed), name=f"health:{self.address}")
 
+    async def answers_probe(self) -> bool:
+        """Whether it answers a health check SERVING within the probe timeout, now: a call to it overran, and this
+        tells a slow job (it answers) from a hung or vanished worker (it does not)."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=self.service), timeout=self.config.health_probe_timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     async def _read_limits(self) -> None:
         """Learn what it applies before it gets work, so admission refuses what it would refuse."""
         try:

@@ -1,48 +1,94 @@
-"""The adaptive call timeouts: a margin over what recent calls of that size took, capped, never a cold guess."""
+"""The call timeouts' cost model: a margin over what recent calls of that kind took, part by part, capped, and never
+a guess for a part no call has shown yet."""
 from __future__ import annotations
 
 import pytest
 
-from gateway.timeouts import ArTimeouts, DenoiseTimeouts, TimeoutPolicy
+from gateway.timeouts import CostModel, DenoiseTimeouts, TimeoutPolicy, ar_work, denoise_work
 
 POLICY = TimeoutPolicy(margin=3.0, floor=5.0, cap=600.0, window=4)
+MP = 1000 * 1000
+
+
+def _denoised(t: DenoiseTimeouts, steps: int = 10, size: int = 1000, reference_pixels: int = 0, *,
+              denoise: float = 2.0, prepare: float = 0.0, post: float = 0.5) -> None:
+    t.observe(steps, steps, size, size, reference_pixels, denoise_seconds=denoise, prepare_seconds=prepare,
+              post_seconds=post)
 
 
 def test_before_any_call_the_cap_applies() -> None:
-    assert DenoiseTimeouts(POLICY).timeout(50, 1024, 1024) == 600.0
-    assert ArTimeouts(POLICY).timeout(1024, 1024) == 600.0
+    t = DenoiseTimeouts(POLICY)
+    assert t.timeout(t.work(50, 1024, 1024, 0)) == 600.0
+    assert CostModel(POLICY).timeout(ar_work(1024, 1024, 0)) == 600.0
 
 
 def test_denoise_timeout_follows_steps_and_size() -> None:
     t = DenoiseTimeouts(POLICY)
-    # 1 megapixel, 10 steps in 2 s (0.2 s per step), decode + encode 0.5 s.
-    t.observe(10, 10, 1000, 1000, denoise_seconds=2.0, post_seconds=0.5)
-    assert t.timeout(10, 1000, 1000) == pytest.approx(5 + 3 * (2.0 + 0.5))
-    assert t.timeout(50, 1000, 1000) == pytest.approx(5 + 3 * (10.0 + 0.5))  # five times the steps
-    assert t.timeout(10, 500, 500) == pytest.approx(5 + 3 * 0.25 * (2.0 + 0.5))  # a quarter of the pixels
-    assert t.timeout(10_000, 2000, 2000) == 600.0  # capped
+    _denoised(t)  # 1 megapixel, 10 steps in 2 s (0.2 s per step), decode + encode 0.5 s
+    assert t.timeout(t.work(10, 1000, 1000, 0)) == pytest.approx(5 + 3 * (2.0 + 0.5))
+    assert t.timeout(t.work(50, 1000, 1000, 0)) == pytest.approx(5 + 3 * (10.0 + 0.5))  # five times the steps
+    assert t.timeout(t.work(10, 500, 500, 0)) == pytest.approx(5 + 3 * 0.25 * (2.0 + 0.5))  # a quarter of the pixels
+    assert t.timeout(t.work(10_000, 2000, 2000, 0)) == 600.0  # capped
+
+
+def test_the_first_edit_after_plain_jobs_gets_the_cap_then_its_references_are_priced() -> None:
+    """The reported failure: timeouts learned from 64x64 text-to-image jobs cut a 16-reference edit short."""
+    t, ar = DenoiseTimeouts(POLICY), CostModel(POLICY)
+    for _ in range(4):
+        _denoised(t, size=64, denoise=0.05, post=0.01)
+        ar.observe(ar_work(64, 64, 0), {"text": 0.3})
+    refs = 16 * 4096 * 4096
+    assert t.timeout(t.work(10, 64, 64, refs)) == 600.0
+    assert ar.timeout(ar_work(64, 64, refs)) == 600.0
+    # The edit took 20 s to prepare its references (the denoiser reports it apart from the steps), 22 s in all.
+    _denoised(t, size=64, reference_pixels=refs, denoise=20.05, prepare=20.0, post=0.01)
+    ar.observe(ar_work(64, 64, refs), {"edit": 8.0})
+    assert t.timeout(t.work(10, 64, 64, refs)) == pytest.approx(5 + 3 * (20.0 + 0.05 + 0.01), rel=1e-3)
+    assert t.timeout(t.work(10, 64, 64, refs // 4)) == pytest.approx(5 + 3 * (5.0 + 0.05 + 0.01), rel=1e-3)
+    assert ar.timeout(ar_work(64, 64, refs)) == pytest.approx(5 + 3 * 8.0)
+    # The edit's preparation did not make plain jobs' steps look slower.
+    assert t.timeout(t.work(10, 64, 64, 0)) == pytest.approx(5 + 3 * 0.06, rel=1e-3)
+    assert ar.timeout(ar_work(64, 64, 0)) == pytest.approx(5 + 3 * 0.3)
 
 
 def test_a_request_without_steps_uses_what_the_denoisers_run_by_default() -> None:
     t = DenoiseTimeouts(POLICY)
-    t.observe(0, 2, 1000, 1000, denoise_seconds=0.4, post_seconds=0.0)  # the default turned out to be 2 steps
-    assert t.timeout(0, 1000, 1000) == pytest.approx(5 + 3 * 0.4)
+    assert t.work(0, 1000, 1000, 0) is None
+    assert t.timeout(None) == 600.0
+    t.observe(0, 2, 1000, 1000, 0, denoise_seconds=0.4, prepare_seconds=0.0, post_seconds=0.0)  # the default is 2
+    assert t.work(0, 1000, 1000, 0) == denoise_work(2, 1000, 1000, 0)
+    assert t.timeout(t.work(0, 1000, 1000, 0)) == pytest.approx(5 + 3 * 0.4)
 
 
 def test_the_slowest_recent_call_counts_and_old_ones_age_out() -> None:
-    t = ArTimeouts(POLICY)
-    t.observe(1000, 1000, 10.0)
+    t = CostModel(POLICY)
+    work = ar_work(1000, 1000, 0)
+    t.observe(work, {"text": 10.0})
     for _ in range(3):
-        t.observe(1000, 1000, 1.0)
-    assert t.timeout(1000, 1000) == pytest.approx(5 + 3 * 10.0)  # one slow worker in the pool is honoured
-    t.observe(1000, 1000, 1.0)  # the window (4) has moved past it
-    assert t.timeout(1000, 1000) == pytest.approx(5 + 3 * 1.0)
+        t.observe(work, {"text": 1.0})
+    assert t.timeout(work) == pytest.approx(5 + 3 * 10.0)  # one slow worker in the pool is honoured
+    t.observe(work, {"text": 1.0})  # the window (4) has moved past it
+    assert t.timeout(work) == pytest.approx(5 + 3 * 1.0)
+
+
+def test_an_overrun_on_a_healthy_worker_allows_such_work_more() -> None:
+    t = CostModel(POLICY)
+    work = denoise_work(10, 1000, 1000, 0)
+    t.observe(work, {"steps": 2.0, "post": 0.5})
+    allowed = t.timeout(work)
+    t.observe_overrun(work, allowed)  # still running at its timeout: at least allowed / 2.5 times slower
+    assert t.estimate(work) == pytest.approx(allowed)
+    assert t.timeout(work) == pytest.approx(min(600.0, 5 + 3 * allowed))
+    cold = CostModel(POLICY)
+    cold.observe_overrun(work, 600.0)  # overran the cap itself: nothing is learned, the cap stays
+    assert cold.timeout(work) == 600.0
 
 
 def test_a_fixed_timeout_is_used_as_is() -> None:
     t = DenoiseTimeouts(TimeoutPolicy(fixed=7.0))
-    t.observe(10, 10, 1000, 1000, 100.0, 1.0)
-    assert t.timeout(50, 2048, 2048) == 7.0
+    _denoised(t, denoise=100.0, post=1.0)
+    assert t.timeout(t.work(50, 2048, 2048, 1 << 24)) == 7.0
+    assert t.timeout(None) == 7.0
 
 
 @pytest.mark.parametrize("kwargs", [{"fixed": 0}, {"margin": 0.5}, {"cap": 0}, {"window": 0}])

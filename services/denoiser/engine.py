@@ -86,6 +86,7 @@ class DenoiseResult:
     denoise_seconds: float
     decode_seconds: float
     encode_seconds: float
+    prepare_seconds: float = 0.0  # of denoise_seconds: before the first step (glyphs, an edit's references)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class JobControl:
     on_event: Callable[[JobEvent], None] | None = None
     steps_done: int = 0
     step_seconds: list[float] = field(default_factory=list)
+    prepare_seconds: float | None = None  # from the start of denoise() to its first step
 
     def emit(self, event: JobEvent) -> None:
         if self.on_event is not None:
@@ -200,13 +202,15 @@ class DenoiseEngine:
         t3 = time.perf_counter()
         return DenoiseResult(image=data, output_format=job.output_format, height=job.height, width=job.width,
                              steps_completed=control.steps_done, seed=job.seed, denoise_seconds=t1 - t0,
-                             decode_seconds=t2 - t1, encode_seconds=t3 - t2)
+                             decode_seconds=t2 - t1, encode_seconds=t3 - t2,
+                             prepare_seconds=control.prepare_seconds or 0.0)
 
     @torch.inference_mode()
     def denoise(self, job: DenoiseJob, control: JobControl | None = None) -> torch.Tensor:
         """The denoising loop alone (after encoding an edit's references): the final latents at the model size
         (multiples of 32)."""
         control = control or JobControl()
+        begun = time.perf_counter()
         h, w = round_up(job.height), round_up(job.width)
         # Decoded here, on the worker thread, rather than in validate() on the caller's event loop.
         conditioning = pipeline_inputs(prepare_images(job.reference_images, job.references), job.references,
@@ -222,6 +226,8 @@ class DenoiseEngine:
                 control.check("while encoding the references")
             elif step_start[0] is None:
                 step_start[0] = time.perf_counter()
+                if control.prepare_seconds is None:  # the first step begins: what came before was preparation
+                    control.prepare_seconds = step_start[0] - begun
 
         def on_step_end(pipe, index: int, timestep, callback_kwargs: dict) -> dict:
             now, step = time.perf_counter(), index + 1

@@ -67,7 +67,8 @@ def result_to_proto(r: DenoiseResult) -> denoiser_service_pb2.DenoiseResponse:
         steps_completed=r.steps_completed, seed=r.seed,
         timings=denoiser_service_pb2.DenoiseTimings(denoise_seconds=r.denoise_seconds,
                                                    decode_seconds=r.decode_seconds,
-                                                   encode_seconds=r.encode_seconds))
+                                                   encode_seconds=r.encode_seconds,
+                                                   prepare_seconds=r.prepare_seconds))
 
 
 def event_to_proto(event: JobEvent) -> denoiser_service_pb2.DenoiseStreamResponse:

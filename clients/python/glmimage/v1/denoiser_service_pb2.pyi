@@ -64,14 +64,16 @@ class DenoiseRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prior_tokens: _Optional[_Union[_common_pb2.TokenRow, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., references: _Optional[_Iterable[_Union[_common_pb2.ReferenceTokens, _Mapping]]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class DenoiseTimings(_message.Message):
-    __slots__ = ("denoise_seconds", "decode_seconds", "encode_seconds")
+    __slots__ = ("denoise_seconds", "decode_seconds", "encode_seconds", "prepare_seconds")
     DENOISE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     denoise_seconds: float
     decode_seconds: float
     encode_seconds: float
-    def __init__(self, denoise_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ...) -> None: ...
+    prepare_seconds: float
+    def __init__(self, denoise_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ...) -> None: ...
 
 class DenoiseResponse(_message.Message):
     __slots__ = ("image", "output_format", "height", "width", "steps_completed", "seed", "timings")
