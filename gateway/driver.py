@@ -29,6 +29,7 @@ from gateway.observe import Observer, Timing
 from gateway.workers import Worker, WorkerHealth
 from glmimage.v1 import ar_service_pb2, denoiser_service_pb2, gateway_service_pb2
 from services.runtime.limits import Limits, limits_in_force, round_up
+from services.runtime.logs import spawn, without_request_id
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class Driver:
         await asyncio.gather(*(w.channel.close() for w in self._workers.values()), return_exceptions=True)
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
-        task = asyncio.create_task(coro, name=name)
+        task = spawn(coro, name=name)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
@@ -290,14 +291,16 @@ class Driver:
         if wake is not None:
             loop = asyncio.get_running_loop()
             delay = max(0.0, wake - time.monotonic())
-            self._timer = loop.call_later(delay, lambda: self._feed(sch.Tick(now=time.monotonic())))
+            self._timer = loop.call_later(delay, lambda: self._feed(sch.Tick(now=time.monotonic())),
+                                          context=without_request_id())
 
     def _perform(self, action: sch.Action) -> None:
         match action:
             case sch.DispatchArBatch():
                 self.observe.ar_dispatched((p.timing, p.n) for rid in action.request_ids
                                            if (p := self._pending.get(rid)) is not None)
-                task = asyncio.create_task(self._run_ar_batch(action))
+                # For several requests: it logs their ids itself.
+                task = spawn(self._run_ar_batch(action), name=f"ar-batch:{action.batch_id}")
                 self._ar_calls[action.batch_id] = task
                 task.add_done_callback(functools.partial(self._ar_task_done, action))
             case sch.CancelArBatch(batch_id=batch_id, abandoned=abandoned):
@@ -309,7 +312,8 @@ class Driver:
             case sch.DispatchDenoise():
                 pending = self._pending.get(action.job.request_id)
                 self.observe.denoise_dispatched(pending and pending.timing, action.job.index)
-                task = asyncio.create_task(self._run_denoise(action))
+                task = spawn(self._run_denoise(action), name=f"denoise:{action.job.request_id}/{action.job.index}",
+                             request_id=action.job.request_id)
                 self._denoise_calls[action.job] = task
                 self._denoise_on[action.job] = action.worker
                 task.add_done_callback(functools.partial(self._denoise_task_done, action))

@@ -21,6 +21,7 @@ from gateway.config import GatewayConfig
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.runtime import keepalive
 from services.runtime.limits import advertised
+from services.runtime.logs import spawn
 from services.runtime.tls import make_channel
 
 log = logging.getLogger("gateway.driver")
@@ -91,10 +92,9 @@ class Worker:
         """Start following its health; every change reaches the scheduler through ``feed``, and a change of its
         limits calls ``on_limits``."""
         self._feed, self._closed, self._on_limits = feed, closed, on_limits
-        self.watch_task = asyncio.create_task(self._watch(feed, closed), name=f"health:{self.address}")
+        self.watch_task = spawn(self._watch(feed, closed), name=f"health:{self.address}")
         if self.role is sch.WorkerRole.DENOISER:
-            self.occupancy_task = asyncio.create_task(self._follow_occupancy(feed, closed),
-                                                      name=f"occupancy:{self.address}")
+            self.occupancy_task = spawn(self._follow_occupancy(feed, closed), name=f"occupancy:{self.address}")
 
     def tasks(self) -> list[asyncio.Task]:
         """The watches it runs, to cancel when it leaves the pool or the gateway closes."""
@@ -141,7 +141,8 @@ class Worker:
         self.health = why
         self.watch_task.cancel()
         self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=self.address))
-        self.watch_task = asyncio.create_task(self._watch(self._feed, self._closed), name=f"health:{self.address}")
+        # Usually from inside the failed call: the watch must not log as that call's request from now on.
+        self.watch_task = spawn(self._watch(self._feed, self._closed), name=f"health:{self.address}")
 
     async def answers_probe(self) -> bool:
         """Whether it answers a health check SERVING within the probe timeout, now: a call to it overran, and this

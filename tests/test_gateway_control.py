@@ -8,6 +8,7 @@ tests wait on conditions.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,6 +26,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.scheduler import SchedulerConfig, WorkerRole
 from glmimage.v1 import denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
+from services.runtime.logs import RequestIdFilter
 from tests.support.sim_gateway import (
     ADMIN,
     AVAILABLE,
@@ -407,3 +409,33 @@ async def test_a_denoise_task_cancelled_before_it_ran_frees_its_worker(cluster: 
         assert all(w.state.value == "AVAILABLE" for w in driver.snapshot().workers)
     finally:
         await driver.close()
+
+
+async def test_background_work_never_logs_with_the_id_of_the_request_that_started_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A denoiser vanishes under a request's job: the call fails, and the health watch restarted from inside that
+    call follows the worker until it is back. None of that watch's lines may carry the request's id."""
+    caplog.set_level(logging.INFO)
+    caplog.handler.addFilter(RequestIdFilter())
+    async with sim_cluster() as sims:
+        denoisers = [f"127.0.0.1:{d.port}" for d in sims.denoisers]
+        async with running_gateway([f"127.0.0.1:{sims.ar.port}"], denoisers) as gw:
+            sims.gate.clear()  # the job stays on its denoiser after its first step
+            call = gw.stub.GenerateImages(request(num_inference_steps=2),
+                                          metadata=(("x-request-id", "rid-started-it"),))
+            await wait_for(lambda: any(d.servicer.busy for d in sims.denoisers))
+            (holder,) = [d for d in sims.denoisers if d.servicer.busy]
+            await holder.stop(None)  # its call fails UNAVAILABLE, its worker is sidelined, its watch restarts
+            sims.gate.set()
+            assert len((await call).images) == 1  # retried on another denoiser
+            done = len(caplog.records)
+            back = await serve_sim_denoiser(SimDenoiser(FAST), port=holder.port)  # the restarted watch sees it
+            try:
+                await wait_for(lambda: any(f"{holder.port} is SERVING" in r.getMessage()
+                                           for r in caplog.records[done:]), timeout=60)
+            finally:
+                await back.stop(None)
+    later = [r for r in caplog.records[done:] if r.request_id == "rid-started-it"]
+    assert not later, [r.getMessage() for r in later]
+    during = [r for r in caplog.records[:done] if r.name == "gateway.driver" and "suspect" in r.getMessage()]
+    assert during, "the vanished denoiser was never sidelined: the test did not exercise the restarted watch"

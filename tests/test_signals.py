@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.cluster import MODULES, SERVICES, reap, wait_serving
+from tests.support.cluster import MODULES, SERVICES, Cluster, reap, wait_serving
 
 pytestmark = pytest.mark.e2e
 
@@ -114,3 +114,18 @@ def test_sigterm_and_sigint_exit_0_without_traceback(role: str, tiny_checkpoint:
             if run.popen.poll() is None:
                 run.popen.kill()
                 run.popen.wait()
+
+
+def test_workers_followed_by_a_gateway_stop_cleanly(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A gateway holds each worker's health Watch (and a denoiser's occupancy stream) open: SIGTERM ends those
+    streams before the server stops, so nothing is logged as an unhandled CancelledError."""
+    procs = Cluster(tmp_path)
+    try:
+        ar, den = procs.start("ar", "ar"), procs.start("denoiser", "denoiser")
+        procs.start("gateway", "gateway", ["--ar", ar.address, "--denoiser", den.address])
+        for name in ("ar", "denoiser"):
+            assert procs.kill(name, signal.SIGTERM) == 0
+            log = (tmp_path / f"{name}.log").read_text()
+            assert "ERROR" not in log and "Traceback" not in log, procs.tail(name)
+    finally:
+        procs.close()

@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 from services.ar.domain import RunControl
 from services.runtime.errors import DeadlineExceeded, ResourceExhausted
 from services.runtime.executor import SerialExecutor
+from services.runtime.logs import spawn
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,8 @@ class CallMerger(Generic[R, T]):
                 self._on_wait(waited)
             call.batch = _Batch([call], RunControl(deadline=control.deadline))
             self.current = call.batch.control  # before any await: set as soon as the model is taken
-            task = asyncio.ensure_future(self._lead(call.batch))
+            # It runs the batch for every call merged into it, not for this one alone.
+            task = spawn(self._lead(call.batch), name="ar-batch")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         try:

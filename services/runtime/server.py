@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import logging
 import re
 import signal
 import traceback
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +65,8 @@ _OWN = ((OWN_ERROR_KEY, "1"),)
 # Long-lived infrastructure streams (health Watch) must neither count as work nor hold a drain open.
 # The denoiser's occupancy stream is one too: a draining denoiser keeps publishing while its last job finishes.
 _INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.", "/glmimage.v1.DenoiserService/WatchOccupancy")
+# How long the infrastructure streams get to end before the server stops (they end at once unless hung).
+STREAMS_CLOSE_SECONDS = 1.0
 # The google.rpc.ErrorInfo domain of the reasons this suite sends.
 ERROR_DOMAIN = "glmimage.v1"
 
@@ -113,13 +116,19 @@ def error_info(err: grpc.RpcError) -> tuple[str, str, dict[str, str]] | None:
 
 
 class InflightWork:
-    """Counts application RPCs in progress, so a drain can wait for exactly those and then stop at once."""
+    """Counts application RPCs in progress, so a drain can wait for exactly those and then stop at once; and ends
+    the infrastructure streams (health Watch, WatchOccupancy) before the stop, so none is cut by it (gRPC logs each
+    cut stream as an unhandled CancelledError)."""
 
     def __init__(self) -> None:
         self.count = 0
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
+        self.closing = asyncio.Event()  # set just before the stop: infrastructure streams end
+        self.streams = 0  # infrastructure streams open
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
 
     def track(self, context: grpc.aio.ServicerContext) -> None:
         """Count this RPC until it has terminated, i.e. its response and status are handed to the transport:
@@ -139,6 +148,43 @@ class InflightWork:
             return True
         except TimeoutError:
             return False
+
+    async def stream(self, stream: object) -> AsyncIterator[object]:
+        """An infrastructure stream's messages (an async generator's, or none from a handler that writes them
+        itself) until it ends or ``closing`` is set."""
+        self.streams += 1
+        self._no_streams.clear()
+        stop = asyncio.ensure_future(self.closing.wait())
+        step = stream.__anext__ if inspect.isasyncgen(stream) else None
+        part: asyncio.Future | None = None
+        try:
+            while True:
+                part = asyncio.ensure_future(step() if step else stream)  # type: ignore[arg-type]
+                await asyncio.wait((part, stop), return_when=asyncio.FIRST_COMPLETED)
+                if not part.done():
+                    return  # closing: the finally ends it
+                if step is None:
+                    part.result()
+                    return
+                try:
+                    item = part.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            # Also when the call itself is cancelled (its client left): the part must not outlive it.
+            stop.cancel()
+            if part is not None and not part.done():
+                part.cancel()
+                await asyncio.gather(part, return_exceptions=True)
+            self.streams -= 1
+            if self.streams == 0:
+                self._no_streams.set()
+
+    async def close_streams(self, timeout: float) -> None:
+        self.closing.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._no_streams.wait(), timeout)
 
 
 def release_frames(exc: BaseException) -> None:
@@ -228,10 +274,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             await _admit(context)
             try:
                 stream = inner_stream(await _request(requests, context), context)
-                if inspect.isasyncgen(stream):
+                if work is None:  # an infrastructure stream: it ends when the server is about to stop
+                    async for item in self.work.stream(stream):
+                        yield item
+                elif inspect.isasyncgen(stream):
                     async for item in stream:
                         yield item
-                else:  # a handler that writes with context.write(), like the health Watch
+                else:  # a handler that writes with context.write()
                     await stream
             except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
                 release_frames(exc)
@@ -343,6 +392,7 @@ async def run_until_signalled(
     # Wait for application RPCs only: health Watch streams stay open forever and must not hold the exit.
     if not await server.work.wait_idle(grace):
         log.warning("%d RPC(s) still running after %.0fs; stopping anyway", server.work.count, grace)
+    await server.work.close_streams(STREAMS_CLOSE_SECONDS)
     await server.server.stop(0)
     log.info("stopped")
 
