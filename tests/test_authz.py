@@ -31,7 +31,7 @@ from gateway.scheduler import WorkerRole
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
-from services.runtime.auth import ENV_INTERNAL_TOKEN, check_token, internal_token_from
+from services.runtime.auth import ENV_INTERNAL_TOKEN, check_token, internal_token_from, internal_tokens_from
 from tests.support.cluster import Cluster, running_stack
 from tests.support.sim_gateway import (
     ADMIN,
@@ -353,6 +353,19 @@ def test_internal_token_sources(tmp_path: Path) -> None:
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="0 characters"):
         internal_token_from(tmp_path / "empty", {})
+
+
+def test_several_internal_tokens_one_a_line_for_a_rotation(tmp_path: Path) -> None:
+    new, old = secrets.token_hex(16), secrets.token_hex(16)
+    (tmp_path / "t").write_text(f"{new}\n\n  {old}  \n{new}\n")
+    # A server accepts every one (each once, in order); a gateway presents the first.
+    assert internal_tokens_from(tmp_path / "t", {}) == (new, old)
+    assert internal_token_from(tmp_path / "t", {}) == new
+    assert internal_tokens_from(None, {ENV_INTERNAL_TOKEN: f"{old}\n{new}"}) == (old, new)
+    assert internal_tokens_from(None, {}) == ()
+    (tmp_path / "bad").write_text(f"{new}\nshort\n")
+    with pytest.raises(ValueError, match=r"\(token 2\) is 5 characters"):
+        internal_tokens_from(tmp_path / "bad", {})
 
 
 @pytest.fixture
