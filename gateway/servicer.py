@@ -194,6 +194,11 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         if known is not None and known is not role:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"address: {address} is already a {known.value.lower()} worker; remove it first")
+        # The same worker dialled another way (tls:// or plaintext://, or neither) would be two members sending
+        # it two jobs at once.
+        if (other := next((a for a in parsed.spellings if a != address and self.driver.worker_role(a)), None)):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"address: {address} is already a worker as {other}; remove it first")
         if known is None and self.driver.pool_size() >= self.config.max_workers:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"the pool is full: it holds {self.driver.pool_size()} workers, the most "

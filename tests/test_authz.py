@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import gateway.workers as workers_module
+from bench.sim_backends import SimDenoiser, serve_sim_denoiser
 from gateway.__main__ import config_from
 from gateway.__main__ import parse_args as gateway_args
 from gateway.membership import DnsMembership, parse_allow_rule
@@ -32,11 +33,14 @@ from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
 from services.runtime.auth import ENV_INTERNAL_TOKEN, check_token, internal_token_from, internal_tokens_from
+from services.runtime.tls import ClientTls, ServerTls
+from tests.support.certs import Pki
 from tests.support.cluster import Cluster, running_stack
 from tests.support.sim_gateway import (
     ADMIN,
     ADMIN_KEY,
     AVAILABLE,
+    FAST,
     Gateway,
     SimCluster,
     request,
@@ -269,7 +273,10 @@ EVERYTHING = (parse_allow_rule("0.0.0.0/0"), parse_allow_rule("[::/0]"), parse_a
     ("a/b:1", "labels"),
     ("user@host:1", "labels"),
     ("unix:/tmp/sock", "port"),
-    ("dns:///x:1", "labels"),
+    ("dns:///x:1", "schemes"),
+    ("TLS://127.0.0.1:1", "schemes"),
+    ("tls://", "HOST:PORT"),
+    ("plaintext://127.1:50061", "non-standard"),
 ])
 async def test_bad_addresses_are_refused_by_name(sims: SimCluster, dialled: list[str], address: str,
                                                  why: str) -> None:
@@ -290,6 +297,30 @@ async def test_add_worker_lists_an_address_in_its_canonical_form(sims: SimCluste
         assert set(await members(gw)) == {sims.address(sims.ar), f"127.0.0.1:{port}"}
         await remove(gw, f"127.0.0.1:0{port}")
         await until(gw, lambda m: len(m) == 1)
+
+
+async def test_add_worker_takes_tls_and_plaintext_addresses_as_the_readme_says(sims: SimCluster, pki: Pki) -> None:
+    ar, plain = sims.address(sims.ar), sims.denoisers[0].port
+    secure = await serve_sim_denoiser(SimDenoiser(FAST), tls=ServerTls(pki.server_cert, pki.server_key))
+    try:
+        # --tls-ca with --tls-only-marked: bare addresses stay plaintext, tls:// ones dial TLS.
+        async with running_gateway([ar], [], client_tls=ClientTls(ca=pki.ca, only_marked=True)) as gw:
+            await add(gw, f"tls://127.0.0.1:0{secure.port}")
+            await add(gw, f"plaintext://127.0.0.1:{plain}")
+            listed = {ar: AVAILABLE, f"tls://127.0.0.1:{secure.port}": AVAILABLE,
+                      f"plaintext://127.0.0.1:{plain}": AVAILABLE}
+            await until(gw, lambda m: m == listed)  # both reached, the TLS one over TLS
+            assert len((await gw.stub.GenerateImages(request(n=2), metadata=ADMIN)).images) == 2
+            # The same worker dialled another way would be a second member sending it a second job.
+            for again in (f"127.0.0.1:{secure.port}", f"plaintext://127.0.0.1:{secure.port}"):
+                err = await rpc_error(add(gw, again))
+                assert err.code() == grpc.StatusCode.ALREADY_EXISTS and f"tls://127.0.0.1:{secure.port}" in \
+                    err.details()
+            await add(gw, f"tls://127.0.0.1:{secure.port}")  # itself again: nothing new
+            await remove(gw, f"tls://127.0.0.1:0{secure.port}")  # listed and removed under its canonical form
+            await until(gw, lambda m: set(m) == {ar, f"plaintext://127.0.0.1:{plain}"})
+    finally:
+        await secure.stop(None)
 
 
 async def test_the_pool_cap_holds_for_add_worker_and_dns(sims: SimCluster, dialled: list[str]) -> None:

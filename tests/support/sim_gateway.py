@@ -27,6 +27,7 @@ from gateway.servicer import GatewayServicer
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
 from services.runtime.server import GrpcServer, start_server
+from services.runtime.tls import ClientTls
 
 GATEWAY = "glmimage.v1.GatewayService"
 FAST = SimCosts(scale=0.001)  # AR ~20-33 ms, denoise ~12 ms
@@ -95,12 +96,12 @@ async def running_gateway(ar: list[str], denoisers: list[str], *, metrics: Gatew
                           api_keys: tuple[str, ...] = (), admin_keys: tuple[str, ...] = (ADMIN_KEY,),
                           worker_allow: tuple = LOOPBACK, max_workers: int = 256,
                           worker_metadata: tuple[tuple[str, str], ...] = (), wait_available: bool = True,
-                          **scheduler: object) -> AsyncIterator[Gateway]:
+                          client_tls: ClientTls | None = None, **scheduler: object) -> AsyncIterator[Gateway]:
     """The real gateway in-process, with the interceptor `python -m gateway` installs (gateway.auth)."""
     config = GatewayConfig(ar_addresses=tuple(ar), denoiser_addresses=tuple(denoisers),
                            scheduler=SchedulerConfig(ar_batch_delay=0.0, **scheduler),  # type: ignore[arg-type]
                            request_timeout=30, api_keys=api_keys, admin_keys=admin_keys, worker_allow=worker_allow,
-                           max_workers=max_workers, worker_metadata=worker_metadata)
+                           max_workers=max_workers, worker_metadata=worker_metadata, client_tls=client_tls)
     driver = Driver(config, metrics=metrics)
     servicer = GatewayServicer(driver, config)
     interceptors = [gateway_interceptor(api_keys, admin_keys)]
