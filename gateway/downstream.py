@@ -11,6 +11,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -18,7 +19,7 @@ from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.observe import Observer, Timing
 from gateway.timeouts import ArTimeouts, DenoiseTimeouts
-from gateway.workers import Worker, WorkerHealth
+from gateway.workers import CREDENTIAL_CODES, Worker, WorkerHealth, refusal
 from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2, gateway_service_pb2
 from services.runtime.errors import DENOISER_BUSY
 from services.runtime.server import ERROR_DOMAIN, error_info, field_violation
@@ -40,6 +41,12 @@ _BATCH_FIELD = re.compile(r"^requests\[\d+\]\.")
 
 # Called with (image index, DenoiseStreamResponse carrying progress or partial_image).
 Relay = Callable[[int, denoiser_service_pb2.DenoiseStreamResponse], None]
+
+
+class Sideline(Protocol):
+    """Sidelines ``worker`` with ``health`` after a call failed with ``code``; ``detail``: what the worker said."""
+
+    def __call__(self, worker: Worker, health: WorkerHealth, code: grpc.StatusCode, detail: str = "") -> None: ...
 
 
 @dataclass(frozen=True)
@@ -157,8 +164,7 @@ class Downstream:
     that timed out or broke first sidelines its worker (through ``sideline``), *before* its job is requeued, so the
     retry goes elsewhere."""
 
-    def __init__(self, config: GatewayConfig, observe: Observer,
-                 sideline: Callable[[Worker, WorkerHealth, grpc.StatusCode], None]) -> None:
+    def __init__(self, config: GatewayConfig, observe: Observer, sideline: Sideline) -> None:
         self.metadata: Metadata = config.worker_metadata
         self.instance_id = config.instance_id
         self.observe = observe
@@ -168,6 +174,11 @@ class Downstream:
 
     def _failure(self, worker: Worker, err: grpc.aio.AioRpcError, role: str, default: sch.ErrorKind) -> Failure:
         failed = failure(err, role, default)
+        if err.code() in CREDENTIAL_CODES:
+            # It refused the gateway's credential, before running anything: marked so (it gets no work until a
+            # check with the credential passes), and the scheduler, told before this call's end (which it then
+            # fences), sends what it held elsewhere without using an attempt.
+            self.sideline(worker, WorkerHealth.CREDENTIAL_REFUSED, err.code(), refusal(err))
         if failed.sideline is not None:
             self.sideline(worker, failed.sideline, err.code())
         return failed

@@ -259,7 +259,8 @@ class Driver:
 
     def _publish(self) -> None:
         self._publish_due = False
-        self.observe.publish(self.scheduler, (a for a, w in self._workers.items() if w.health.stuck))
+        self.observe.publish(self.scheduler, (a for a, w in self._workers.items() if w.health.stuck),
+                             (a for a, w in self._workers.items() if w.health is WorkerHealth.CREDENTIAL_REFUSED))
 
     def _from_watch(self, event: sch.Event, quiet: bool = False) -> None:
         """A worker's health change, from its watch. A draining worker (it said NOT_SERVING) that goes away has
@@ -278,7 +279,7 @@ class Driver:
     def _gone_after_drain(self, address: str) -> None:
         worker = self._workers.get(address)
         if worker is not None and worker.health is not WorkerHealth.SERVING:  # not back in the meantime
-            self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=address))
+            self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=address, why=worker.health.down))
 
     def _arm_timer(self) -> None:
         if self._timer:
@@ -398,10 +399,17 @@ class Driver:
         worker = self._workers.get(address)
         return WorkerHealth.UNKNOWN if worker is None else worker.health
 
-    def _sideline(self, worker: Worker, health: WorkerHealth, code: grpc.StatusCode) -> None:
-        """A call to it timed out or broke: unavailable until it answers a health check again."""
+    def worker_health_detail(self, address: str) -> str:
+        """What the worker said when that says more than its health (its refusal of the credential); else ""."""
+        worker = self._workers.get(address)
+        return "" if worker is None else worker.health_detail
+
+    def _sideline(self, worker: Worker, health: WorkerHealth, code: grpc.StatusCode, detail: str = "") -> None:
+        """A call to it timed out or broke (or it refused the credential: ``detail``, what it said): unavailable
+        until it answers a health check again (for a refusal, a check with the credential)."""
         if self._closed or self._workers.get(worker.address) is not worker:
             return
-        log.warning("%s %s is suspect (%s on a call): unavailable until it answers a health check",
-                    worker.role.name.lower(), worker.address, code.name)
-        worker.sideline(health)
+        if health is not WorkerHealth.CREDENTIAL_REFUSED:  # (a refusal is logged by the worker, with its words)
+            log.warning("%s %s is suspect (%s on a call): unavailable until it answers a health check",
+                        worker.role.name.lower(), worker.address, code.name)
+        worker.sideline(health, detail)

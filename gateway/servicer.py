@@ -171,7 +171,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             workers=[gateway_service_pb2.WorkerStatus(
                 address=w.address, role=ROLE_TO_PROTO[w.role], state=STATE_TO_PROTO[w.state], inflight=w.inflight,
                 current_job=job_label(w.current_job), health=self.driver.worker_health(w.address).value,
-                stuck=self.driver.worker_health(w.address).stuck, held_elsewhere=w.held_elsewhere)
+                stuck=self.driver.worker_health(w.address).stuck, held_elsewhere=w.held_elsewhere,
+                health_detail=self.driver.worker_health_detail(w.address))
                 for w in snap.workers])
 
     async def AddWorker(self, request, context: grpc.aio.ServicerContext):

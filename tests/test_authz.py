@@ -448,10 +448,14 @@ async def test_workers_require_the_internal_token_and_the_gateway_presents_it(to
         reply = await den_stub.Denoise(denoise, metadata=bearer(token), timeout=120)
         assert reply.image.startswith(b"\x89PNG")
 
-    # A gateway without the token gets nothing done: the workers look healthy (health is open) but refuse work.
-    async with running_gateway([ar], [den]) as gw:
+    # A gateway without the token gets nothing done: the workers' health is open, but the check with the token when
+    # they join is refused, so they are not serving, and a request is told why.
+    async with running_gateway([ar], [den], wait_available=False, fail_fast_without_workers=True) as gw:
+        status = await gw.until(lambda st: {w.health for w in st.workers} == {"refuses the gateway's credential"},
+                                timeout=30)
+        assert {w.state for w in status.workers} == {pb.WORKER_STATE_UNHEALTHY}
         err = await rpc_error(gw.stub.GenerateImages(request(), timeout=60))
-        assert "internal token" in err.details()
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "internal token" in err.details()
 
     # `python -m gateway` with the token in its environment generates end to end.
     procs.start("gateway", "gateway", ["--ar", ar, "--denoiser", den], env={ENV_INTERNAL_TOKEN: token})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -96,12 +96,15 @@ async def running_gateway(ar: list[str], denoisers: list[str], *, metrics: Gatew
                           api_keys: tuple[str, ...] = (), admin_keys: tuple[str, ...] = (ADMIN_KEY,),
                           worker_allow: tuple = LOOPBACK, max_workers: int = 256,
                           worker_metadata: tuple[tuple[str, str], ...] = (), wait_available: bool = True,
-                          client_tls: ClientTls | None = None, **scheduler: object) -> AsyncIterator[Gateway]:
-    """The real gateway in-process, with the interceptor `python -m gateway` installs (gateway.auth)."""
+                          client_tls: ClientTls | None = None, config_fields: Mapping[str, object] | None = None,
+                          **scheduler: object) -> AsyncIterator[Gateway]:
+    """The real gateway in-process, with the interceptor `python -m gateway` installs (gateway.auth).
+    ``config_fields``: other GatewayConfig fields (health probe settings, ...); ``scheduler``: SchedulerConfig's."""
     config = GatewayConfig(ar_addresses=tuple(ar), denoiser_addresses=tuple(denoisers),
                            scheduler=SchedulerConfig(ar_batch_delay=0.0, **scheduler),  # type: ignore[arg-type]
                            request_timeout=30, api_keys=api_keys, admin_keys=admin_keys, worker_allow=worker_allow,
-                           max_workers=max_workers, worker_metadata=worker_metadata, client_tls=client_tls)
+                           max_workers=max_workers, worker_metadata=worker_metadata,
+                           client_tls=client_tls, **(config_fields or {}))  # type: ignore[arg-type]
     driver = Driver(config, metrics=metrics)
     servicer = GatewayServicer(driver, config)
     interceptors = [gateway_interceptor(api_keys, admin_keys)]
