@@ -58,6 +58,7 @@ class _Pending:
     stream: StreamOptions | None
     timing: Timing
     expired: bool = False  # cancelled because its deadline passed: it ends as a deadline, not as cancelled
+    caller: int | None = None  # which configured key made it (an index; None: none), for GetStatus
 
 
 class Driver:
@@ -182,14 +183,16 @@ class Driver:
 
     async def generate(self, request_id: str, request: gateway_service_pb2.GenerateImagesRequest,
                        height: int, width: int, n: int, timeout: float,
-                       stream: StreamOptions | None = None, expired: Callable[[], bool] | None = None) -> Outcome:
+                       stream: StreamOptions | None = None, expired: Callable[[], bool] | None = None,
+                       caller: int | None = None) -> Outcome:
         """Admit a request and wait for it. Cancelling the awaiting task cancels the request downstream; when
-        ``expired()`` says the cancel came from the caller's deadline, the request ends as a deadline."""
+        ``expired()`` says the cancel came from the caller's deadline, the request ends as a deadline. ``caller``:
+        which configured key made it (GetStatus shows a caller its own requests only)."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         request.n = n  # admission's n (0 meant 1): every downstream request reads it from here
         pending = _Pending(request=request, height=height, width=width, n=n, future=loop.create_future(),
-                           stream=stream, timing=Timing(arrived=now))
+                           stream=stream, timing=Timing(arrived=now), caller=caller)
         # The id comes from the client's x-request-id and may repeat; the scheduler needs it unique.
         original = request_id
         while request_id in self._pending:  # a loop: "abc.1" may itself be a client's id already in flight
@@ -224,6 +227,11 @@ class Driver:
 
     def snapshot(self) -> sch.Snapshot:
         return self.scheduler.snapshot()
+
+    def request_caller(self, request_id: str) -> int | None:
+        """Which configured key made the request in flight under ``request_id`` (None: none, or not in flight)."""
+        pending = self._pending.get(request_id)
+        return None if pending is None else pending.caller
 
     # ---- the loop: events in, actions out --------------------------------------------------------------------
 

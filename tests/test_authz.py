@@ -28,7 +28,7 @@ from gateway.__main__ import parse_args as gateway_args
 from gateway.membership import DnsMembership, parse_allow_rule
 from gateway.rest import __main__ as rest_main
 from gateway.rest.app import RestSettings, create_app
-from gateway.scheduler import WorkerRole
+from gateway.scheduler import WorkerRole, WorkerState
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
@@ -165,8 +165,8 @@ async def test_admin_rpcs_are_off_for_everyone_without_an_admin_key(sims: SimClu
                 assert err.code() == DENIED, md
                 assert "--admin-key" in err.details()
         assert dialled == dialled_before
-        status = await gw.stub.GetStatus(pb.GetStatusRequest(), metadata=USER)
-        assert {w.address: w.state for w in status.workers} == {ar: AVAILABLE, d0: AVAILABLE}  # d0 not draining
+        assert {w.address: w.state for w in gw.driver.snapshot().workers} == {  # d0 not draining
+            ar: WorkerState.AVAILABLE, d0: WorkerState.AVAILABLE}
 
 
 async def test_the_real_gateway_process_keeps_admin_rpcs_off_by_default(tmp_path: Path) -> None:
@@ -188,6 +188,35 @@ async def test_the_real_gateway_process_keeps_admin_rpcs_off_by_default(tmp_path
             assert health.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         procs.close()
+
+
+async def test_get_status_shows_addresses_and_other_callers_ids_to_the_admin_role_only(sims: SimCluster) -> None:
+    ar, d0 = sims.address(sims.ar), sims.address(sims.denoisers[0])
+    other = bearer("another-user-key")
+    async with running_gateway([ar], [d0], api_keys=(USER_KEY, "another-user-key")) as gw:
+        sims.gate.clear()  # the job holds d0 after its first step
+        mine = asyncio.ensure_future(gw.stub.GenerateImages(request(), metadata=USER + (("x-request-id", "mine"),)))
+        whole = await gw.until(lambda st: any(w.current_job for w in st.workers))  # the admin's view
+        assert [(w.address, w.current_job) for w in whole.workers] == [(ar, ""), (d0, "mine/0#1")]
+        views = {name: await gw.stub.GetStatus(pb.GetStatusRequest(), metadata=md)
+                 for name, md in (("owner", USER), ("other", other))}
+        for name, view in views.items():
+            # The pool by position, role, state and health; no address, and only the caller's own job ids.
+            assert [w.address for w in view.workers] == ["", ""], name
+            assert [(w.role, w.state, w.inflight, w.health) for w in view.workers] == [
+                (w.role, w.state, w.inflight, w.health) for w in whole.workers], name
+        assert views["owner"].workers[1].current_job == "mine/0#1"
+        assert views["other"].workers[1].current_job == "" and views["other"].workers[1].inflight == 1
+        assert (await rpc_error(gw.stub.GetStatus(pb.GetStatusRequest()))).code() == UNAUTH
+        sims.gate.set()
+        assert len((await mine).images) == 1
+    # With no user key at all but an admin key: anonymous callers may generate and read the status, not the
+    # addresses; a gateway with no key at all cannot tell callers apart and shows everything (make run).
+    async with running_gateway([ar], [d0]) as gw:
+        assert [w.address for w in (await gw.stub.GetStatus(pb.GetStatusRequest())).workers] == ["", ""]
+        assert [w.address for w in (await gw.status()).workers] == [ar, d0]
+    async with running_gateway([ar], [d0], admin_keys=()) as gw:
+        assert [w.address for w in (await gw.stub.GetStatus(pb.GetStatusRequest())).workers] == [ar, d0]
 
 
 def test_gateway_flags_refuse_a_key_that_is_both_user_and_admin() -> None:

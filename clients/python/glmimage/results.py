@@ -106,7 +106,7 @@ StreamEvent = Progress | PartialImage | Completed
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    address: str
+    address: str  # empty unless the caller has the admin role (or the gateway checks no keys)
     role: str  # "ar" or "denoiser"
     state: str  # "available", "busy", "unhealthy", "draining"
     inflight: int
@@ -114,7 +114,7 @@ class WorkerInfo:
     health: str = ""  # why it is (not) usable: "serving", "unreachable", "not answering health checks (hung)", ...
     stuck: bool = False  # connected but making no progress (hung, or a call to it timed out), not gone
     held_elsewhere: bool = False  # a denoiser busy with another gateway's job
-    health_detail: str = ""  # what the worker said, e.g. its refusal of the gateway's credential
+    health_detail: str = ""  # what the worker said, e.g. its refusal of the gateway's credential (admin role only)
 
 
 @dataclass(frozen=True)
