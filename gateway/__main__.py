@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "AddWorker) together; past it AddWorker answers FAILED_PRECONDITION and DNS additions are "
                         "logged and skipped")
     add_internal_token_args(p, "token presented as 'authorization: Bearer <token>' on every call to AR and "
-                               "denoisers that require one (their --internal-token-file)")
+                               "denoisers that require one (their --internal-token-file); of several, the first")
     p.add_argument("--ar-timeout", type=_timeout, default=None, metavar="SECONDS|auto",
                    help="seconds one AR batch call may take before its requests are retried elsewhere and its "
                         "worker is sidelined until it answers a health check; default auto: --timeout-margin times "
@@ -127,6 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a worker has to answer a health probe")
     p.add_argument("--health-probe-failures", type=int, default=g.health_probe_failures,
                    help="probes in a row a worker may miss before it is sidelined as hung")
+    p.add_argument("--credential-recheck-interval", type=float, default=g.credential_recheck_interval,
+                   help="seconds between checks of a worker that refused the gateway's internal token (a GetLimits "
+                        "with it): it serves nothing until one passes")
     # Admission refuses past the tightest of these and of what every worker advertises over GetLimits.
     add_limit_args(p, FIELDS, follow_workers=True)
     p.add_argument("--queue-without-workers", action="store_true",
@@ -159,6 +162,8 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
                          "must not double as a user key")
     if args.max_workers < 1:
         raise SystemExit("gateway: --max-workers must be at least 1")
+    if not args.credential_recheck_interval > 0:  # 0 would probe a refusing worker in a busy loop
+        raise SystemExit("gateway: --credential-recheck-interval must be more than 0")
     if len(args.ar) + len(args.denoiser) > args.max_workers:
         raise SystemExit(f"gateway: {len(args.ar) + len(args.denoiser)} workers given with --ar/--denoiser, more "
                          f"than --max-workers={args.max_workers}")
@@ -167,6 +172,7 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
         default_height=height, default_width=width, request_timeout=args.request_timeout,
         ar_timeout=ar_timeout, denoise_timeout=denoise_timeout, health_probe_timeout=args.health_probe_timeout,
         health_probe_interval=args.health_probe_interval, health_probe_failures=args.health_probe_failures,
+        credential_recheck_interval=args.credential_recheck_interval,
         own_limits=tuple(limits_from_args(args, FIELDS).items()),
         ar_dns=tuple(args.ar_dns), denoiser_dns=tuple(args.denoiser_dns), dns_interval=args.dns_interval,
         client_tls=client_tls_from_args(args), api_keys=api_keys, admin_keys=admin_keys,

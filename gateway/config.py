@@ -38,6 +38,10 @@ class GatewayConfig:
     # and its Watch open but answers nothing, and only a probe notices. This many failures in a row sideline it.
     health_probe_interval: float = 1.0
     health_probe_failures: int = 3
+    # A worker that refuses the gateway's credential (its internal token) is checked again this often, with a
+    # GetLimits carrying it: fixing it takes an operator (a token file, a restart), and each check is a refusal in
+    # the worker's log, so this is slower than the health retries.
+    credential_recheck_interval: float = 5.0
     # How long one AR batch / denoise call may take before it is retried elsewhere and its worker is sidelined
     # until it answers a health probe: adaptive (a margin over recent calls, capped) unless fixed.
     ar_timeout: TimeoutPolicy = field(default_factory=TimeoutPolicy)

@@ -11,6 +11,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -18,7 +19,7 @@ from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.observe import Observer, Timing
 from gateway.timeouts import CostModel, DenoiseTimeouts, ar_work
-from gateway.workers import Worker, WorkerHealth
+from gateway.workers import CREDENTIAL_CODES, Worker, WorkerHealth, refusal
 from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2, gateway_service_pb2
 from services.runtime.errors import DENOISER_BUSY
 from services.runtime.server import ERROR_DOMAIN, error_info, field_violation
@@ -40,6 +41,12 @@ _BATCH_FIELD = re.compile(r"^requests\[\d+\]\.")
 
 # Called with (image index, DenoiseStreamResponse carrying progress or partial_image).
 Relay = Callable[[int, denoiser_service_pb2.DenoiseStreamResponse], None]
+
+
+class Sideline(Protocol):
+    """Sidelines ``worker`` with ``health`` after a call failed with ``code``; ``detail``: what the worker said."""
+
+    def __call__(self, worker: Worker, health: WorkerHealth, code: grpc.StatusCode, detail: str = "") -> None: ...
 
 
 @dataclass(frozen=True)
@@ -159,8 +166,7 @@ class Downstream:
     answers its probe was a slow job, not a sick worker: the worker keeps serving, and the cost model allows such
     work more time from then on."""
 
-    def __init__(self, config: GatewayConfig, observe: Observer,
-                 sideline: Callable[[Worker, WorkerHealth, grpc.StatusCode], None]) -> None:
+    def __init__(self, config: GatewayConfig, observe: Observer, sideline: Sideline) -> None:
         self.metadata: Metadata = config.worker_metadata
         self.instance_id = config.instance_id
         self.observe = observe
@@ -172,6 +178,11 @@ class Downstream:
                        overran: Callable[[], None]) -> Failure:
         """``err`` read back; the worker sidelined if it is at fault. ``overran`` records a slow job."""
         failed = failure(err, role, default)
+        if err.code() in CREDENTIAL_CODES:
+            # It refused the gateway's credential, before running anything: marked so (it gets no work until a
+            # check with the credential passes), and the scheduler, told before this call's end (which it then
+            # fences), sends what it held elsewhere without using an attempt.
+            self.sideline(worker, WorkerHealth.CREDENTIAL_REFUSED, err.code(), refusal(err))
         if failed.sideline is WorkerHealth.TIMED_OUT and await worker.answers_probe():
             log.warning("%s %s still answers its health checks: a slow job, not a sick worker; it keeps serving, "
                         "and such jobs get more time", role, worker.address)

@@ -60,6 +60,7 @@ class _Pending:
     timing: Timing
     reference_pixels: int = 0  # what its reference images declare, in all: work its calls' timeouts allow for
     expired: bool = False  # cancelled because its deadline passed: it ends as a deadline, not as cancelled
+    caller: int | None = None  # which configured key made it (an index; None: none), for GetStatus
 
 
 class Driver:
@@ -185,14 +186,16 @@ class Driver:
     async def generate(self, request_id: str, request: gateway_service_pb2.GenerateImagesRequest,
                        height: int, width: int, n: int, timeout: float,
                        stream: StreamOptions | None = None, expired: Callable[[], bool] | None = None,
-                       reference_pixels: int = 0) -> Outcome:
+                       reference_pixels: int = 0, caller: int | None = None) -> Outcome:
         """Admit a request and wait for it. Cancelling the awaiting task cancels the request downstream; when
-        ``expired()`` says the cancel came from the caller's deadline, the request ends as a deadline."""
+        ``expired()`` says the cancel came from the caller's deadline, the request ends as a deadline. ``caller``:
+        which configured key made it (GetStatus shows a caller its own requests only)."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         request.n = n  # admission's n (0 meant 1): every downstream request reads it from here
         pending = _Pending(request=request, height=height, width=width, n=n, future=loop.create_future(),
-                           stream=stream, timing=Timing(arrived=now), reference_pixels=reference_pixels)
+                           stream=stream, timing=Timing(arrived=now), reference_pixels=reference_pixels,
+                           caller=caller)
         # The id comes from the client's x-request-id and may repeat; the scheduler needs it unique.
         original = request_id
         while request_id in self._pending:  # a loop: "abc.1" may itself be a client's id already in flight
@@ -228,6 +231,11 @@ class Driver:
     def snapshot(self) -> sch.Snapshot:
         return self.scheduler.snapshot()
 
+    def request_caller(self, request_id: str) -> int | None:
+        """Which configured key made the request in flight under ``request_id`` (None: none, or not in flight)."""
+        pending = self._pending.get(request_id)
+        return None if pending is None else pending.caller
+
     # ---- the loop: events in, actions out --------------------------------------------------------------------
 
     def _feed(self, event: sch.Event, quiet: bool = False) -> None:
@@ -262,7 +270,8 @@ class Driver:
 
     def _publish(self) -> None:
         self._publish_due = False
-        self.observe.publish(self.scheduler, (a for a, w in self._workers.items() if w.health.stuck))
+        self.observe.publish(self.scheduler, (a for a, w in self._workers.items() if w.health.stuck),
+                             (a for a, w in self._workers.items() if w.health is WorkerHealth.CREDENTIAL_REFUSED))
 
     def _from_watch(self, event: sch.Event, quiet: bool = False) -> None:
         """A worker's health change, from its watch. A draining worker (it said NOT_SERVING) that goes away has
@@ -281,7 +290,7 @@ class Driver:
     def _gone_after_drain(self, address: str) -> None:
         worker = self._workers.get(address)
         if worker is not None and worker.health is not WorkerHealth.SERVING:  # not back in the meantime
-            self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=address))
+            self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=address, why=worker.health.down))
 
     def _arm_timer(self) -> None:
         if self._timer:
@@ -406,10 +415,17 @@ class Driver:
         worker = self._workers.get(address)
         return WorkerHealth.UNKNOWN if worker is None else worker.health
 
-    def _sideline(self, worker: Worker, health: WorkerHealth, code: grpc.StatusCode) -> None:
-        """A call to it timed out or broke: unavailable until it answers a health check again."""
+    def worker_health_detail(self, address: str) -> str:
+        """What the worker said when that says more than its health (its refusal of the credential); else ""."""
+        worker = self._workers.get(address)
+        return "" if worker is None else worker.health_detail
+
+    def _sideline(self, worker: Worker, health: WorkerHealth, code: grpc.StatusCode, detail: str = "") -> None:
+        """A call to it timed out or broke (or it refused the credential: ``detail``, what it said): unavailable
+        until it answers a health check again (for a refusal, a check with the credential)."""
         if self._closed or self._workers.get(worker.address) is not worker:
             return
-        log.warning("%s %s is suspect (%s on a call): unavailable until it answers a health check",
-                    worker.role.name.lower(), worker.address, code.name)
-        worker.sideline(health)
+        if health is not WorkerHealth.CREDENTIAL_REFUSED:  # (a refusal is logged by the worker, with its words)
+            log.warning("%s %s is suspect (%s on a call): unavailable until it answers a health check",
+                        worker.role.name.lower(), worker.address, code.name)
+        worker.sideline(health, detail)

@@ -54,16 +54,23 @@ _LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")  # one DNS label
 
 @dataclass(frozen=True)
 class WorkerAddress:
-    """A worker address as AddWorker accepts it: a DNS name or an IP literal (``ip`` set), and a port."""
+    """A worker address as AddWorker accepts it: a DNS name or an IP literal (``ip`` set), and a port, maybe
+    behind a ``tls://`` or ``plaintext://`` scheme that says how to dial it (services.runtime.tls.make_channel)."""
 
     host: str  # lower case; an IPv6 literal without brackets
     port: int
     ip: IpAddress | None = None
+    scheme: str = ""  # TLS_SCHEME, PLAINTEXT_SCHEME, or "": the gateway's default
 
     @property
     def target(self) -> str:
-        """The canonical ``host:port`` (``[v6]:port``) the gateway dials and lists the worker under."""
-        return join_host_port(self.host, self.port)
+        """The canonical ``[scheme]host:port`` (``[v6]:port``) the gateway dials and lists the worker under."""
+        return self.scheme + join_host_port(self.host, self.port)
+
+    @property
+    def spellings(self) -> tuple[str, ...]:
+        """Its target under every scheme: one worker, however it is dialled."""
+        return tuple(scheme + join_host_port(self.host, self.port) for scheme in ("", TLS_SCHEME, PLAINTEXT_SCHEME))
 
 
 def _ip(text: str) -> IpAddress | None:
@@ -77,17 +84,23 @@ def _ip(text: str) -> IpAddress | None:
 
 
 def parse_worker_address(text: str) -> WorkerAddress:
-    """Strict ``host:port`` parsing for addresses a caller asks the gateway to dial; ValueError saying why.
+    """Strict ``[tls://|plaintext://]host:port`` parsing for addresses a caller asks the gateway to dial; ValueError
+    saying why. The scheme, as in ``--ar``/``--denoiser``, says how to dial it; the rules below are the host's.
 
     Refused: whitespace or control characters anywhere, a host over 253 characters or with a label over 63, a
     character outside letters, digits, ``-``, ``_`` and ``.``, an all-digit last label, IPv4 in a non-dotted-quad
     form (``127.1``, ``0x7f000001``: resolvers read those as addresses), an IPv6 zone id, the unspecified
     addresses (``0.0.0.0``, ``::``), multicast and broadcast, and a port outside 1-65535.
     """
+    rest, _ = split_scheme(text)
+    scheme, text = text[:len(text) - len(rest)], rest
     if len(text) > MAX_HOST_CHARS + 8:  # "[...]:65535"
         raise ValueError(f"longer than {MAX_HOST_CHARS + 8} characters ({len(text)})")
     if not text:
         raise ValueError("expected HOST:PORT, got ''")
+    if "://" in text:
+        raise ValueError(f"the only schemes are {TLS_SCHEME} and {PLAINTEXT_SCHEME} (lower case), got "
+                         f"{text[:text.index('://') + 3]!r}")
     if any(c.isspace() or not c.isprintable() for c in text) or not text.isascii():
         raise ValueError(f"must be printable ASCII without whitespace: {text!r}")
     host, sep, port_text = text.rpartition(":")
@@ -107,7 +120,7 @@ def parse_worker_address(text: str) -> WorkerAddress:
     if ip is not None:
         if ip.is_unspecified or ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
             raise ValueError(f"{ip} is not a worker's address (unspecified, multicast or broadcast)")
-        return WorkerAddress(str(ip), port, ip)
+        return WorkerAddress(str(ip), port, ip, scheme)
     name = host.lower()
     if len(name) > MAX_HOST_CHARS:
         raise ValueError(f"host name is {len(name)} characters, more than {MAX_HOST_CHARS}")
@@ -122,7 +135,7 @@ def parse_worker_address(text: str) -> WorkerAddress:
         raise ValueError(f"bad host name {host!r}: labels of 1-63 letters, digits, '-' or '_', separated by '.'")
     if labels[-1].isdigit():
         raise ValueError(f"bad host name {host!r}: its last label is all digits")
-    return WorkerAddress(name, port)
+    return WorkerAddress(name, port, scheme=scheme)
 
 
 _PORTS = re.compile(r"(\d{1,5})(?:-(\d{1,5}))?")

@@ -33,6 +33,7 @@ class _Published:
     snapshot: sch.Snapshot
     counters: sch.Counters  # a copy: the scheduler's own object keeps changing
     stuck: frozenset[str] = frozenset()  # members connected but not answering (hung) or whose call timed out
+    refusing: frozenset[str] = frozenset()  # members that refuse the gateway's credential (its internal token)
 
 
 _EMPTY = _Published(sch.Scheduler().snapshot(), sch.Counters())
@@ -70,9 +71,11 @@ class GatewayMetrics(Collector):
             self.queue_seconds.labels(stage)
         reg.register(self)
 
-    def publish(self, snapshot: sch.Snapshot, counters: sch.Counters, stuck: frozenset[str] = frozenset()) -> None:
+    def publish(self, snapshot: sch.Snapshot, counters: sch.Counters, stuck: frozenset[str] = frozenset(),
+                refusing: frozenset[str] = frozenset()) -> None:
         copy = dataclasses.replace(counters, failed=dict(counters.failed), requeues=dict(counters.requeues))
-        self._state = _Published(snapshot, copy, stuck)  # one reference swap: a scrape sees one consistent state
+        # One reference swap: a scrape sees one consistent state.
+        self._state = _Published(snapshot, copy, stuck, refusing)
 
     def collect(self) -> Iterator[Metric]:
         state = self._state
@@ -110,6 +113,12 @@ class GatewayMetrics(Collector):
             stuck_stage.add_metric(["ar" if role is sch.WorkerRole.AR else "denoise"], int(n_stuck > 0 and not ready))
         yield stuck
         yield stuck_stage
+        refusing = GaugeMetricFamily("glmimage_gateway_workers_refusing_credential",
+                                     "Workers that refuse the gateway's credential (its internal token), by role: "
+                                     "they get no work until a check with it passes", labels=["role"])
+        for role, name in ROLES.items():
+            refusing.add_metric([name], sum(1 for w in snap.workers if w.role is role and w.address in state.refusing))
+        yield refusing
         requeues = CounterMetricFamily("glmimage_gateway_requeues", "Work put back in a queue, by reason",
                                        labels=["reason"])
         for reason, n in c.requeues.items():

@@ -72,6 +72,7 @@ class Observer:
         if self.metrics is not None:
             self.metrics.requests.labels(kind.value).inc()
 
-    def publish(self, scheduler: sch.Scheduler, stuck: Iterable[str]) -> None:
+    def publish(self, scheduler: sch.Scheduler, stuck: Iterable[str], refusing: Iterable[str] = ()) -> None:
+        """``stuck``: members there but making no progress; ``refusing``: members refusing the credential."""
         if self.metrics is not None:
-            self.metrics.publish(scheduler.snapshot(), scheduler.counters, frozenset(stuck))
+            self.metrics.publish(scheduler.snapshot(), scheduler.counters, frozenset(stuck), frozenset(refusing))

@@ -53,6 +53,7 @@ from gateway.scheduler_types import (
     Snapshot,
     Tick,
     WorkerAdded,
+    WorkerDown,
     WorkerHealthy,
     WorkerNotServing,
     WorkerRemoved,
@@ -152,6 +153,9 @@ class _Worker:
     # accepts_work() as of the last change to its flags, kept by Scheduler._recount (False once forgotten): it is
     # what the ready counts count, and what the dispatch paths read instead of calling accepts_work().
     ready: bool = False
+    # Why it last stopped taking work (None since it was last healthy, or never checked): what the message of a
+    # request that finds no worker of its stage says.
+    down: WorkerDown | None = None
 
     def busy(self) -> bool:
         return self.job is not None or bool(self.batches)
@@ -436,9 +440,9 @@ class Scheduler:
                 f"n={ev.n} exceeds the gateway limit --max-queued-outputs={cfg.max_queued_outputs}",
             )
         elif cfg.fail_fast_without_workers and not self._any_ready(_AR):
-            reject = (ErrorKind.UNAVAILABLE, "no AR server is available; retry later")
+            reject = (ErrorKind.UNAVAILABLE, self._none_ready(_AR, None))
         elif cfg.fail_fast_without_workers and not self._any_ready(_DENOISER):
-            reject = (ErrorKind.UNAVAILABLE, "no denoiser is available; retry later")
+            reject = (ErrorKind.UNAVAILABLE, self._none_ready(_DENOISER, None))
         elif queued + ev.n > cfg.max_queued_outputs:
             reject = (
                 ErrorKind.RESOURCE_EXHAUSTED,
@@ -608,6 +612,7 @@ class Scheduler:
         if w is not None:
             w.healthy = True  # the dispatch loop at the end of handle() hands it work right away
             w.not_serving = False
+            w.down = None
             self._recount(w)
             self._offer(w)
 
@@ -619,20 +624,25 @@ class Scheduler:
 
     def _on_worker_unhealthy(self, ev: WorkerUnhealthy, actions: list[Action]) -> None:
         w = self._workers.get(ev.worker)
-        if w is None or not w.healthy:
+        if w is None:
+            return
+        w.down = ev.why  # also for one never healthy: it refused the credential when it joined
+        if not w.healthy:
             return  # an unhealthy worker holds nothing (released when it went down)
         w.healthy = False
         w.not_serving = False
         self._recount(w)
         w.elsewhere = False  # its occupancy stream broke too; it says again when the worker is back
+        # It refused the call before running it (a credential is checked first): no attempt was used.
+        charge = ev.why is not WorkerDown.CREDENTIAL_REFUSED
         # Client-facing: which stage, never which address (the driver logs that with the request ids).
-        reason = "the AR server running it became unavailable" if w.role is _AR else \
-            "the denoiser running it became unavailable"
+        stage = "the AR server" if w.role is _AR else "the denoiser"
+        reason = f"{stage} running it " + ("became unavailable" if ev.why is WorkerDown.GONE else ev.why.value)
         if w.role is _AR:
             for bid in sorted(w.batches):
                 actions.append(CancelArBatch(bid, w.address))
                 batch = self._batches.pop(bid)  # fence: its result is ignored from now on
-                self._ar_batch_failed(batch, f"AR stage failed: {reason}", "worker_unhealthy", actions)
+                self._ar_batch_failed(batch, f"AR stage failed: {reason}", "worker_unhealthy", actions, charge)
             w.batches.clear()
             self._ar_dirty = True  # its slots are free (_recount above has set it too: it is unhealthy now)
         elif w.job is not None:
@@ -642,6 +652,8 @@ class Scheduler:
                 req, out = found
                 actions.append(CancelDenoise(job, w.address))
                 out.state, out.worker = _IDLE, None
+                if not charge:
+                    out.refusals += 1  # like a busy refusal: a dispatch, not an attempt
                 self._retry_output(req, out, "worker_unhealthy", reason, actions)
             # else: the request already ended and CancelDenoise was sent then.
         if w.draining:
@@ -670,6 +682,19 @@ class Scheduler:
         if w.role is _AR:
             self._ar_dirty = True  # a worker joined, left, or may take batches now (or no longer)
 
+    def _none_ready(self, role: WorkerRole, default: str | None) -> str:
+        """The client's message when no worker of ``role`` takes work: with why its members stopped (distinct, in
+        WorkerDown's order), or ``default`` when they only went away or gave no reason. Off the hot path: only a
+        request that finds its stage empty reads it."""
+        given = {w.down for w in self._by_role[role].values() if w.down is not None}
+        whys = [d for d in WorkerDown if d in given]
+        if whys and whys != [WorkerDown.GONE]:
+            why: str | None = f"it {whys[0].value}" if len(whys) == 1 else "; ".join(f"one {d.value}" for d in whys)
+        else:
+            why = default
+        stage = "no AR server is available" if role is _AR else "no denoiser is available"
+        return f"{stage} ({why}); retry later" if why else f"{stage}; retry later"
+
     def _forget(self, w: _Worker) -> None:
         """Drop a worker from membership (its heap entry, if any, is discarded when it reaches the top)."""
         del self._workers[w.address]
@@ -682,7 +707,7 @@ class Scheduler:
             return
         stranded = [req for q in self._pending_ar.values() for req in q.requests]
         for req in sorted(stranded, key=lambda r: r.seq):
-            self._fail(req, ErrorKind.UNAVAILABLE, "no AR server is available (it went away); retry later", actions)
+            self._fail(req, ErrorKind.UNAVAILABLE, self._none_ready(_AR, "it went away"), actions)
 
     def _waiting_for(self, batch: _Batch) -> list[_Request]:
         """The live requests whose current AR batch this is (an ended or re-batched one no longer counts)."""
@@ -707,7 +732,7 @@ class Scheduler:
             return
         stranded = {self._active[rid] for _, _, _, rid in self._denoise_q if rid in self._active}
         for req in sorted(stranded, key=lambda r: r.seq):
-            self._fail(req, ErrorKind.UNAVAILABLE, "no denoiser is available (it went away); retry later", actions)
+            self._fail(req, ErrorKind.UNAVAILABLE, self._none_ready(_DENOISER, "it went away"), actions)
 
     def _fail(self, req: _Request, code: ErrorKind, message: str, actions: list[Action], *,
               field: str | None = None) -> None:
@@ -797,11 +822,15 @@ class Scheduler:
                 self._forget(w)
         return batch
 
-    def _ar_batch_failed(self, batch: _Batch, message: str, reason: str, actions: list[Action]) -> None:
+    def _ar_batch_failed(self, batch: _Batch, message: str, reason: str, actions: list[Action],
+                         charge: bool = True) -> None:
+        """Requeue the batch's live requests, each charged one AR failure (``charge``) and failed past its retries;
+        uncharged, every one goes again (its AR refused the call before running it)."""
         retry: list[_Request] = []
         for req in self._waiting_for(batch):
             req.ar_batch = None
-            req.ar_failures += 1
+            if charge:
+                req.ar_failures += 1
             if req.ar_failures > self.config.ar_retries:
                 self._fail(req, ErrorKind.UNAVAILABLE, message, actions)
             else:

@@ -36,6 +36,7 @@ __all__ = [
     "Snapshot",
     "Tick",
     "WorkerAdded",
+    "WorkerDown",
     "WorkerHealthy",
     "WorkerNotServing",
     "WorkerRemoved",
@@ -205,10 +206,24 @@ class WorkerHealthy:
     worker: str
 
 
+class WorkerDown(enum.Enum):
+    """Why a worker stopped taking work, as the client's message says it (after "it"). What it held goes
+    elsewhere; CREDENTIAL_REFUSED costs none of its attempts: the worker refused the call before running it."""
+
+    GONE = "went away"
+    HUNG = "is not answering (hung)"
+    TIMED_OUT = "did not answer in time"
+    CREDENTIAL_REFUSED = "refuses the gateway's credential (its internal token)"
+
+
 @dataclass(frozen=True)
 class WorkerUnhealthy:
     now: float
     worker: str
+    # Only the messages depend on it, and, for CREDENTIAL_REFUSED, whether what it held used an attempt. Sent for a
+    # worker that never was healthy too (it refused the credential when it joined): the reason is kept for the
+    # messages of requests that find no worker of its stage.
+    why: WorkerDown = WorkerDown.GONE
 
 
 @dataclass(frozen=True)

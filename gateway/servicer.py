@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from gateway import scheduler as sch
+from gateway.auth import ADMIN, gateway_interceptor
 from gateway.config import GatewayConfig
 from gateway.driver import Driver, Outcome, RequestFailed, StreamOptions
 from gateway.membership import WorkerAddress, allowed, parse_worker_address, split_host_port
@@ -72,6 +73,13 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
     def __init__(self, driver: Driver, config: GatewayConfig) -> None:
         self.driver = driver
         self.config = config
+        # Who is calling, for what GetStatus shows: the interceptor's own comparison of the credential with the keys
+        # (BearerAuthInterceptor.caller, one place), from the same keys. Whether the call may go ahead at all is
+        # still the installed interceptor's business.
+        self._auth = gateway_interceptor(config.api_keys, config.admin_keys)
+        # No key configured at all: authentication is off and callers cannot be told apart (everyone may do
+        # everything a user may); GetStatus then shows everything to everyone, as before.
+        self._keyless = not config.api_keys and not config.admin_keys
 
     def _timeout(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
@@ -93,13 +101,19 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             images=images, usage=sum_usage(p.usage for p in outcome.priors), height=height, width=width,
             output_format=outcome.images[0].output_format, request_id=request_id_var.get())
 
+    def _caller(self, context: grpc.aio.ServicerContext) -> int | None:
+        """Which configured key the call presents (an index; None: none), so GetStatus can show a caller its own
+        requests' jobs."""
+        return self._auth.caller(context.invocation_metadata()).key
+
     async def GenerateImages(self, request, context: grpc.aio.ServicerContext):
         checked = self._check(request, self.driver.limits())
         n, height, width = checked.n, checked.height, checked.width
         try:
             outcome = await self.driver.generate(request_id_var.get(), request, height, width, n,
                                                  self._timeout(context), expired=self._expired(context),
-                                                 reference_pixels=checked.reference_pixels)
+                                                 reference_pixels=checked.reference_pixels,
+                                                 caller=self._caller(context))
         except RequestFailed as exc:
             raise error_for(exc.code, exc.message, exc.field) from None
         except asyncio.CancelledError:
@@ -141,7 +155,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         task = asyncio.ensure_future(self.driver.generate(
             request_id_var.get(), request.request, height, width, n, self._timeout(context),
             stream=StreamOptions(partial_images=request.partial_images, relay=relay), expired=self._expired(context),
-            reference_pixels=checked.reference_pixels))
+            reference_pixels=checked.reference_pixels, caller=self._caller(context)))
         task.add_done_callback(lambda _: events.put_nowait(done))
         # A client that goes away while this generator is parked at a yield does not cancel the generator's
         # frame, so the call's own end cancels the request too.
@@ -167,15 +181,30 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         return gateway_service_pb2.GetLimitsResponse(limits=self.driver.limits().to_proto())
 
     async def GetStatus(self, request, context: grpc.aio.ServicerContext):
+        """The queues and the pool. The workers' addresses, what they said and every request's id are the admin
+        role's to see: any other caller gets the pool by position, role, state and health, and the ids of its own
+        requests only (those it made with the same key)."""
         snap = self.driver.snapshot()
+        caller = self._auth.caller(context.invocation_metadata())
+        full = self._keyless or caller.holds(ADMIN)
+
+        def shown(job: sch.JobId | None) -> str:
+            mine = (job is not None and caller.key is not None
+                    and self.driver.request_caller(job.request_id) == caller.key)
+            return job_label(job) if full or mine else ""
+
+        workers = []
+        for w in snap.workers:
+            health = self.driver.worker_health(w.address)
+            workers.append(gateway_service_pb2.WorkerStatus(
+                address=w.address if full else "", role=ROLE_TO_PROTO[w.role], state=STATE_TO_PROTO[w.state],
+                inflight=w.inflight, current_job=shown(w.current_job), health=health.value, stuck=health.stuck,
+                held_elsewhere=w.held_elsewhere,
+                health_detail=self.driver.worker_health_detail(w.address) if full else ""))
         return gateway_service_pb2.GetStatusResponse(
             pending_ar_requests=snap.pending_ar_requests, pending_ar_outputs=snap.pending_ar_outputs,
             pending_denoise_outputs=snap.pending_denoise_outputs, active_requests=snap.active_requests,
-            workers=[gateway_service_pb2.WorkerStatus(
-                address=w.address, role=ROLE_TO_PROTO[w.role], state=STATE_TO_PROTO[w.state], inflight=w.inflight,
-                current_job=job_label(w.current_job), health=self.driver.worker_health(w.address).value,
-                stuck=self.driver.worker_health(w.address).stuck, held_elsewhere=w.held_elsewhere)
-                for w in snap.workers])
+            workers=workers)
 
     async def AddWorker(self, request, context: grpc.aio.ServicerContext):
         # Who may call this is the interceptor's business (gateway.auth); what may be added is checked here, all of
@@ -197,6 +226,11 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         if known is not None and known is not role:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"address: {address} is already a {known.value.lower()} worker; remove it first")
+        # The same worker dialled another way (tls:// or plaintext://, or neither) would be two members sending
+        # it two jobs at once.
+        if (other := next((a for a in parsed.spellings if a != address and self.driver.worker_role(a)), None)):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"address: {address} is already a worker as {other}; remove it first")
         if known is None and self.driver.pool_size() >= self.config.max_workers:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"the pool is full: it holds {self.driver.pool_size()} workers, the most "

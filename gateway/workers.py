@@ -49,18 +49,41 @@ class WorkerHealth(enum.Enum):
     UNREACHABLE = "unreachable"
     HUNG = "not answering health checks (hung)"
     TIMED_OUT = "a call to it timed out"
+    # Its health is open, so it looks serving, but it refuses every call that needs the internal token: a wrong
+    # token file, or a rotation half done (see README, internal token).
+    CREDENTIAL_REFUSED = "refuses the gateway's credential"
 
     @property
     def stuck(self) -> bool:
         """Connected but not answering: the process is there and holds its work, yet makes no progress."""
         return self in (WorkerHealth.HUNG, WorkerHealth.TIMED_OUT)
 
+    @property
+    def down(self) -> sch.WorkerDown:
+        """Why it takes no work, in the scheduler's terms (what the client's message says)."""
+        if self is WorkerHealth.CREDENTIAL_REFUSED:
+            return sch.WorkerDown.CREDENTIAL_REFUSED
+        if self is WorkerHealth.TIMED_OUT:
+            return sch.WorkerDown.TIMED_OUT
+        return sch.WorkerDown.HUNG if self is WorkerHealth.HUNG else sch.WorkerDown.GONE
 
-_NO_LIMITS_READ = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+# A worker's refusal of the gateway's credential: the only codes our workers answer for a bad or missing token.
+CREDENTIAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+_DETAIL_CHARS = 300  # of a worker's text, kept for GetStatus and the log
+
+
+def refusal(err: grpc.aio.AioRpcError) -> str:
+    """A worker's refusal of the credential as GetStatus (health_detail) and the log show it: code and text."""
+    return f"{err.code().name}: {(err.details() or '')[:_DETAIL_CHARS]}"
 
 
 class _NotServing(Exception):
     """A health probe answered, but not SERVING."""
+
+
+class _CredentialRefused(Exception):
+    """The check with the gateway's credential (GetLimits) was refused; the message is the worker's answer."""
 
 
 class Worker:
@@ -74,6 +97,10 @@ class Worker:
         self.watch_task: asyncio.Task | None = None
         self.occupancy_task: asyncio.Task | None = None  # denoisers: follows who holds the slot
         self.health = WorkerHealth.UNKNOWN
+        # What the worker said, when that says more than ``health`` (its refusal of the credential); else "".
+        self.health_detail = ""
+        # Why the scheduler was last told it is down (WorkerUnhealthy.why); None since it was last told healthy.
+        self._told: sch.WorkerDown | None = None
         self.checked = asyncio.Event()  # its first health check has an answer, whichever
         # The bounds it applies, as its GetLimits last said (read each time it comes up, before it gets work: a
         # restarted worker may run with other flags); None until then.
@@ -125,8 +152,12 @@ class Worker:
                     log.warning("denoiser %s has no WatchOccupancy; jobs of other gateways show only as refusals",
                                 self.address)
                     return
-                if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    log.warning("denoiser %s refused its occupancy stream: %s", self.address, err.code().name)
+                if err.code() in CREDENTIAL_CODES:
+                    # The health watch's check with the same token marks it (it gets no work meanwhile): say it
+                    # once, and ask again only as often as that check does.
+                    level = logging.DEBUG if self.health is WorkerHealth.CREDENTIAL_REFUSED else logging.WARNING
+                    log.log(level, "denoiser %s refused its occupancy stream: %s", self.address, err.code().name)
+                    backoff = max(backoff, cfg.credential_recheck_interval)
             except Exception:  # noqa: BLE001 - like the health watch: the mirror must outlive any surprise
                 log.exception("occupancy stream of %s failed unexpectedly", self.address)
             if elsewhere:
@@ -134,15 +165,31 @@ class Worker:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, cfg.health_retry_max)
 
-    def sideline(self, why: WorkerHealth) -> None:
-        """Unhealthy now (a call to it failed), until a fresh health check answers: the watch starts over."""
+    def sideline(self, why: WorkerHealth, detail: str = "") -> None:
+        """Unhealthy now (a call to it failed, or refused the credential: ``detail`` is what it said), until a
+        fresh health check answers: the watch starts over, after --credential-recheck-interval for a refusal (a
+        worker that passes the check yet refuses the call must not take every job in turn)."""
         if self.watch_task is None:
             return
-        self.health = why
+        refused = why is WorkerHealth.CREDENTIAL_REFUSED
+        if refused:
+            self._refused(detail)
+        else:
+            self.health, self.health_detail = why, ""
         self.watch_task.cancel()
-        self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=self.address))
+        self._told = why.down
+        self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=self.address, why=why.down))
+        delay = self.config.credential_recheck_interval if refused else 0.0
         # Usually from inside the failed call: the watch must not log as that call's request from now on.
-        self.watch_task = spawn(self._watch(self._feed, self._closed), name=f"health:{self.address}")
+        self.watch_task = spawn(self._watch(self._feed, self._closed, delay), name=f"health:{self.address}")
+
+    def _refused(self, detail: str) -> None:
+        """It refuses the gateway's credential: say so once (and again if what it says changes)."""
+        if self.health is not WorkerHealth.CREDENTIAL_REFUSED or self.health_detail != detail:
+            log.warning("%s %s refuses the gateway's credential (%s): it gets no work until a check with the "
+                        "credential passes (every %gs)", self.role.name.lower(), self.address, detail,
+                        self.config.credential_recheck_interval)
+        self.health, self.health_detail = WorkerHealth.CREDENTIAL_REFUSED, detail
 
     async def answers_probe(self) -> bool:
         """Whether it answers a health check SERVING within the probe timeout, now: a call to it overran, and this
@@ -155,16 +202,21 @@ class Worker:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def _read_limits(self) -> None:
-        """Learn what it applies before it gets work, so admission refuses what it would refuse."""
+        """Learn what it applies before it gets work, so admission refuses what it would refuse. The call carries
+        the gateway's credential, so it is also the check that the worker accepts it: _CredentialRefused if not."""
         try:
             reply = await self.stub.GetLimits(self._limits_request(), timeout=self.config.health_probe_timeout,
                                               metadata=self.config.worker_metadata)
             limits = advertised(reply.limits)
         except grpc.aio.AioRpcError as err:
-            if err.code() not in _NO_LIMITS_READ:
+            if err.code() in CREDENTIAL_CODES:
+                # Health is open, so it looks serving; but it would refuse every job sent to it, at once, and so be
+                # the first one free for every next job too. Not serving until this check passes.
+                raise _CredentialRefused(refusal(err)) from None
+            if err.code() is not grpc.StatusCode.UNIMPLEMENTED:
                 raise  # unreachable or hung: the watch treats it like a failed probe
-            # A server without GetLimits advertises nothing: the defaults stand in for it. One that refuses the
-            # gateway's credentials refuses its work too, with a message that says why: keep it visible.
+            # A server without GetLimits advertises nothing: the defaults stand in for it (and its credential is
+            # checked by the first call that needs it).
             log.warning("%s %s: GetLimits: %s %s; assuming the default limits", self.role.name.lower(), self.address,
                         err.code().name, err.details())
             limits = {}
@@ -192,17 +244,23 @@ class Worker:
                     return  # refused or broken: gone, not hung; the Watch breaks too
         self.health = WorkerHealth.HUNG
 
-    async def _watch(self, feed: Feed, closed: Callable[[], bool]) -> None:
+    async def _watch(self, feed: Feed, closed: Callable[[], bool], delay: float = 0.0) -> None:
         """Follow grpc.health.v1 Watch, with periodic probes beside it; any break in the stream, or probes that
-        go unanswered, count as unhealthy until it says SERVING again.
+        go unanswered, count as unhealthy until it says SERVING again. ``delay``: wait that long first.
 
         NOT_SERVING from a worker that was serving means it is draining (SIGTERM): it takes no new work, but what
         it holds is left to finish, as its shutdown grace promises. Only if it then goes away is that work lost.
+
+        A worker that refuses the gateway's credential (the GetLimits read before it gets work) is not serving
+        either: the scheduler hears it once, with that reason, and it is checked again every
+        --credential-recheck-interval until it accepts the credential.
         """
         stub = health_pb2_grpc.HealthStub(self.channel)
         backoff = self.config.health_retry_min
         healthy = False  # what the scheduler was last told: WorkerHealthy (True) or WorkerUnhealthy (False)
         serving = False
+        if delay:
+            await asyncio.sleep(delay)
         while not closed():
             prober: asyncio.Task | None = None
             try:
@@ -222,6 +280,7 @@ class Worker:
                     self.health = WorkerHealth.SERVING if now_serving else WorkerHealth.NOT_SERVING
                     if now_serving and not (healthy and serving):
                         log.info("%s %s is SERVING", self.role.name.lower(), self.address)
+                        self.health_detail, self._told = "", None
                         feed(sch.WorkerHealthy(now=time.monotonic(), worker=self.address))
                         healthy = True
                     elif not now_serving and healthy and serving:
@@ -248,6 +307,8 @@ class Worker:
                     self.health = WorkerHealth.UNREACHABLE
             except _NotServing:
                 self.health = WorkerHealth.NOT_SERVING
+            except _CredentialRefused as refused:
+                self._refused(str(refused))
             except Exception:  # noqa: BLE001 - the watch must outlive any surprise, or the worker's state freezes
                 log.exception("health watch of %s failed unexpectedly", self.address)
                 self.health = WorkerHealth.UNREACHABLE
@@ -256,9 +317,21 @@ class Worker:
                     prober.cancel()
                 self.checked.set()
             serving = False
-            if healthy:
+            refused = self.health is WorkerHealth.CREDENTIAL_REFUSED
+            if not refused:
+                self.health_detail = ""  # what it said when it refused no longer holds
+            down = self.health.down
+            # Also told while down, when why changes: a worker that never was healthy but refuses the credential
+            # (it joined with another token), or one down for a reason that no longer holds. Only the messages of
+            # requests that find no worker of its stage read it; a recheck that says the same tells nothing.
+            if healthy or (down is not self._told and (self._told is not None or refused)):
+                if healthy and not refused:  # (a refusal was logged with what the worker said)
+                    log.warning("%s %s is %s", self.role.name.lower(), self.address, self.health.value)
                 healthy = False
-                log.warning("%s %s is %s", self.role.name.lower(), self.address, self.health.value)
-                feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=self.address))
+                self._told = down
+                feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=self.address, why=down))
+            if refused:
+                await asyncio.sleep(self.config.credential_recheck_interval)
+                continue
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.config.health_retry_max)

@@ -195,6 +195,9 @@ async def test_sizes_round_up_to_multiples_of_32(ar) -> None:
                         sampling=common_pb2.SamplingParams(top_p=0)), "sampling.top_p"),
     (pb.GenerateRequest(prompt="x", height=64, width=64,
                         sampling=common_pb2.SamplingParams(top_k=2_000_000)), "sampling.top_k"),
+    # An id goes into the AR's log lines: bounded, and no control characters to forge lines with.
+    (pb.GenerateRequest(prompt="x", height=64, width=64, request_id="r" * 1_000_000), "request_id"),
+    (pb.GenerateRequest(prompt="x", height=64, width=64, request_id="r1\nforged log line"), "request_id"),
 ])
 async def test_invalid_requests_name_the_field(ar, request_, field) -> None:
     before = sample("glmimage_ar_failures_total", reason="invalid_argument")
@@ -227,6 +230,10 @@ async def test_batch_errors_name_the_request_index(ar) -> None:
         await ar.GenerateBatch(pb.GenerateBatchRequest(requests=reqs))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("requests[1].sampling.top_p:")
+    reqs[1] = pb.GenerateRequest(prompt="b", height=64, width=64, request_id="r" * 257)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await ar.GenerateBatch(pb.GenerateBatchRequest(requests=reqs))
+    assert err.value.details() == "requests[1].request_id: is 257 characters; the limit is 256"
 
 
 @pytest.fixture(scope="module")

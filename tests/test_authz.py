@@ -22,21 +22,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import gateway.workers as workers_module
+from bench.sim_backends import SimDenoiser, serve_sim_denoiser
 from gateway.__main__ import config_from
 from gateway.__main__ import parse_args as gateway_args
 from gateway.membership import DnsMembership, parse_allow_rule
 from gateway.rest import __main__ as rest_main
 from gateway.rest.app import RestSettings, create_app
-from gateway.scheduler import WorkerRole
+from gateway.scheduler import WorkerRole, WorkerState
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
-from services.runtime.auth import ENV_INTERNAL_TOKEN, check_token, internal_token_from
+from services.runtime.auth import ENV_INTERNAL_TOKEN, check_token, internal_token_from, internal_tokens_from
+from services.runtime.tls import ClientTls, ServerTls
+from tests.support.certs import Pki
 from tests.support.cluster import Cluster, running_stack
 from tests.support.sim_gateway import (
     ADMIN,
     ADMIN_KEY,
     AVAILABLE,
+    FAST,
     Gateway,
     SimCluster,
     request,
@@ -161,8 +165,8 @@ async def test_admin_rpcs_are_off_for_everyone_without_an_admin_key(sims: SimClu
                 assert err.code() == DENIED, md
                 assert "--admin-key" in err.details()
         assert dialled == dialled_before
-        status = await gw.stub.GetStatus(pb.GetStatusRequest(), metadata=USER)
-        assert {w.address: w.state for w in status.workers} == {ar: AVAILABLE, d0: AVAILABLE}  # d0 not draining
+        assert {w.address: w.state for w in gw.driver.snapshot().workers} == {  # d0 not draining
+            ar: WorkerState.AVAILABLE, d0: WorkerState.AVAILABLE}
 
 
 async def test_the_real_gateway_process_keeps_admin_rpcs_off_by_default(tmp_path: Path) -> None:
@@ -184,6 +188,35 @@ async def test_the_real_gateway_process_keeps_admin_rpcs_off_by_default(tmp_path
             assert health.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         procs.close()
+
+
+async def test_get_status_shows_addresses_and_other_callers_ids_to_the_admin_role_only(sims: SimCluster) -> None:
+    ar, d0 = sims.address(sims.ar), sims.address(sims.denoisers[0])
+    other = bearer("another-user-key")
+    async with running_gateway([ar], [d0], api_keys=(USER_KEY, "another-user-key")) as gw:
+        sims.gate.clear()  # the job holds d0 after its first step
+        mine = asyncio.ensure_future(gw.stub.GenerateImages(request(), metadata=USER + (("x-request-id", "mine"),)))
+        whole = await gw.until(lambda st: any(w.current_job for w in st.workers))  # the admin's view
+        assert [(w.address, w.current_job) for w in whole.workers] == [(ar, ""), (d0, "mine/0#1")]
+        views = {name: await gw.stub.GetStatus(pb.GetStatusRequest(), metadata=md)
+                 for name, md in (("owner", USER), ("other", other))}
+        for name, view in views.items():
+            # The pool by position, role, state and health; no address, and only the caller's own job ids.
+            assert [w.address for w in view.workers] == ["", ""], name
+            assert [(w.role, w.state, w.inflight, w.health) for w in view.workers] == [
+                (w.role, w.state, w.inflight, w.health) for w in whole.workers], name
+        assert views["owner"].workers[1].current_job == "mine/0#1"
+        assert views["other"].workers[1].current_job == "" and views["other"].workers[1].inflight == 1
+        assert (await rpc_error(gw.stub.GetStatus(pb.GetStatusRequest()))).code() == UNAUTH
+        sims.gate.set()
+        assert len((await mine).images) == 1
+    # With no user key at all but an admin key: anonymous callers may generate and read the status, not the
+    # addresses; a gateway with no key at all cannot tell callers apart and shows everything (make run).
+    async with running_gateway([ar], [d0]) as gw:
+        assert [w.address for w in (await gw.stub.GetStatus(pb.GetStatusRequest())).workers] == ["", ""]
+        assert [w.address for w in (await gw.status()).workers] == [ar, d0]
+    async with running_gateway([ar], [d0], admin_keys=()) as gw:
+        assert [w.address for w in (await gw.stub.GetStatus(pb.GetStatusRequest())).workers] == [ar, d0]
 
 
 def test_gateway_flags_refuse_a_key_that_is_both_user_and_admin() -> None:
@@ -269,7 +302,10 @@ EVERYTHING = (parse_allow_rule("0.0.0.0/0"), parse_allow_rule("[::/0]"), parse_a
     ("a/b:1", "labels"),
     ("user@host:1", "labels"),
     ("unix:/tmp/sock", "port"),
-    ("dns:///x:1", "labels"),
+    ("dns:///x:1", "schemes"),
+    ("TLS://127.0.0.1:1", "schemes"),
+    ("tls://", "HOST:PORT"),
+    ("plaintext://127.1:50061", "non-standard"),
 ])
 async def test_bad_addresses_are_refused_by_name(sims: SimCluster, dialled: list[str], address: str,
                                                  why: str) -> None:
@@ -290,6 +326,30 @@ async def test_add_worker_lists_an_address_in_its_canonical_form(sims: SimCluste
         assert set(await members(gw)) == {sims.address(sims.ar), f"127.0.0.1:{port}"}
         await remove(gw, f"127.0.0.1:0{port}")
         await until(gw, lambda m: len(m) == 1)
+
+
+async def test_add_worker_takes_tls_and_plaintext_addresses_as_the_readme_says(sims: SimCluster, pki: Pki) -> None:
+    ar, plain = sims.address(sims.ar), sims.denoisers[0].port
+    secure = await serve_sim_denoiser(SimDenoiser(FAST), tls=ServerTls(pki.server_cert, pki.server_key))
+    try:
+        # --tls-ca with --tls-only-marked: bare addresses stay plaintext, tls:// ones dial TLS.
+        async with running_gateway([ar], [], client_tls=ClientTls(ca=pki.ca, only_marked=True)) as gw:
+            await add(gw, f"tls://127.0.0.1:0{secure.port}")
+            await add(gw, f"plaintext://127.0.0.1:{plain}")
+            listed = {ar: AVAILABLE, f"tls://127.0.0.1:{secure.port}": AVAILABLE,
+                      f"plaintext://127.0.0.1:{plain}": AVAILABLE}
+            await until(gw, lambda m: m == listed)  # both reached, the TLS one over TLS
+            assert len((await gw.stub.GenerateImages(request(n=2), metadata=ADMIN)).images) == 2
+            # The same worker dialled another way would be a second member sending it a second job.
+            for again in (f"127.0.0.1:{secure.port}", f"plaintext://127.0.0.1:{secure.port}"):
+                err = await rpc_error(add(gw, again))
+                assert err.code() == grpc.StatusCode.ALREADY_EXISTS and f"tls://127.0.0.1:{secure.port}" in \
+                    err.details()
+            await add(gw, f"tls://127.0.0.1:{secure.port}")  # itself again: nothing new
+            await remove(gw, f"tls://127.0.0.1:0{secure.port}")  # listed and removed under its canonical form
+            await until(gw, lambda m: set(m) == {ar, f"plaintext://127.0.0.1:{plain}"})
+    finally:
+        await secure.stop(None)
 
 
 async def test_the_pool_cap_holds_for_add_worker_and_dns(sims: SimCluster, dialled: list[str]) -> None:
@@ -355,6 +415,19 @@ def test_internal_token_sources(tmp_path: Path) -> None:
         internal_token_from(tmp_path / "empty", {})
 
 
+def test_several_internal_tokens_one_a_line_for_a_rotation(tmp_path: Path) -> None:
+    new, old = secrets.token_hex(16), secrets.token_hex(16)
+    (tmp_path / "t").write_text(f"{new}\n\n  {old}  \n{new}\n")
+    # A server accepts every one (each once, in order); a gateway presents the first.
+    assert internal_tokens_from(tmp_path / "t", {}) == (new, old)
+    assert internal_token_from(tmp_path / "t", {}) == new
+    assert internal_tokens_from(None, {ENV_INTERNAL_TOKEN: f"{old}\n{new}"}) == (old, new)
+    assert internal_tokens_from(None, {}) == ()
+    (tmp_path / "bad").write_text(f"{new}\nshort\n")
+    with pytest.raises(ValueError, match=r"\(token 2\) is 5 characters"):
+        internal_tokens_from(tmp_path / "bad", {})
+
+
 @pytest.fixture
 def token_cluster(tmp_path: Path, tiny_checkpoint: Path):
     """Real AR and denoiser processes (tiny model) requiring an internal token given in a file."""
@@ -404,10 +477,14 @@ async def test_workers_require_the_internal_token_and_the_gateway_presents_it(to
         reply = await den_stub.Denoise(denoise, metadata=bearer(token), timeout=120)
         assert reply.image.startswith(b"\x89PNG")
 
-    # A gateway without the token gets nothing done: the workers look healthy (health is open) but refuse work.
-    async with running_gateway([ar], [den]) as gw:
+    # A gateway without the token gets nothing done: the workers' health is open, but the check with the token when
+    # they join is refused, so they are not serving, and a request is told why.
+    async with running_gateway([ar], [den], wait_available=False, fail_fast_without_workers=True) as gw:
+        status = await gw.until(lambda st: {w.health for w in st.workers} == {"refuses the gateway's credential"},
+                                timeout=30)
+        assert {w.state for w in status.workers} == {pb.WORKER_STATE_UNHEALTHY}
         err = await rpc_error(gw.stub.GenerateImages(request(), timeout=60))
-        assert "internal token" in err.details()
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "internal token" in err.details()
 
     # `python -m gateway` with the token in its environment generates end to end.
     procs.start("gateway", "gateway", ["--ar", ar, "--denoiser", den], env={ENV_INTERNAL_TOKEN: token})

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import grpc
 
+from glmimage.cli import format_status
+from glmimage.results import Status, WorkerInfo
 from tests.support.certs import Pki
 from tests.support.fake_gateway import FakeServer, fake_image, serve_fake
 from tests.support.programs import glmimage
@@ -68,6 +70,21 @@ def test_status_prints_queues_and_workers(fake: FakeServer, tmp_path: Path) -> N
                     ["denoiser", "10.0.0.2:50061", "busy", "1", "req-1/0#1"]]
     as_json = json.loads(glmimage("status", "--json", "--address", fake.address, cwd=tmp_path).stdout)
     assert as_json["active_requests"] == 4 and as_json["workers"][1]["current_job"] == "req-1/0#1"
+
+
+def test_status_without_the_admin_role_lists_workers_by_position() -> None:
+    # What a gateway shows a caller without the admin role: no addresses, and no ids of other callers' jobs.
+    status = Status(0, 0, 0, 2, [WorkerInfo("", "ar", "busy", 1, ""), WorkerInfo("", "denoiser", "busy", 1, ""),
+                                 WorkerInfo("", "denoiser", "busy", 1, "mine/0#1"),
+                                 WorkerInfo("", "denoiser", "busy", 0, "", held_elsewhere=True),
+                                 WorkerInfo("", "denoiser", "unhealthy", 0, "",
+                                            health="refuses the gateway's credential")])
+    lines = format_status(status).splitlines()
+    header = next(ln for ln in lines if ln.startswith("ROLE"))
+    assert [ln.split(maxsplit=4) for ln in lines[lines.index(header) + 1:]] == [
+        ["ar", "#0", "busy", "1", "-"], ["denoiser", "#1", "busy", "1", "(another caller's)"],
+        ["denoiser", "#2", "busy", "1", "mine/0#1"], ["denoiser", "#3", "busy", "0", "(another gateway's)"],
+        ["denoiser", "#4", "unhealthy", "0", "-"]]
 
 
 def test_errors_exit_non_zero_without_retrying_bad_input(fake: FakeServer, tmp_path: Path) -> None:

@@ -132,6 +132,21 @@ async def test_the_occupancy_stream_and_a_busy_refusal_name_the_gateway_holding_
     assert _sample("glmimage_denoiser_busy_max") == 1
 
 
+async def test_an_oversized_owner_never_reaches_the_occupancy_stream(dn, servicer) -> None:
+    watch = dn.WatchOccupancy(pb.WatchOccupancyRequest())
+    free = await watch.read()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await dn.Denoise(_req(64, 64, seed=1, owner="g" * (1 << 20)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "owner: is 1048576 characters; the limit is 256"
+    # The next state every follower reads is the next real job's, with a short owner: the refused one never held it.
+    job = asyncio.ensure_future(dn.Denoise(_req(64, 64, seed=2, owner="gw-ok", request_id="r" * 256)))
+    held = await watch.read()
+    assert (held.busy, held.owner, held.sequence > free.sequence) == (True, "gw-ok", True)
+    await job
+    watch.cancel()
+
+
 async def _assert_stopped_early(servicer, reason: CancelReason, min_steps: int = 1) -> None:
     """The worker stopped at the step after the cancel reached it, and the slot is free for the next job."""
     await servicer.wait_idle()
@@ -248,6 +263,10 @@ async def test_cancelled_stream_stops_the_job_and_shares_the_busy_slot(dn, servi
     ({"output_compression": 101}, "output_compression"),
     ({"output_format": 4}, "output_format"),  # proto3 enums are open: undeclared values arrive as they are
     ({"output_format": -1}, "output_format"),
+    # Ids every gateway that follows the denoiser receives (WatchOccupancy), and its log lines: bounded.
+    ({"owner": "g" * 1_000_000}, "owner"),
+    ({"owner": "gw\nforged"}, "owner"),
+    ({"request_id": "r" * 257}, "request_id"),
 ])
 async def test_invalid_requests_name_the_field(dn, overrides, field) -> None:
     invalid = _sample("glmimage_denoiser_jobs_total", outcome="invalid")

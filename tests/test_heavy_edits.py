@@ -75,7 +75,8 @@ async def test_a_job_overrunning_on_a_denoiser_that_answers_its_probe_is_slow_no
     async with sim_cluster() as sims:
         denoisers = [f"127.0.0.1:{d.port}" for d in sims.denoisers]
         policy = TimeoutPolicy(margin=1.0, floor=0.3, cap=600.0)
-        async with running_gateway([f"127.0.0.1:{sims.ar.port}"], denoisers, denoise_timeout=policy) as gw:
+        async with running_gateway([f"127.0.0.1:{sims.ar.port}"], denoisers,
+                                   config_fields={"denoise_timeout": policy}) as gw:
             await gw.stub.GenerateImages(request(num_inference_steps=2))  # the timeout is now the 0.3 s floor
             sims.gate.clear()  # jobs of two steps stop after their first
             call = gw.stub.GenerateImages(request(num_inference_steps=2))

@@ -40,6 +40,7 @@ from gateway.scheduler import (
     SchedulerConfig,
     Tick,
     WorkerAdded,
+    WorkerDown,
     WorkerHealthy,
     WorkerNotServing,
     WorkerRemoved,
@@ -132,10 +133,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             w.members[ev.worker].healthy = False
             w.members[ev.worker].serving = True
             w.elsewhere[ev.worker] = False  # its occupancy stream broke with it
-            w.holding.pop(ev.worker, None)  # the slot is free; the old attempt is fenced
+            held = w.holding.pop(ev.worker, None)  # the slot is free; the old attempt is fenced
             expect_ar_cancels = set(w.ar_owned.get(ev.worker, set()))
-            for bid in expect_ar_cancels:
-                self._ar_batch_lost(bid)
+            if ev.why is WorkerDown.CREDENTIAL_REFUSED:
+                # It refused the credential, before running anything: what it held costs no attempt, no AR retry.
+                if held is not None and self._live(held.request_id) is not None:
+                    key = (held.request_id, held.index)
+                    w.refusals[key] = w.refusals.get(key, 0) + 1
+            else:
+                for bid in expect_ar_cancels:
+                    self._ar_batch_lost(bid)
             w.ar_owned[ev.worker] = set()
             if w.members[ev.worker].draining:
                 self._forget(ev.worker)
@@ -325,6 +332,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert r.deadline is not None and self.now >= r.deadline
             if a.code is ErrorKind.CANCELLED:
                 assert isinstance(ev, RequestCancelled) and ev.request_id == a.request_id
+            # Out of tries only when they are really used up: busy and credential refusals are not tries.
+            if a.message.startswith("AR stage failed"):
+                assert r.ar_failures > cfg.ar_retries, f"{a.request_id} failed before its AR retries were used"
+            if a.message.startswith("denoise failed after"):
+                used = int(a.message.split()[3])
+                assert used >= cfg.max_attempts and any(
+                    att - w.refusals.get((a.request_id, i), 0) == used
+                    for (rid, i), (att, _) in w.attempts.items() if rid == a.request_id), a.message
 
     def _check(self) -> None:
         s, w = self.s, self.w
@@ -442,11 +457,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.send(RequestArrived(now, rid, n, SIZE[0], SIZE[1], None))
 
     @rule(
+        data=st.data(),
         kind=st.sampled_from(["add", "remove", "healthy", "unhealthy", "unhealthy", "not_serving"]),
         name=st.sampled_from(WORKERS),
         dt=st.floats(0.0, 0.003),
     )
-    def membership(self, kind: str, name: str, dt: float) -> None:
+    def membership(self, data: st.DataObject, kind: str, name: str, dt: float) -> None:
         """Health flaps and membership changes, including for unknown and draining workers."""
         now = self.advance(dt)
         if kind == "add":
@@ -454,7 +470,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         elif kind == "remove":
             self.send(WorkerRemoved(now, name))
         elif kind == "unhealthy":
-            self.send(WorkerUnhealthy(now, name))
+            self.send(WorkerUnhealthy(now, name, data.draw(st.sampled_from(list(WorkerDown)))))
         elif kind == "not_serving":
             self.send(WorkerNotServing(now, name))
         else:
@@ -485,6 +501,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         if how not in ("drain", "sigterm", "sigterm+back"):
             self.send(WorkerUnhealthy(now, name))
         if how in ("flap", "sigterm+back"):
+            self.send(WorkerHealthy(now, name))
+
+    @precondition(lambda self: self.w.holding or any(self.w.ar_owned.values()))
+    @rule(data=st.data(), back=st.booleans(), dt=st.floats(0.0, 0.003))
+    def credential_refused(self, data: st.DataObject, back: bool, dt: float) -> None:
+        """A worker with work in flight refused the gateway's credential (maybe fixed at once): its work goes
+        elsewhere and never uses an attempt or an AR retry, however often it happens (the model checks both)."""
+        busy = sorted(set(self.w.holding) | {n for n, owned in self.w.ar_owned.items() if owned})
+        name = data.draw(st.sampled_from(busy))
+        now = self.advance(dt)
+        self.send(WorkerUnhealthy(now, name, WorkerDown.CREDENTIAL_REFUSED))
+        if back:
             self.send(WorkerHealthy(now, name))
 
     @precondition(lambda self: any(len(b.request_ids) > 1 for b in self.w.ar_rpcs.values()))

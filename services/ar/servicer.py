@@ -24,7 +24,7 @@ from services.ar.domain import (
 from services.runtime.deadlines import rpc_deadline
 from services.runtime.errors import InvalidArgument
 from services.runtime.executor import SerialExecutor
-from services.runtime.limits import AR_FIELDS
+from services.runtime.limits import AR_FIELDS, check_id, valid_id
 from services.runtime.logs import request_id_var
 from services.runtime.server import request_id_from
 
@@ -110,7 +110,7 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
     @staticmethod
     def _adopt_request_id(context: grpc.aio.ServicerContext, msgs: Sequence[ar_service_pb2.GenerateRequest]) -> None:
         """The proto's request_id names the call in logs when no x-request-id metadata came with it."""
-        ids = [m.request_id for m in msgs if m.request_id]
+        ids = [m.request_id for m in msgs if m.request_id and valid_id(m.request_id)]  # (_validate refuses others)
         if ids and request_id_from(context.invocation_metadata()) is None:
             request_id_var.set(",".join(ids))
 
@@ -120,6 +120,7 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
         reqs = []
         for i, msg in enumerate(msgs):
             try:
+                check_id(msg.request_id, "request_id")
                 reqs.append(self.engine.validate(request_from_proto(msg)))
             except InvalidArgument as exc:
                 raise in_batch(exc, i, single) from None

@@ -33,7 +33,7 @@ from services.model.references import ReferenceTokens
 from services.runtime.deadlines import rpc_deadline
 from services.runtime.errors import DENOISER_BUSY, Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from services.runtime.executor import SerialExecutor
-from services.runtime.limits import DENOISER_FIELDS
+from services.runtime.limits import DENOISER_FIELDS, check_id
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,10 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
                        emit: Callable[[JobEvent], None] | None = None) -> DenoiseResult:
         """Validate, take the slot (or refuse), run on the worker thread, stop it if the caller goes away."""
         try:
+            # Bounded before anything keeps them: the owner and the id go out to every gateway that follows this
+            # denoiser's occupancy (a 1 MB owner once did).
+            check_id(request.owner, "owner")
+            check_id(request.request_id, "request_id")
             job = self.engine.validate(job_from_proto(request, partial_images))
         except InvalidArgument:
             metrics.JOBS.labels(Outcome.INVALID).inc()

@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from services.model.device import DEVICE_CHOICES, DTYPE_CHOICES
-from services.runtime.auth import add_internal_token_args, internal_token_from_args, internal_token_interceptor
+from services.runtime.auth import add_internal_token_args, internal_token_interceptor, internal_tokens_from_args
 from services.runtime.executor import SerialExecutor
 from services.runtime.metrics import serve_metrics
 from services.runtime.server import (
@@ -37,8 +37,8 @@ def model_args() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     p.add_argument("--torch-threads", type=int, default=0, help="0 keeps torch's default")
-    add_internal_token_args(p, "require 'authorization: Bearer <token>' with this token on the model service "
-                               "(the gateway's --internal-token-file); health and reflection stay open")
+    add_internal_token_args(p, "require 'authorization: Bearer <token>' with one of these tokens on the model "
+                               "service (the gateway's --internal-token-file); health and reflection stay open")
     return p
 
 
@@ -59,8 +59,9 @@ async def serve_model(
     # Signals are ours from here on: without this a SIGTERM while loading killed the process (exit 143) and a
     # SIGINT printed a KeyboardInterrupt traceback.
     stop = install_shutdown_signals()
-    token = internal_token_from_args(args)
-    interceptors = [internal_token_interceptor(token, [service_name])] if token else []
+    # Every token of the file is accepted (several during a rotation; see internal_tokens_from).
+    tokens = internal_tokens_from_args(args)
+    interceptors = [internal_token_interceptor(tokens, [service_name])] if tokens else []
     executor = SerialExecutor(name)
     # Load before binding, so nothing can reach a half-loaded model; health stays NOT_SERVING through warm-up.
     log.info("%s: loading the model", name)
@@ -69,8 +70,8 @@ async def serve_model(
     server = await start_server(lambda s: register(servicer, s), [service_name], f"{args.host}:{args.port}",
                                 tls=tls, interceptors=interceptors, intake=intake)
     announce(server, args, service_name)
-    if token:
-        log.info("%s requires the internal token", service_name)
+    if tokens:
+        log.info("%s requires the internal token (%d accepted)", service_name, len(tokens))
     serve_metrics(args.host, args.metrics_port)
     await _unless_stopped(executor.run(engine.warm_up), stop)
     await server.set_serving(True)

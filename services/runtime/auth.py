@@ -70,6 +70,17 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Whose credential a call presents, as BearerAuthInterceptor.caller found it."""
+
+    roles: frozenset[str]  # the roles whose keys it is (a key configured for two roles is both); empty: none
+    key: int | None = None  # which configured key (an index, never the secret); None: no key matched
+
+    def holds(self, role: str) -> bool:
+        return role in self.roles
+
+
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Checks every call against ``table``: ``"/pkg.Service/Method"`` -> role name, or ``"/pkg.Service/"`` -> the
     role of that service's methods the table does not name (so a method added later is not open by accident).
@@ -98,6 +109,14 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
             name = self._table.get(service + sep) if sep else None
         return None if name is None else self._roles[name]
 
+    def caller(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Caller:
+        """Who presents the call's credential: the roles whose keys it is, and which key. The one place a call's
+        credential is compared with the configured keys (every key, without short-circuit: key_hits); ``check``
+        and a servicer that shapes its answer by the caller's role (gateway GetStatus) both ask here."""
+        hits = key_hits(bearer_token(metadata), [key for _, key in self._keys])
+        matched = [i for i, hit in enumerate(hits) if hit]
+        return Caller(frozenset(self._keys[i][0] for i in matched), matched[0] if matched else None)
+
     def check(self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None
               ) -> tuple[grpc.StatusCode, str] | None:
         """None if the call may go ahead, else the status code and message to refuse it with."""
@@ -106,8 +125,7 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
             return None
         if not role.keys:
             return None if role.off_message is None else (grpc.StatusCode.PERMISSION_DENIED, role.off_message)
-        hits = key_hits(bearer_token(metadata), [key for _, key in self._keys])
-        matched = {name for (name, _), hit in zip(self._keys, hits, strict=True) if hit}
+        matched = self.caller(metadata).roles
         if matched & {role.name, *role.also}:
             return None
         if matched:
@@ -161,33 +179,64 @@ def check_token(token: str, source: str) -> str:
     return token
 
 
-def internal_token_from(path: Path | None, environ: Mapping[str, str] = os.environ) -> str | None:
-    """The token in ``path`` (surrounding whitespace dropped), else ``$GLMIMAGE_INTERNAL_TOKEN``; None when
-    neither is set. ValueError for an unreadable file or an unusable token."""
+def _tokens(text: str, source: str) -> tuple[str, ...]:
+    """The tokens of ``text``, one a line (blank lines skipped, surrounding whitespace dropped), in order, each
+    once; ValueError when there is none or one is unusable."""
+    lines = [line.strip() for line in text.splitlines()]
+    tokens = tuple(dict.fromkeys(line for line in lines if line))
+    if not tokens:
+        check_token("", source)  # says "0 characters"
+    for i, token in enumerate(tokens):
+        check_token(token, source if len(tokens) == 1 else f"{source} (token {i + 1})")
+    return tokens
+
+
+def internal_tokens_from(path: Path | None, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """Every token in ``path``, one a line, else in ``$GLMIMAGE_INTERNAL_TOKEN`` (the same rule); empty when
+    neither is set. ValueError for an unreadable file or an unusable token.
+
+    Several tokens are for a rotation: a server accepts all of them, the gateway presents the first. So the new
+    token can be accepted everywhere before any gateway presents it, and the old one dropped once none does."""
     if path is not None:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"--internal-token-file {path}: {exc}") from None
-        return check_token(text.strip(), f"--internal-token-file {path}")
-    text = environ.get(ENV_INTERNAL_TOKEN, "").strip()
-    return check_token(text, f"${ENV_INTERNAL_TOKEN}") if text else None
+        return _tokens(text, f"--internal-token-file {path}")
+    text = environ.get(ENV_INTERNAL_TOKEN, "")
+    return _tokens(text, f"${ENV_INTERNAL_TOKEN}") if text.strip() else ()
+
+
+def internal_token_from(path: Path | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The token the gateway presents: the first of internal_tokens_from; None when none is set."""
+    tokens = internal_tokens_from(path, environ)
+    return tokens[0] if tokens else None
 
 
 def add_internal_token_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--internal-token-file", type=Path, default=None, metavar="PATH",
                    help=f"{what} (also ${ENV_INTERNAL_TOKEN}; the file wins). A file or the environment, never a "
-                        "flag value, so `ps` does not show it. Off when neither is set.")
+                        "flag value, so `ps` does not show it. One token a line: a server accepts every one (for a "
+                        "rotation), a gateway presents the first. Off when neither is set.")
 
 
-def internal_token_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:
+def internal_tokens_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+                              ) -> tuple[str, ...]:
     try:
-        return internal_token_from(args.internal_token_file, environ)
+        return internal_tokens_from(args.internal_token_file, environ)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
 
 
-def internal_token_interceptor(token: str, services: Iterable[str]) -> BearerAuthInterceptor:
-    """Every method of ``services`` needs ``authorization: Bearer <token>``; health and reflection stay open."""
-    role = Role(INTERNAL, (token,), credential="internal token")
+def internal_token_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The token a gateway presents (the first one)."""
+    tokens = internal_tokens_from_args(args, environ)
+    return tokens[0] if tokens else None
+
+
+def internal_token_interceptor(tokens: str | Sequence[str], services: Iterable[str]) -> BearerAuthInterceptor:
+    """Every method of ``services`` needs ``authorization: Bearer <token>`` with one of ``tokens`` (several
+    during a rotation); health and reflection stay open."""
+    accepted = (tokens,) if isinstance(tokens, str) else tuple(tokens)
+    role = Role(INTERNAL, accepted, credential="internal token")
     return BearerAuthInterceptor([role], {f"/{s}/": INTERNAL for s in services})

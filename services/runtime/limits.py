@@ -33,6 +33,10 @@ MAX_TOP_K = 1_000_000
 MAX_OUTPUT_COMPRESSION = 100
 # The REST front reads at most this many bytes of a JSON body (--max-body-bytes) and answers 413 past it.
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# Identifiers a worker logs and repeats to others: DenoiseRequest.owner and request_id (WatchOccupancy sends them to
+# every gateway that follows the denoiser), GenerateRequest.request_id. A gateway's are well within it: its instance
+# id is host-pid-hex, a request id at most the 128 characters of x-request-id plus ".N" telling duplicates apart.
+MAX_ID_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,19 @@ def check_prompt(prompt: str, limits: Limits, why_needed: str = "") -> None:
         raise InvalidArgument("prompt", "must not be empty" + (f" ({why_needed})" if why_needed else ""))
     if len(prompt) > limits.max_prompt_chars:
         raise InvalidArgument("prompt", f"is {len(prompt)} characters; the limit is {limits.max_prompt_chars}")
+
+
+def valid_id(value: str) -> bool:
+    """An identifier fit for logs and for other gateways: at most MAX_ID_CHARS printable ASCII characters."""
+    return len(value) <= MAX_ID_CHARS and value.isascii() and (value.isprintable() or not value)
+
+
+def check_id(value: str, field: str) -> None:
+    """InvalidArgument naming ``field`` unless ``value`` is empty or a valid_id."""
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidArgument(field, f"is {len(value)} characters; the limit is {MAX_ID_CHARS}")
+    if not valid_id(value):
+        raise InvalidArgument(field, "must be printable ASCII")
 
 
 def check_n(n: int, limits: Limits) -> int:

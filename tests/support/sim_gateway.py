@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -24,10 +24,10 @@ from gateway.membership import parse_allow_rule
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import SchedulerConfig
 from gateway.servicer import GatewayServicer
-from gateway.timeouts import TimeoutPolicy
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
 from services.runtime.server import GrpcServer, start_server
+from services.runtime.tls import ClientTls
 
 GATEWAY = "glmimage.v1.GatewayService"
 FAST = SimCosts(scale=0.001)  # AR ~20-33 ms, denoise ~12 ms
@@ -57,9 +57,11 @@ class Gateway:
     driver: Driver
     channel: grpc.aio.Channel
     port: int
+    # What status() presents: the admin key when the gateway has it, so the tests see every address and job id.
+    status_metadata: tuple[tuple[str, str], ...] = ()
 
     async def status(self) -> pb.GetStatusResponse:
-        return await self.stub.GetStatus(pb.GetStatusRequest())
+        return await self.stub.GetStatus(pb.GetStatusRequest(), metadata=self.status_metadata)
 
     async def workers(self) -> dict[str, pb.WorkerStatus]:
         return {w.address: w for w in (await self.status()).workers}
@@ -96,13 +98,15 @@ async def running_gateway(ar: list[str], denoisers: list[str], *, metrics: Gatew
                           api_keys: tuple[str, ...] = (), admin_keys: tuple[str, ...] = (ADMIN_KEY,),
                           worker_allow: tuple = LOOPBACK, max_workers: int = 256,
                           worker_metadata: tuple[tuple[str, str], ...] = (), wait_available: bool = True,
-                          denoise_timeout: TimeoutPolicy | None = None, **scheduler: object) -> AsyncIterator[Gateway]:
-    """The real gateway in-process, with the interceptor `python -m gateway` installs (gateway.auth)."""
+                          client_tls: ClientTls | None = None, config_fields: Mapping[str, object] | None = None,
+                          **scheduler: object) -> AsyncIterator[Gateway]:
+    """The real gateway in-process, with the interceptor `python -m gateway` installs (gateway.auth).
+    ``config_fields``: other GatewayConfig fields (health probe settings, ...); ``scheduler``: SchedulerConfig's."""
     config = GatewayConfig(ar_addresses=tuple(ar), denoiser_addresses=tuple(denoisers),
                            scheduler=SchedulerConfig(ar_batch_delay=0.0, **scheduler),  # type: ignore[arg-type]
                            request_timeout=30, api_keys=api_keys, admin_keys=admin_keys, worker_allow=worker_allow,
                            max_workers=max_workers, worker_metadata=worker_metadata,
-                           denoise_timeout=denoise_timeout or TimeoutPolicy())
+                           client_tls=client_tls, **(config_fields or {}))  # type: ignore[arg-type]
     driver = Driver(config, metrics=metrics)
     servicer = GatewayServicer(driver, config)
     interceptors = [gateway_interceptor(api_keys, admin_keys)]
@@ -111,7 +115,8 @@ async def running_gateway(ar: list[str], denoisers: list[str], *, metrics: Gatew
     await driver.start()
     await server.set_serving(True)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    gw = Gateway(gateway_service_pb2_grpc.GatewayServiceStub(channel), driver, channel, server.port)
+    gw = Gateway(gateway_service_pb2_grpc.GatewayServiceStub(channel), driver, channel, server.port,
+                 ADMIN if ADMIN_KEY in admin_keys else ())
     if wait_available:  # the health watchers have seen every worker SERVING
         n = len(ar) + len(denoisers)
         await wait_for(lambda: sum(w.state.value == "AVAILABLE" for w in driver.snapshot().workers) == n)

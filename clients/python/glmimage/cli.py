@@ -33,6 +33,7 @@ from glmimage.client import (
     RetryPolicy,
     Status,
     TlsConfig,
+    WorkerInfo,
 )
 from glmimage.sizes import size_arg
 
@@ -201,10 +202,19 @@ def format_status(status: Status) -> str:
     queues = [("pending AR requests", status.pending_ar_requests), ("pending AR outputs", status.pending_ar_outputs),
               ("pending denoise outputs", status.pending_denoise_outputs), ("active requests", status.active_requests)]
     lines = [_table(["QUEUE", "DEPTH"], [[name, str(v)] for name, v in queues]), ""]
-    rows = [[w.role, w.address, w.state, str(w.inflight),
-             w.current_job or ("(another gateway's)" if w.held_elsewhere else "-")] for w in status.workers]
+    # Without the admin role the gateway shows no addresses and only the caller's own jobs: workers by position.
+    rows = [[w.role, w.address or f"#{i}", w.state, str(w.inflight), _job(w)] for i, w in enumerate(status.workers)]
     lines.append(_table(["ROLE", "ADDRESS", "STATE", "INFLIGHT", "JOB"], rows) if rows else "no workers")
     return "\n".join(lines)
+
+
+def _job(w: WorkerInfo) -> str:
+    """A denoiser's job: its id, or whose it is when the gateway does not show the id (AR batches have none)."""
+    if w.current_job:
+        return w.current_job
+    if w.held_elsewhere:
+        return "(another gateway's)"
+    return "(another caller's)" if w.role == "denoiser" and w.inflight else "-"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

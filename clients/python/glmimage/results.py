@@ -106,7 +106,7 @@ StreamEvent = Progress | PartialImage | Completed
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    address: str
+    address: str  # empty unless the caller has the admin role (or the gateway checks no keys)
     role: str  # "ar" or "denoiser"
     state: str  # "available", "busy", "unhealthy", "draining"
     inflight: int
@@ -114,6 +114,7 @@ class WorkerInfo:
     health: str = ""  # why it is (not) usable: "serving", "unreachable", "not answering health checks (hung)", ...
     stuck: bool = False  # connected but making no progress (hung, or a call to it timed out), not gone
     held_elsewhere: bool = False  # a denoiser busy with another gateway's job
+    health_detail: str = ""  # what the worker said, e.g. its refusal of the gateway's credential (admin role only)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class Status:
         return cls(s.pending_ar_requests, s.pending_ar_outputs, s.pending_denoise_outputs, s.active_requests,
                    [WorkerInfo(w.address, _ROLE_NAMES.get(w.role, "unspecified"),
                                _STATE_NAMES.get(w.state, "unspecified"), w.inflight, w.current_job, w.health,
-                               w.stuck, w.held_elsewhere)
+                               w.stuck, w.held_elsewhere, w.health_detail)
                     for w in s.workers])
 
 

@@ -101,7 +101,7 @@ class GetLimitsResponse(_message.Message):
     def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "state", "inflight", "current_job", "health", "stuck", "held_elsewhere")
+    __slots__ = ("address", "role", "state", "inflight", "current_job", "health", "stuck", "held_elsewhere", "health_detail")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class WorkerStatus(_message.Message):
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     STUCK_FIELD_NUMBER: _ClassVar[int]
     HELD_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_DETAIL_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: WorkerRole
     state: WorkerState
@@ -118,7 +119,8 @@ class WorkerStatus(_message.Message):
     health: str
     stuck: bool
     held_elsewhere: bool
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., inflight: _Optional[int] = ..., current_job: _Optional[str] = ..., health: _Optional[str] = ..., stuck: _Optional[bool] = ..., held_elsewhere: _Optional[bool] = ...) -> None: ...
+    health_detail: str
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., inflight: _Optional[int] = ..., current_job: _Optional[str] = ..., health: _Optional[str] = ..., stuck: _Optional[bool] = ..., held_elsewhere: _Optional[bool] = ..., health_detail: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("pending_ar_requests", "pending_ar_outputs", "pending_denoise_outputs", "active_requests", "workers")
