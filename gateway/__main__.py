@@ -173,11 +173,24 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
         ar_timeout=ar_timeout, denoise_timeout=denoise_timeout, health_probe_timeout=args.health_probe_timeout,
         health_probe_interval=args.health_probe_interval, health_probe_failures=args.health_probe_failures,
         credential_recheck_interval=args.credential_recheck_interval,
-        own_limits=tuple(limits_from_args(args, FIELDS).items()),
+        own_limits=tuple(own_limits(args).items()),
         ar_dns=tuple(args.ar_dns), denoiser_dns=tuple(args.denoiser_dns), dns_interval=args.dns_interval,
         client_tls=client_tls_from_args(args), api_keys=api_keys, admin_keys=admin_keys,
         worker_allow=tuple(args.worker_allow), max_workers=args.max_workers,
         worker_metadata=bearer_metadata(internal_token_from_args(args)))
+
+
+# The limits the gateway's receive limit derives from (services.runtime.limits.max_request_bytes): it admits no
+# more than it can receive, so a worker's value above the gateway's own (flag or default) does not raise them.
+RECEIVE_BOUND_FIELDS = ("max_prompt_chars", "max_reference_total_bytes")
+
+
+def own_limits(args: argparse.Namespace) -> dict[str, float]:
+    """The gateway's ``--max-*`` flags, with the fields bounding what it receives always set."""
+    own = limits_from_args(args, FIELDS)
+    for name in RECEIVE_BOUND_FIELDS:
+        own.setdefault(name, getattr(Limits, name))
+    return own
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
-import psutil
 import pytest
 
+from bench.receive_flood import AR_BATCH, DENOISE, FLOOD, GENERATE, bearer, flood
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
 from services.runtime.auth import ENV_INTERNAL_TOKEN, BearerAuthInterceptor, Role
@@ -24,61 +23,8 @@ from services.runtime.limits import Limits, max_request_bytes
 from services.runtime.server import start_server
 from tests.support.cluster import Cluster
 
-GENERATE = "/glmimage.v1.GatewayService/GenerateImages"
-AR_BATCH = "/glmimage.v1.ArService/GenerateBatch"
-DENOISE = "/glmimage.v1.DenoiserService/Denoise"
-# The reported repro: a field that claims 60 MiB of bytes, and 60 MiB of them.
-FLOOD = b"\x0a\x80\x80\x80\x1e" + b"a" * (60 << 20)
-CALLERS, ROUNDS = 12, 2
 # What the issue allows a server to hold above its idle figure under the flood.
 HEADROOM = 300 << 20
-
-
-def _bearer(secret: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {secret}"),)
-
-
-def _call(address: str, method: str, payload: bytes, metadata: tuple) -> grpc.StatusCode:
-    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)]) as channel:
-        try:
-            channel.unary_unary(method)(payload, metadata=metadata, timeout=120)
-        except grpc.RpcError as err:
-            return err.code()
-    return grpc.StatusCode.OK
-
-
-def flood(pid: int, address: str, method: str, payload: bytes = FLOOD, metadata: tuple = ()
-          ) -> tuple[int, set[grpc.StatusCode]]:
-    """Peak RSS above idle of process ``pid`` while CALLERS threads, each on its own connection, send ``payload``
-    to ``method`` ROUNDS times; and the codes they got."""
-    proc = psutil.Process(pid)
-    idle = proc.memory_info().rss
-    peak, done = idle, threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, proc.memory_info().rss)
-            done.wait(0.005)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    codes: set[grpc.StatusCode] = set()
-
-    def caller() -> None:
-        codes.add(_call(address, method, payload, metadata))
-
-    try:
-        for _ in range(ROUNDS):
-            callers = [threading.Thread(target=caller) for _ in range(CALLERS)]
-            for t in callers:
-                t.start()
-            for t in callers:
-                t.join()
-    finally:
-        done.set()
-        sampler.join()
-    return peak - idle, codes
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +80,7 @@ def test_a_flood_of_the_largest_admissible_messages_fits_the_budget(servers, nam
              "ar": max_request_bytes(limits, prompts=limits.max_batch_outputs),
              "denoiser": max_request_bytes(limits, tokens=True)}[name]
     payload = FLOOD[:5] + b"a" * (limit - 5)
-    metadata = _bearer(servers[credential]) if credential else ()
+    metadata = bearer(servers[credential]) if credential else ()
     grown, codes = flood(proc.pid, proc.address, method, payload, metadata)
     assert codes <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
     assert grpc.StatusCode.INVALID_ARGUMENT in codes  # read and refused as malformed, not merely turned away
@@ -176,7 +122,7 @@ async def test_malformed_bytes_without_a_key_are_unauthenticated() -> None:
                 await call(b"\xff\xff\xff")
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await call(b"\xff\xff\xff", metadata=_bearer("k" * 16))
+                await call(b"\xff\xff\xff", metadata=bearer("k" * 16))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "not a valid GetLimits request" in err.value.details()
     finally:
@@ -225,3 +171,16 @@ def test_each_role_receives_up_to_its_largest_legitimate_request() -> None:
     smaller = Limits(max_reference_total_bytes=1 << 20)
     assert max_request_bytes(smaller) < 2 << 20
     assert IntakePolicy(max_request_bytes(limits)).permits == 2  # 256 MiB over three copies of ~32 MiB
+
+
+def test_the_gateway_admits_no_more_than_it_can_receive() -> None:
+    """Workers that raised their reference bounds do not raise the gateway's: it could not receive such a request."""
+    from gateway.__main__ import config_from, parse_args
+    from services.runtime.limits import limits_in_force
+
+    own = dict(config_from(parse_args([])).own_limits)
+    raised = {"max_reference_total_bytes": 1 << 30, "max_prompt_chars": 100_000}
+    admitted = limits_in_force(own, [raised], [raised])
+    assert max_request_bytes(admitted) <= max_request_bytes(Limits(**own)) == max_request_bytes(Limits())
+    lowered = limits_in_force(own, [{"max_reference_total_bytes": 1 << 20}], [])
+    assert lowered.max_reference_total_bytes == 1 << 20  # a tighter worker still wins
