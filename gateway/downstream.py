@@ -18,7 +18,7 @@ import grpc
 from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.observe import Observer, Timing
-from gateway.timeouts import CostModel, DenoiseTimeouts, ar_work
+from gateway.timeouts import CostModel, DenoiseTimeouts, ar_seconds, ar_work
 from gateway.workers import CREDENTIAL_CODES, Worker, WorkerHealth, refusal
 from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2, gateway_service_pb2
 from services.runtime.errors import DENOISER_BUSY
@@ -219,7 +219,7 @@ class Downstream:
             return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id, message=failed.message,
                                      code=failed.kind, field=failed.field)
         now = time.monotonic()
-        self.ar_costs.observe(work, dict.fromkeys(work, now - started))
+        self.ar_costs.observe(work, ar_seconds(work, now - started, response.queue_seconds))
         self.observe.ar_done((timing for _, _, timing in members), started, now)
         # A short reply leaves some requests without outputs; the scheduler fails exactly those (INTERNAL).
         outputs = {rid: [ArOutput(o, tuple(r.references)) for o in r.outputs]

@@ -8,7 +8,9 @@ job. Instead a call's work is split into parts, each measured in the units its t
   declare); the denoiser reports the seconds of each part, so each rate is learned on its own;
 - an AR batch: ``text`` (megapixels of the batch's resolution) for a batch of prompts, or ``edit`` (the target's
   megapixels plus the references' declared megapixels) for an edit, which goes alone and whose references the AR
-  decodes and prefills: a kind of call with its own rate, since the AR reports only the batch's total.
+  decodes and prefills: a kind of call with its own rate, since the AR reports only the batch's total; and
+  ``queue`` (one per call), the time the call waited behind other callers' batches (other gateways' ones) before its
+  own began, which the AR reports: so the work's rate is learned without the wait, and the wait is allowed apart.
 
 The timeout allows ``margin`` times the estimate plus a floor for the RPC itself, never more than ``cap``. A part
 the call needs but no call has shown yet leaves the estimate unknown, and the cap applies: a cold first job of
@@ -29,7 +31,7 @@ MEGAPIXEL = 1_000_000
 
 # Parts of a call (see the module's docstring).
 STEPS, POST, REFERENCES = "steps", "post", "references"
-TEXT, EDIT = "text", "edit"
+TEXT, EDIT, QUEUE = "text", "edit", "queue"
 
 Work = Mapping[str, float]  # part -> units of it the call does
 
@@ -126,9 +128,15 @@ def denoise_work(steps: int, height: int, width: int, reference_pixels: int) -> 
 
 
 def ar_work(height: int, width: int, reference_pixels: int) -> dict[str, float]:
-    """An AR batch's part: a batch of prompts, or one edit with its references."""
+    """An AR batch's parts: a batch of prompts, or one edit with its references; and its wait for the model."""
     mp = megapixels(height, width)
-    return {EDIT: mp + reference_pixels / MEGAPIXEL} if reference_pixels else {TEXT: mp}
+    return {EDIT if reference_pixels else TEXT: mp + reference_pixels / MEGAPIXEL, QUEUE: 1.0}
+
+
+def ar_seconds(work: Work, total: float, queue: float) -> dict[str, float]:
+    """The parts' seconds of an AR batch that took ``total``, ``queue`` of it waiting for the model."""
+    queue = min(max(queue, 0.0), total)
+    return {part: queue if part == QUEUE else total - queue for part in work}
 
 
 class DenoiseTimeouts:

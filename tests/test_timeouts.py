@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.timeouts import CostModel, DenoiseTimeouts, TimeoutPolicy, ar_work, denoise_work
+from gateway.timeouts import CostModel, DenoiseTimeouts, TimeoutPolicy, ar_seconds, ar_work, denoise_work
 
 POLICY = TimeoutPolicy(margin=3.0, floor=5.0, cap=600.0, window=4)
 MP = 1000 * 1000
@@ -36,13 +36,13 @@ def test_the_first_edit_after_plain_jobs_gets_the_cap_then_its_references_are_pr
     t, ar = DenoiseTimeouts(POLICY), CostModel(POLICY)
     for _ in range(4):
         _denoised(t, size=64, denoise=0.05, post=0.01)
-        ar.observe(ar_work(64, 64, 0), {"text": 0.3})
+        ar.observe(ar_work(64, 64, 0), {"text": 0.3, "queue": 0.0})
     refs = 16 * 4096 * 4096
     assert t.timeout(t.work(10, 64, 64, refs)) == 600.0
     assert ar.timeout(ar_work(64, 64, refs)) == 600.0
     # The edit took 20 s to prepare its references (the denoiser reports it apart from the steps), 22 s in all.
     _denoised(t, size=64, reference_pixels=refs, denoise=20.05, prepare=20.0, post=0.01)
-    ar.observe(ar_work(64, 64, refs), {"edit": 8.0})
+    ar.observe(ar_work(64, 64, refs), {"edit": 8.0, "queue": 0.0})
     assert t.timeout(t.work(10, 64, 64, refs)) == pytest.approx(5 + 3 * (20.0 + 0.05 + 0.01), rel=1e-3)
     assert t.timeout(t.work(10, 64, 64, refs // 4)) == pytest.approx(5 + 3 * (5.0 + 0.05 + 0.01), rel=1e-3)
     assert ar.timeout(ar_work(64, 64, refs)) == pytest.approx(5 + 3 * 8.0)
@@ -63,12 +63,24 @@ def test_a_request_without_steps_uses_what_the_denoisers_run_by_default() -> Non
 def test_the_slowest_recent_call_counts_and_old_ones_age_out() -> None:
     t = CostModel(POLICY)
     work = ar_work(1000, 1000, 0)
-    t.observe(work, {"text": 10.0})
+    t.observe(work, ar_seconds(work, 10.0, 0.0))
     for _ in range(3):
-        t.observe(work, {"text": 1.0})
+        t.observe(work, ar_seconds(work, 1.0, 0.0))
     assert t.timeout(work) == pytest.approx(5 + 3 * 10.0)  # one slow worker in the pool is honoured
-    t.observe(work, {"text": 1.0})  # the window (4) has moved past it
+    t.observe(work, ar_seconds(work, 1.0, 0.0))  # the window (4) has moved past it
     assert t.timeout(work) == pytest.approx(5 + 3 * 1.0)
+
+
+def test_an_ar_call_s_wait_behind_other_batches_is_learned_apart_from_its_work() -> None:
+    """A call that waited 9 s of its 10 s behind other gateways' batches: its work took 1 s; the next call is allowed
+    the work's margin plus the recent wait's."""
+    t = CostModel(POLICY)
+    work = ar_work(1000, 1000, 0)
+    assert ar_seconds(work, 10.0, 9.0) == {"text": 1.0, "queue": 9.0}
+    assert ar_seconds(work, 1.0, 5.0) == {"text": 0.0, "queue": 1.0}  # a wait past the whole call is clipped
+    t.observe(work, ar_seconds(work, 10.0, 9.0))
+    assert t.estimate(work) == pytest.approx(10.0)
+    assert t.estimate({"text": 2.0, "queue": 1.0}) == pytest.approx(2.0 + 9.0)  # twice the work, one wait
 
 
 def test_an_overrun_on_a_healthy_worker_allows_such_work_more() -> None:

@@ -189,9 +189,7 @@ class CallMerger(Generic[R, T]):
         if call.claimed.done():  # merged into another call's batch: leave the admission queue
             self._drop(admitted)
         else:
-            waited = admitted.result()  # raises DeadlineExceeded / ResourceExhausted
-            if self._on_wait is not None:
-                self._on_wait(waited)
+            self._waited(call, admitted.result())  # raises DeadlineExceeded / ResourceExhausted
             call.batch = _Batch([call], RunControl(deadline=control.deadline))
             self.current = call.batch.control  # before any await: set as soon as the model is taken
             # It runs the batch for every call merged into it, not for this one alone.
@@ -203,6 +201,12 @@ class CallMerger(Generic[R, T]):
         except asyncio.CancelledError:
             self._leave(call)
             raise
+
+    def _waited(self, call: _Call, seconds: float) -> None:
+        """The call's wait for the model is over: its caller is told (queue_seconds), and the metrics."""
+        call.control.queue_seconds = seconds
+        if self._on_wait is not None:
+            self._on_wait(seconds)
 
     def _drop(self, admitted: asyncio.Future[float]) -> None:
         """Give up a call's own place in the admission queue, passing on the slot if it was already handed it."""
@@ -231,8 +235,7 @@ class CallMerger(Generic[R, T]):
             call.claimed.set_result(None)
             batch.calls.append(call)
             rows += call.rows
-            if self._on_wait is not None:
-                self._on_wait(time.perf_counter() - call.t0)
+            self._waited(call, time.perf_counter() - call.t0)
             deadlines = [c.control.deadline for c in batch.calls]
             batch.control.deadline = None if None in deadlines else max(deadlines)
         return rows

@@ -113,6 +113,7 @@ class RunControl:
     cancel: threading.Event = field(default_factory=threading.Event)
     stepped: threading.Event = field(default_factory=threading.Event)  # set after the first decoding step
     steps_done: int = 0
+    queue_seconds: float = 0.0  # the call waited this long for the model before its batch began
 
     def stop_error(self) -> ServiceError | None:
         if self.cancel.is_set():

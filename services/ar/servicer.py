@@ -93,7 +93,7 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         self._adopt_request_id(context, [request])
-        (result,) = await self._execute([request], context, single=True)
+        (result,) = await self._execute([request], context, RunControl(deadline=rpc_deadline(context)), single=True)
         log.debug("generated %d row(s) at %dx%d", len(result.outputs), result.height, result.width)
         return result_to_proto(result)
 
@@ -102,10 +102,12 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
 
     async def GenerateBatch(self, request, context: grpc.aio.ServicerContext):
         self._adopt_request_id(context, request.requests)
-        results = await self._execute(request.requests, context, single=False)
+        control = RunControl(deadline=rpc_deadline(context))
+        results = await self._execute(request.requests, context, control, single=False)
         log.debug("generated a batch of %d request(s), %d row(s)", len(results),
                  sum(len(r.outputs) for r in results))
-        return ar_service_pb2.GenerateBatchResponse(responses=[result_to_proto(r) for r in results])
+        return ar_service_pb2.GenerateBatchResponse(responses=[result_to_proto(r) for r in results],
+                                                    queue_seconds=control.queue_seconds)
 
     @staticmethod
     def _adopt_request_id(context: grpc.aio.ServicerContext, msgs: Sequence[ar_service_pb2.GenerateRequest]) -> None:
@@ -128,10 +130,9 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
         return reqs
 
     async def _execute(self, msgs: Sequence[ar_service_pb2.GenerateRequest], context: grpc.aio.ServicerContext,
-                       *, single: bool) -> list[ArResult]:
+                       control: RunControl, *, single: bool) -> list[ArResult]:
         """Validate, wait for the model (or leave the queue), run, and count the outcome of every request."""
         count = max(len(msgs), 1)
-        control = RunControl(deadline=rpc_deadline(context))
         try:
             reqs = self._validate(msgs, single)
             try:

@@ -72,7 +72,9 @@ class GenerateBatchRequest(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ...) -> None: ...
 
 class GenerateBatchResponse(_message.Message):
-    __slots__ = ("responses",)
+    __slots__ = ("responses", "queue_seconds")
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
-    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ...) -> None: ...
+    queue_seconds: float
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
