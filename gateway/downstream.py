@@ -19,8 +19,9 @@ from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.observe import Observer, Timing
 from gateway.timeouts import CostModel, DenoiseTimeouts, ar_seconds, ar_work
+from gateway.validation import Admitted
 from gateway.workers import CREDENTIAL_CODES, Worker, WorkerHealth, refusal
-from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2, gateway_service_pb2
+from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2
 from services.runtime.errors import DENOISER_BUSY
 from services.runtime.server import ERROR_DOMAIN, error_info, field_violation
 from services.runtime.status import kind_of, row_of
@@ -134,23 +135,23 @@ class ArOutput:
     references: Sequence[common_pb2.ReferenceTokens] = ()
 
 
-def ar_batch(action: sch.DispatchArBatch, rids: Sequence[str],
-             requests: Sequence[gateway_service_pb2.GenerateImagesRequest]) -> ar_service_pb2.GenerateBatchRequest:
+def ar_batch(action: sch.DispatchArBatch, rids: Sequence[str], admitted: Sequence[Admitted]
+             ) -> ar_service_pb2.GenerateBatchRequest:
     """The AR batch for the requests ``rids`` (in that order), at the batch's rounded-up size."""
     return ar_service_pb2.GenerateBatchRequest(requests=[ar_service_pb2.GenerateRequest(
-        prompt=p.prompt, n=p.n, height=action.height, width=action.width,
-        seed=p.seed if p.HasField("seed") else None, sampling=p.sampling, request_id=rid,
-        reference_images=p.reference_images)
-        for rid, p in zip(rids, requests, strict=True)])
+        prompt=a.request.prompt, n=a.n, height=action.height, width=action.width,
+        seed=a.request.seed if a.request.HasField("seed") else None, sampling=a.request.sampling, request_id=rid,
+        reference_images=a.request.reference_images)
+        for rid, a in zip(rids, admitted, strict=True)])
 
 
-def denoise_request(action: sch.DispatchDenoise, p: gateway_service_pb2.GenerateImagesRequest, height: int,
-                    width: int, owner: str = "") -> denoiser_service_pb2.DenoiseRequest:
-    """One output's denoise job, at the size the client asked for."""
+def denoise_request(action: sch.DispatchDenoise, admitted: Admitted, owner: str = ""
+                    ) -> denoiser_service_pb2.DenoiseRequest:
+    """One output's job, at the size the client asked for."""
     out: ArOutput = action.ar_output  # type: ignore[assignment]
-    prior = out.prior
+    prior, p = out.prior, admitted.request
     return denoiser_service_pb2.DenoiseRequest(
-        prompt=p.prompt, prior_tokens=prior.tokens, height=height, width=width,
+        prompt=p.prompt, prior_tokens=prior.tokens, height=admitted.height, width=admitted.width,
         num_inference_steps=p.num_inference_steps,
         guidance_scale=p.guidance_scale if p.HasField("guidance_scale") else None,
         seed=prior.seed, output_format=p.output_format,
@@ -192,18 +193,16 @@ class Downstream:
         return failed
 
     async def ar_batch(self, worker: Worker | None, action: sch.DispatchArBatch,
-                       members: Sequence[tuple[str, gateway_service_pb2.GenerateImagesRequest, Timing]],
-                       reference_pixels: int = 0) -> sch.Event:
-        """Run the batch for ``members`` (request id, request, its timing), the requests still waiting for it;
-        ``reference_pixels``: what their reference images declare, in all."""
+                       members: Sequence[tuple[str, Admitted, Timing]]) -> sch.Event:
+        """Run the batch for ``members`` (request id, request, its timing), the requests still waiting for it."""
         if worker is None:
             return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id,
                                      message="the AR server went away")
         if not members:  # nobody is waiting for this batch any more: do not make the AR run it
             return sch.ArBatchSucceeded(now=time.monotonic(), batch_id=action.batch_id, outputs={})
         rids = [rid for rid, _, _ in members]
-        batch = ar_batch(action, rids, [request for _, request, _ in members])
-        work = ar_work(action.height, action.width, reference_pixels)
+        batch = ar_batch(action, rids, [admitted for _, admitted, _ in members])
+        work = ar_work(action.height, action.width, sum(a.reference_pixels for _, a, _ in members))
         timeout = self.ar_costs.timeout(work)
         started = time.monotonic()
         try:
@@ -226,13 +225,12 @@ class Downstream:
                    for rid, r in zip(rids, response.responses, strict=False)}
         return sch.ArBatchSucceeded(now=now, batch_id=action.batch_id, outputs=outputs)
 
-    async def denoise(self, worker: Worker, action: sch.DispatchDenoise,
-                      request: gateway_service_pb2.GenerateImagesRequest, height: int, width: int,
-                      stream: StreamOptions | None, reference_pixels: int = 0) -> sch.Event:
-        """Run one output's job, unary or (``stream`` given) streamed with its events relayed;
-        ``reference_pixels``: what the request's reference images declare, in all."""
+    async def denoise(self, worker: Worker, action: sch.DispatchDenoise, admitted: Admitted,
+                      stream: StreamOptions | None) -> sch.Event:
+        """Run one output's job, unary or (``stream`` given) streamed with its events relayed."""
         job = action.job
-        job_request = denoise_request(action, request, height, width, self.instance_id)
+        height, width, reference_pixels = admitted.height, admitted.width, admitted.reference_pixels
+        job_request = denoise_request(action, admitted, self.instance_id)
         metadata = (("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"), *self.metadata)
         timeouts = self.denoise_timeouts
         work = timeouts.work(job_request.num_inference_steps, height, width, reference_pixels)

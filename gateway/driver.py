@@ -26,8 +26,9 @@ from gateway.downstream import Downstream, StreamOptions
 from gateway.membership import DnsMembership
 from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer, Timing
+from gateway.validation import Admitted
 from gateway.workers import Worker, WorkerHealth
-from glmimage.v1 import ar_service_pb2, denoiser_service_pb2, gateway_service_pb2
+from glmimage.v1 import ar_service_pb2, denoiser_service_pb2
 from services.runtime.limits import Limits, limits_in_force, round_up
 from services.runtime.logs import spawn, without_request_id
 
@@ -51,14 +52,10 @@ class Outcome:
 
 @dataclass
 class _Pending:
-    request: gateway_service_pb2.GenerateImagesRequest
-    height: int
-    width: int
-    n: int
+    admitted: Admitted
     future: asyncio.Future[Outcome]
     stream: StreamOptions | None
     timing: Timing
-    reference_pixels: int = 0  # what its reference images declare, in all: work its calls' timeouts allow for
     expired: bool = False  # cancelled because its deadline passed: it ends as a deadline, not as cancelled
     caller: int | None = None  # which configured key made it (an index; None: none), for GetStatus
 
@@ -183,18 +180,15 @@ class Driver:
 
     # ---- requests --------------------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, request: gateway_service_pb2.GenerateImagesRequest,
-                       height: int, width: int, n: int, timeout: float,
+    async def generate(self, request_id: str, admitted: Admitted, timeout: float,
                        stream: StreamOptions | None = None, expired: Callable[[], bool] | None = None,
-                       reference_pixels: int = 0, caller: int | None = None) -> Outcome:
-        """Admit a request and wait for it. Cancelling the awaiting task cancels the request downstream; when
+                       caller: int | None = None) -> Outcome:
+        """Run an admitted request and wait for it. Cancelling the awaiting task cancels the request downstream; when
         ``expired()`` says the cancel came from the caller's deadline, the request ends as a deadline. ``caller``:
         which configured key made it (GetStatus shows a caller its own requests only)."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        request.n = n  # admission's n (0 meant 1): every downstream request reads it from here
-        pending = _Pending(request=request, height=height, width=width, n=n, future=loop.create_future(),
-                           stream=stream, timing=Timing(arrived=now), reference_pixels=reference_pixels,
+        pending = _Pending(admitted=admitted, future=loop.create_future(), stream=stream, timing=Timing(arrived=now),
                            caller=caller)
         # The id comes from the client's x-request-id and may repeat; the scheduler needs it unique.
         original = request_id
@@ -202,9 +196,8 @@ class Driver:
             request_id = f"{original}.{next(self._duplicates)}"
         self._pending[request_id] = pending
         # Both stages round sizes up to multiples of 32, so requests that differ below that share AR batches.
-        self._feed(sch.RequestArrived(now=now, request_id=request_id, n=n, height=round_up(height),
-                                      width=round_up(width), deadline=now + timeout,
-                                      solo=bool(request.reference_images)))
+        self._feed(sch.RequestArrived(now=now, request_id=request_id, n=admitted.n, height=round_up(admitted.height),
+                                      width=round_up(admitted.width), deadline=now + timeout, solo=admitted.edit))
         try:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
@@ -306,7 +299,7 @@ class Driver:
     def _perform(self, action: sch.Action) -> None:
         match action:
             case sch.DispatchArBatch():
-                self.observe.ar_dispatched((p.timing, p.n) for rid in action.request_ids
+                self.observe.ar_dispatched((p.timing, p.admitted.n) for rid in action.request_ids
                                            if (p := self._pending.get(rid)) is not None)
                 # For several requests: it logs their ids itself.
                 task = spawn(self._run_ar_batch(action), name=f"ar-batch:{action.batch_id}")
@@ -355,10 +348,8 @@ class Driver:
 
     async def _run_ar_batch(self, action: sch.DispatchArBatch) -> sch.Event:
         # A request cancelled since dispatch is left out; the scheduler drops it when the batch returns anyway.
-        waiting = [(rid, p) for rid in action.request_ids if (p := self._pending.get(rid))]
-        return await self.downstream.ar_batch(self._workers.get(action.worker), action,
-                                              [(rid, p.request, p.timing) for rid, p in waiting],
-                                              sum(p.reference_pixels for _, p in waiting))
+        members = [(rid, p.admitted, p.timing) for rid in action.request_ids if (p := self._pending.get(rid))]
+        return await self.downstream.ar_batch(self._workers.get(action.worker), action, members)
 
     def _ar_task_done(self, action: sch.DispatchArBatch, task: asyncio.Task) -> None:
         if self._ar_calls.get(action.batch_id) is task:
@@ -381,8 +372,7 @@ class Driver:
         if pending is None or worker is None:  # ended between dispatch and now: hand the slot straight back
             return sch.DenoiseFailed(now=time.monotonic(), job=action.job, worker=action.worker,
                                      message="request already finished", retryable=False)
-        return await self.downstream.denoise(worker, action, pending.request, pending.height, pending.width,
-                                             pending.stream, pending.reference_pixels)
+        return await self.downstream.denoise(worker, action, pending.admitted, pending.stream)
 
     def _denoise_task_done(self, action: sch.DispatchDenoise, task: asyncio.Task) -> None:
         # The scheduler keeps the worker's slot until it hears how the call ended, so every end reports.

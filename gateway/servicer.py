@@ -16,7 +16,7 @@ from gateway.auth import ADMIN, gateway_interceptor
 from gateway.config import GatewayConfig
 from gateway.driver import Driver, Outcome, RequestFailed, StreamOptions
 from gateway.membership import WorkerAddress, allowed, parse_worker_address, split_host_port
-from gateway.validation import Checked, check_generate, check_partial_images
+from gateway.validation import Admitted, check_generate, check_partial_images
 from glmimage.v1 import common_pb2, denoiser_service_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.errors import InvalidArgument, error_for
 from services.runtime.limits import Limits
@@ -93,7 +93,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         DEADLINE_SLACK_S of the deadline is the deadline."""
         return lambda: (remaining := context.time_remaining()) is not None and remaining <= DEADLINE_SLACK_S
 
-    def _response(self, outcome: Outcome, height: int, width: int) -> gateway_service_pb2.GenerateImagesResponse:
+    def _response(self, outcome: Outcome, admitted: Admitted) -> gateway_service_pb2.GenerateImagesResponse:
+        height, width = admitted.height, admitted.width
         images = [gateway_service_pb2.GeneratedImage(index=i, image=img.image, seed=prior.seed, usage=prior.usage)
                   for i, (img, prior) in enumerate(zip(outcome.images, outcome.priors, strict=True))]
         log.info("completed %d image(s) at %dx%d", len(images), width, height)
@@ -107,25 +108,21 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         return self._auth.caller(context.invocation_metadata()).key
 
     async def GenerateImages(self, request, context: grpc.aio.ServicerContext):
-        checked = self._check(request, self.driver.limits())
-        n, height, width = checked.n, checked.height, checked.width
+        admitted = self._check(request, self.driver.limits())
         try:
-            outcome = await self.driver.generate(request_id_var.get(), request, height, width, n,
-                                                 self._timeout(context), expired=self._expired(context),
-                                                 reference_pixels=checked.reference_pixels,
-                                                 caller=self._caller(context))
+            outcome = await self.driver.generate(request_id_var.get(), admitted, self._timeout(context),
+                                                 expired=self._expired(context), caller=self._caller(context))
         except RequestFailed as exc:
             raise error_for(exc.code, exc.message, exc.field) from None
         except asyncio.CancelledError:
             log.info("client went away; request cancelled downstream")
             raise
-        return self._response(outcome, height, width)
+        return self._response(outcome, admitted)
 
     async def GenerateImagesStream(self, request, context: grpc.aio.ServicerContext
                                    ) -> AsyncIterator[gateway_service_pb2.GenerateImagesStreamResponse]:
         limits = self.driver.limits()
-        checked = self._check(request.request, limits)
-        n, height, width = checked.n, checked.height, checked.width
+        admitted = self._check(request.request, limits)
         check_partial_images(request.partial_images, limits)
         done = object()
         events: asyncio.Queue[gateway_service_pb2.GenerateImagesStreamResponse | object] = asyncio.Queue()
@@ -153,9 +150,9 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
                     image_index=index, partial_image_index=partial.partial_image_index, image=partial.image)))
 
         task = asyncio.ensure_future(self.driver.generate(
-            request_id_var.get(), request.request, height, width, n, self._timeout(context),
+            request_id_var.get(), admitted, self._timeout(context),
             stream=StreamOptions(partial_images=request.partial_images, relay=relay), expired=self._expired(context),
-            reference_pixels=checked.reference_pixels, caller=self._caller(context)))
+            caller=self._caller(context)))
         task.add_done_callback(lambda _: events.put_nowait(done))
         # A client that goes away while this generator is parked at a yield does not cancel the generator's
         # frame, so the call's own end cancels the request too.
@@ -171,9 +168,9 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             raise
         finally:
             task.cancel()  # a no-op once done
-        yield gateway_service_pb2.GenerateImagesStreamResponse(completed=self._response(outcome, height, width))
+        yield gateway_service_pb2.GenerateImagesStreamResponse(completed=self._response(outcome, admitted))
 
-    def _check(self, request: gateway_service_pb2.GenerateImagesRequest, limits: Limits) -> Checked:
+    def _check(self, request: gateway_service_pb2.GenerateImagesRequest, limits: Limits) -> Admitted:
         return check_generate(request, limits, default_height=self.config.default_height,
                               default_width=self.config.default_width)
 

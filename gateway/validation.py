@@ -25,20 +25,28 @@ from services.runtime.limits import (
     model_size,
 )
 
-__all__ = ["Checked", "check_generate", "check_partial_images"]
+__all__ = ["Admitted", "check_generate", "check_partial_images"]
 
 
 @dataclass(frozen=True)
-class Checked:
+class Admitted:
+    """A request the gateway admitted, checked once: what every later step reads. The proto is kept as the client
+    sent it (never written to); the values admission settled (n for 0, the default size) are fields here."""
+
+    request: gateway_service_pb2.GenerateImagesRequest
     n: int
     height: int  # as asked (the workers round up to multiples of 32 and crop back)
     width: int
     reference_pixels: int = 0  # what the reference images' headers declare, in all
 
+    @property
+    def edit(self) -> bool:
+        return bool(self.request.reference_images)
+
 
 def check_generate(r: gateway_service_pb2.GenerateImagesRequest, limits: Limits, *, default_height: int,
-                   default_width: int) -> Checked:
-    """The request's n and size, or InvalidArgument naming the first field past ``limits``."""
+                   default_width: int) -> Admitted:
+    """The request admitted, or InvalidArgument naming the first field past ``limits``."""
     check_prompt(r.prompt, limits)
     n = check_n(r.n, limits)
     if (r.height == 0) != (r.width == 0):
@@ -61,4 +69,4 @@ def check_generate(r: gateway_service_pb2.GenerateImagesRequest, limits: Limits,
     if r.reference_images:  # an edit: count, bytes and each header's format and pixels, before anything decodes
         sizes = check_reference_images([image.data for image in r.reference_images], limits)
         reference_pixels = sum(w * h for w, h in sizes)
-    return Checked(n=n, height=height, width=width, reference_pixels=reference_pixels)
+    return Admitted(r, n=n, height=height, width=width, reference_pixels=reference_pixels)

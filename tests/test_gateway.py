@@ -176,10 +176,10 @@ async def test_an_exception_in_a_denoise_task_fails_its_request_and_frees_the_de
     async with running_gateway(ar_server, (denoiser_server,), SchedulerConfig(ar_batch_delay=0.0)) as (stub, driver):
         build = downstream.denoise_request
 
-        def explode(action, request, *rest):
-            if request.prompt == "boom":
+        def explode(action, admitted, *rest):
+            if admitted.request.prompt == "boom":
                 raise RuntimeError("boom")
-            return build(action, request, *rest)
+            return build(action, admitted, *rest)
 
         monkeypatch.setattr(downstream, "denoise_request", explode)
         with pytest.raises(grpc.aio.AioRpcError) as err:

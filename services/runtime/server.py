@@ -174,9 +174,9 @@ class InflightWork:
         finally:
             # Also when the call itself is cancelled (its client left): the part must not outlive it.
             stop.cancel()
-            if part is not None and not part.done():
-                part.cancel()
-                await asyncio.gather(part, return_exceptions=True)
+            if part is not None:
+                part.cancel()  # nothing if it is done already
+                await asyncio.gather(part, return_exceptions=True)  # its end, whatever it was, is seen
             self.streams -= 1
             if self.streams == 0:
                 self._no_streams.set()
