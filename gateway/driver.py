@@ -336,7 +336,8 @@ class Driver:
                 self.observe.failed(kind)
                 if pending and not pending.future.done():
                     pending.future.set_exception(RequestFailed(kind, action.message, action.field))
-                log.info("request %s failed: %s: %s", action.request_id, kind.name, action.message)
+                note = f" ({action.operator_note})" if action.operator_note else ""
+                log.info("request %s failed: %s: %s%s", action.request_id, kind.name, action.message, note)
             case _:
                 raise TypeError(f"unknown scheduler action {action!r}")
 

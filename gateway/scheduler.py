@@ -427,6 +427,7 @@ class Scheduler:
         rid = ev.request_id
         queued = self._pending_ar_outputs + len(self._denoise_q)  # queued_outputs(), on the hot path
         reject: tuple[ErrorKind, str] | None = None
+        note = ""
         if not isinstance(ev.n, int) or ev.n < 1:
             reject = (ErrorKind.INVALID_ARGUMENT, f"n must be >= 1, got {ev.n!r}")
         elif ev.height <= 0 or ev.width <= 0:
@@ -435,25 +436,23 @@ class Scheduler:
             reject = (ErrorKind.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
         elif ev.n > cfg.max_queued_outputs:
             # Could never be admitted: INVALID_ARGUMENT, not RESOURCE_EXHAUSTED, so clients do not retry it.
-            reject = (
-                ErrorKind.INVALID_ARGUMENT,
-                f"n={ev.n} exceeds the gateway limit --max-queued-outputs={cfg.max_queued_outputs}",
-            )
+            reject = (ErrorKind.INVALID_ARGUMENT,
+                      f"n={ev.n} is more images than this server queues at once; ask for at most "
+                      f"{cfg.max_queued_outputs}")
+            note = f"--max-queued-outputs={cfg.max_queued_outputs}"
         elif cfg.fail_fast_without_workers and not self._any_ready(_AR):
             reject = (ErrorKind.UNAVAILABLE, self._none_ready(_AR, None))
         elif cfg.fail_fast_without_workers and not self._any_ready(_DENOISER):
             reject = (ErrorKind.UNAVAILABLE, self._none_ready(_DENOISER, None))
         elif queued + ev.n > cfg.max_queued_outputs:
-            reject = (
-                ErrorKind.RESOURCE_EXHAUSTED,
-                (
-                    f"the queues are full ({queued} queued outputs + n={ev.n} "
-                    f"> --max-queued-outputs={cfg.max_queued_outputs}); retry later"
-                ),
-            )
+            # The client's terms (retry later, or fewer images); the operator's flag goes to the gateway log.
+            reject = (ErrorKind.RESOURCE_EXHAUSTED,
+                      f"the server is busy ({queued} images queued; {ev.n} more would pass what it queues); "
+                      "retry later, or ask for fewer images")
+            note = f"{queued} queued outputs + n={ev.n} > --max-queued-outputs={cfg.max_queued_outputs}"
         if reject is not None:
             self.counters.rejected += 1
-            actions.append(FailRequest(rid, *reject))
+            actions.append(FailRequest(rid, *reject, operator_note=note))
             return
 
         base = self._attempt_floor.pop(rid, 0)

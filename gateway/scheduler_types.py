@@ -318,6 +318,8 @@ class FailRequest:
     message: str
     # For INVALID_ARGUMENT relayed from a worker: the request field at fault (the message names it too).
     field: str | None = None
+    # For the gateway's log only (the server setting behind a refusal); ``message`` is what the client reads.
+    operator_note: str = ""
 
 
 Action = DispatchArBatch | CancelArBatch | DispatchDenoise | CancelDenoise | CompleteRequest | FailRequest

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import logging
 
 import grpc
 import pytest
@@ -257,12 +258,17 @@ async def test_clients_reusing_a_request_id_both_get_their_images(gateway) -> No
     assert a.images[0].seed == 1 and b.images[0].seed == 2
 
 
-async def test_queue_bound_refuses_with_resource_exhausted(gateway) -> None:
+async def test_queue_bound_refuses_with_resource_exhausted(gateway, caplog: pytest.LogCaptureFixture) -> None:
     stub, _, _ = gateway
+    caplog.set_level(logging.INFO, logger="gateway.driver")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await asyncio.gather(*(stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, n=5, height=64, width=64))
                                for _ in range(3)))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # The client reads what it can do; the server flag behind the refusal is in the gateway's log only.
+    assert "retry later" in err.value.details() and "--" not in err.value.details()
+    assert any("RESOURCE_EXHAUSTED" in r.getMessage() and "--max-queued-outputs=" in r.getMessage()
+               for r in caplog.records)
 
 
 async def test_client_cancel_frees_the_denoisers(gateway) -> None:

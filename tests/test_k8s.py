@@ -631,6 +631,23 @@ def _expand(args: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
 
 
+def test_rest_front_slow_client_values_reach_its_flags(default_docs: list[dict]) -> None:
+    """config.rest's deadlines and connection bound become the REST front's own flags; the chart's defaults are
+    the front's."""
+    from gateway.rest.__main__ import guards_from_args, parse_args
+    from gateway.rest.connections import ConnectionGuards
+
+    def guards(docs: list[dict]) -> ConnectionGuards:
+        env = by_kind(docs, "ConfigMap")[f"{RELEASE}-glmimage-config"]["data"]
+        return guards_from_args(parse_args(_expand(container(docs, "gateway", "rest")["args"], env)))
+
+    assert guards(default_docs) == ConnectionGuards()
+    given = {"headerTimeout": 7, "bodyTimeout": 45, "bodyMinRate": 4096, "keepAliveTimeout": 75,
+             "maxConnections": 300}
+    assert guards(render({"config": {"rest": given}})) == ConnectionGuards(
+        header_timeout=7, body_timeout=45, body_min_rate=4096, keep_alive_timeout=75, max_connections=300)
+
+
 @pytest.mark.parametrize("values_name", ["default", "tls"])
 def test_rendered_args_are_accepted_by_the_servers(values_name: str, request) -> None:
     """Every flag the chart passes exists: each container's args go through that server's own argument parser."""

@@ -151,7 +151,9 @@ def test_admission_bound_counts_output_slots() -> None:
     (rej,) = arrive(s, "b", 2)
     assert isinstance(rej, FailRequest) and rej.request_id == "b"
     assert rej.code is ErrorKind.RESOURCE_EXHAUSTED
-    assert "--max-queued-outputs" in rej.message
+    # The client reads what it can do, in its own terms; the server flag is for the gateway's log.
+    assert "retry later" in rej.message and "--" not in rej.message and "max-queued" not in rej.message
+    assert rej.operator_note == "3 queued outputs + n=2 > --max-queued-outputs=4"
     assert arrive(s, "c", 1) == []  # exactly at the bound is fine
     assert s.snapshot().pending_ar_outputs == 4
     assert s.counters.admitted == 2 and s.counters.rejected == 1
@@ -186,7 +188,8 @@ def test_invalid_arguments_rejected(n: int, h: int, w: int) -> None:
 def test_n_that_can_never_fit_the_queue_is_invalid_not_exhausted() -> None:
     s = make(max_queued_outputs=4)
     (rej,) = arrive(s, "x", 5)
-    assert rej.code is ErrorKind.INVALID_ARGUMENT and "--max-queued-outputs" in rej.message
+    assert rej.code is ErrorKind.INVALID_ARGUMENT and "at most 4" in rej.message and "--" not in rej.message
+    assert rej.operator_note == "--max-queued-outputs=4"
 
 
 def test_duplicate_active_id_rejected_and_original_unaffected() -> None:

@@ -16,9 +16,11 @@ import uvicorn
 from glmimage.sizes import size_arg
 
 from .app import create_app
+from .connections import GUARD_HELP, ConnectionGuards, protocol_class
 from .settings import GATEWAY_AUTH_MODES, RestSettings
 
 _DEFAULTS = RestSettings()
+_GUARDS = ConnectionGuards()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -65,12 +67,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      help="PEM private key of --gateway-tls-client-cert")
     tls.add_argument("--gateway-tls-server-name", default=None,
                      help="name the gateway's certificate must carry, when it differs from the dialled host")
+    slow = p.add_argument_group("client connections", "deadlines for slow clients, and the bound on connections")
+    for name, text in GUARD_HELP.items():
+        default = getattr(_GUARDS, name)
+        slow.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
+                          help=f"{text} (default {default:g})")
     p.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     if (args.gateway_tls_client_cert is None) != (args.gateway_tls_client_key is None):
         p.error("--gateway-tls-client-cert and --gateway-tls-client-key go together")
-    try:  # the flag combinations RestSettings refuses, reported as usage errors at start-up
+    try:  # the flag values RestSettings and ConnectionGuards refuse, reported as usage errors at start-up
         settings_from_args(args)
+        guards_from_args(args)
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -102,6 +110,10 @@ def settings_from_args(args: argparse.Namespace) -> RestSettings:
     )
 
 
+def guards_from_args(args: argparse.Namespace) -> ConnectionGuards:
+    return ConnectionGuards(**{name: getattr(args, name) for name in GUARD_HELP})
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket created with an explicit IPPROTO_TCP.
 
@@ -123,7 +135,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Server(uvicorn.Server):
+class RestServer(uvicorn.Server):
     """uvicorn's server, except that SIGTERM and SIGINT end the process with exit code 0 after the graceful
     shutdown (in-flight requests finish, the gateway channel closes), like every other server of the suite.
 
@@ -141,15 +153,23 @@ class _Server(uvicorn.Server):
         yield  # the handlers are in place already, and nothing is re-raised afterwards
 
 
+def build_server(args: argparse.Namespace) -> RestServer:
+    """The front's server as main() runs it, not yet listening: serve(sockets=[listen_socket(...)]) starts it."""
+    guards = guards_from_args(args)
+    # The stdlib loop: uvloop measured no faster here (the time goes to FastAPI and the gRPC client). No
+    # websockets: the API has none, and an upgraded connection would leave the slow-client guards behind.
+    config = uvicorn.Config(create_app(settings_from_args(args)), log_level=args.log_level, lifespan="on",
+                            loop="asyncio", http=protocol_class(guards), ws="none",
+                            timeout_keep_alive=guards.keep_alive_timeout)  # type: ignore[arg-type]
+    return RestServer(config)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(settings_from_args(args))
-    # The stdlib loop: uvloop measured no faster here (the time goes to FastAPI and the gRPC client).
-    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", loop="asyncio")
-    server = _Server(config)
+    server = build_server(args)
     server.install_handlers()
     # Bind here rather than in uvicorn so that --port 0 can report the port it got.
     sock = listen_socket(args.host, args.port)

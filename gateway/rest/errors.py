@@ -40,11 +40,13 @@ class APIError(Exception):
         self.code = code
         self.headers = dict(headers or {})
 
-    def response(self) -> JSONResponse:
+    def body(self) -> dict[str, Any]:
         # Messages may quote client input; lone surrogates would break the UTF-8 encoder.
         message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
-        body = {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_response(status: int, message: str, **fields: Any) -> JSONResponse:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.runtime.auth import bearer_token, key_hits
@@ -131,6 +132,9 @@ class FrontMiddleware:
                 await resp(scope, receive, send_wrapper)
             else:
                 await self.app(scope, _bounded(receive, body_limit), send_wrapper)
+        except ClientDisconnect:  # it left (or was timed out, connections.py) before its body was read: no answer
+            log.info("%s the client went away before its request body was read", rid)
+            scope["state"].setdefault(OUTCOME_STATUS_KEY, 499)
         except Exception:
             log.exception("%s unhandled error on %s %s", rid, scope.get("method"), scope.get("path"))
             if not started:

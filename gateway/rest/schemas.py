@@ -6,14 +6,42 @@ route, and the limits in force (gateway/rest/limits.py) after translation, by th
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
+from google.protobuf.descriptor import FieldDescriptor
 from pydantic import BaseModel, ConfigDict, Field
+
+from glmimage.v1 import gateway_service_pb2
 
 Quality = Literal["low", "medium", "high", "auto", "standard", "hd"]
 OutputFormat = Literal["png", "jpeg", "webp"]
 
-UINT32_MAX = 2**32 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+# What each protobuf scalar type can hold: a REST number outside it could not even be put in the request message.
+_WIRE_RANGES: dict[int, tuple[float, float]] = {
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1), FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1), FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_FLOAT: (-FLOAT32_MAX, FLOAT32_MAX),
+}
+_REQUEST = gateway_service_pb2.GenerateImagesRequest.DESCRIPTOR.fields_by_name
+# The proto field each numeric REST field is sent as (partial_images: on the stream request).
+WIRE_FIELDS: dict[str, FieldDescriptor] = {
+    **{name: _REQUEST[name] for name in ("n", "output_compression", "num_inference_steps", "guidance_scale", "seed")},
+    "partial_images": gateway_service_pb2.GenerateImagesStreamRequest.DESCRIPTOR.fields_by_name["partial_images"],
+}
+
+
+def wire_range(name: str) -> tuple[float, float]:
+    """The values the proto field behind REST field ``name`` can carry."""
+    return _WIRE_RANGES[WIRE_FIELDS[name].type]
+
+
+def _number(name: str, description: str, *, ge: float | None = None, le: float | None = None) -> Any:
+    """An optional numeric field bounded by its proto field's type, and by ``ge``/``le`` where tighter: a value the
+    message cannot carry is a 400 naming the field, like any other bad value, never a failure building it."""
+    low, high = wire_range(name)
+    return Field(None, ge=low if ge is None else max(low, ge), le=high if le is None else min(high, le),
+                 description=description)
 
 
 class ImageGenerationRequest(BaseModel):
@@ -25,12 +53,12 @@ class ImageGenerationRequest(BaseModel):
 
     # The bounds that depend on the servers' limits (prompt length, n, steps, guidance, partial images, pixels) are
     # the ones in force, from the gateway's GetLimits: gateway/rest/limits.py checks them and adds them to
-    # /openapi.json. Only fixed ranges are stated here.
+    # /openapi.json. Only fixed ranges are stated here, and every number's proto type (_number).
     prompt: str = Field(description="Text description of the desired image(s). Must not be empty.")
     model: str | None = Field(
         None, description="Served model name or one of its aliases (e.g. `gpt-image-1`). Defaults to it."
     )
-    n: int | None = Field(None, ge=1, description="Number of images to generate (1 to 10 by default).")
+    n: int | None = _number("n", "Number of images to generate (1 to 10 by default).", ge=1)
     size: str | None = Field(
         None,
         description="`WIDTHxHEIGHT` in pixels, or `auto` for the server default. "
@@ -47,10 +75,9 @@ class ImageGenerationRequest(BaseModel):
     output_format: OutputFormat | None = Field(
         None, description="Image encoding: png (default), jpeg or webp."
     )
-    output_compression: int | None = Field(
-        None, ge=0, le=100, description="0-100, as in OpenAI: 100 is the least compressed. JPEG/WebP quality; for "
-        "lossless PNG the zlib level (0 -> 9, 100 -> 0). Unset: quality 90, or the server's PNG level."
-    )
+    output_compression: int | None = _number(
+        "output_compression", "0-100, as in OpenAI: 100 is the least compressed. JPEG/WebP quality; for "
+        "lossless PNG the zlib level (0 -> 9, 100 -> 0). Unset: quality 90, or the server's PNG level.", le=100)
     background: Literal["auto", "opaque", "transparent"] | None = Field(
         None, description="`auto` or `opaque`; transparent backgrounds are not supported."
     )
@@ -60,22 +87,15 @@ class ImageGenerationRequest(BaseModel):
         description="`true`: answer with server-sent events, `image_generation.partial_image` events then one "
         "`image_generation.completed` event per image (with that image's usage), instead of one JSON body.",
     )
-    partial_images: int | None = Field(
-        None, ge=0, description="With `stream`: previews per image, 0 to 3. Ignored without `stream`."
-    )
+    partial_images: int | None = _number(
+        "partial_images", "With `stream`: previews per image, 0 to 3. Ignored without `stream`.")
     # GLM-Image extensions.
-    seed: int | None = Field(
-        None, ge=0, le=UINT32_MAX, description="Extension: base seed; image i uses seed + i."
-    )
-    num_inference_steps: int | None = Field(
-        None,
-        ge=0,
-        description="Extension: denoising steps; overrides `quality`. 0 means the denoiser's default "
-        "step count (what `quality: auto` gives), whatever `quality` says.",
-    )
-    guidance_scale: float | None = Field(
-        None, ge=0.0, description="Extension: classifier-free guidance scale, from 0."
-    )
+    seed: int | None = _number("seed", "Extension: base seed; image i uses seed + i.")
+    num_inference_steps: int | None = _number(
+        "num_inference_steps", "Extension: denoising steps; overrides `quality`. 0 means the denoiser's default "
+        "step count (what `quality: auto` gives), whatever `quality` says.")
+    guidance_scale: float | None = _number(
+        "guidance_scale", "Extension: classifier-free guidance scale, from 0.", ge=0.0)
 
 
 class ImageEditRequest(ImageGenerationRequest):
