@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {key: summary(key) for key in ("rest_s", "sdk_s", "warm_rest_s", "warm_sdk_s")}
     write_result("reconnect", {
         "setup": {"restarts": args.restarts, "outage_s": args.outage, "poll_s": 0.05,
-                  "processes": "AR, 2 denoisers, gateway, REST front (tiny model, 1 torch thread each)",
+                  "processes": "AR, 2 denoisers, gateway, REST front; tiny model, 1 torch thread each",
                   "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
         "runs": runs, "seconds_after_serving": result,
     }, command=" ".join(["python -m bench.reconnect", *(sys.argv[1:] if argv is None else argv)]))
