@@ -284,6 +284,23 @@ def e2e(d: dict) -> str:
             "the stack is well ahead.\n")
 
 
+def reconnect(d: dict) -> str:
+    s, r = d["setup"], d["seconds_after_serving"]
+    rows = [f"| {label} | **{_f(r[key]['median'])} s** ({_f(r[key]['min'])}-{_f(r[key]['max'])}) | "
+            f"{_f(r['warm_' + key]['median'])} s ({_f(r['warm_' + key]['min'])}-{_f(r['warm_' + key]['max'])}) |"
+            for label, key in (("REST front", "rest_s"), ("SDK, no retries", "sdk_s"))]
+    return ("## Back after a gateway restart\n\n" + _header(d) +
+            f"\nReal processes ({s['processes']}). The gateway is SIGKILLed, stays down {s['outage_s']} s (gRPC's "
+            "default reconnect backoff would leave the clients seconds late after that) and is restarted on its "
+            f"port; from its SERVING the REST front and the SDK each send one 64x64 generation every "
+            f"{_f(s['poll_s'] * 1000, 0)} ms until served. Medians (range) over {s['restarts']} restarts, beside the "
+            "same request on the live gateway just before each kill (what one generation takes anyway). "
+            f"Load average (1 min) before and after: {s['load_average_1m_before_after']}. "
+            "tests/test_keepalive.py only checks that both come back.\n\n"
+            "| client | served, seconds after SERVING | same request, live gateway |\n|---|---|---|\n"
+            + "\n".join(rows) + "\n")
+
+
 def soak(d: dict) -> str:
     text = ("## Soak\n\n" + _header(d) +
             f"\n{d['duration_s']:.0f} s, {d['clients']} clients, {d['denoiser_kills']} denoiser kills: "
@@ -344,8 +361,8 @@ def main() -> None:
              "by side in one run and figures are medians.\n"]
     for name, fn in (("ar", ar), ("denoiser", denoiser), ("edits", edits), ("scheduler_sim", scheduler_sim),
                      ("multi_gateway_sim", multi_gateway_sim), ("scheduler_micro", scheduler_micro),
-                     ("gateway", gateway), ("compare_gateway", compare_gateway), ("e2e", e2e), ("soak", soak),
-                     ("receive_flood", receive_flood), ("edit_soak", edit_soak)):
+                     ("gateway", gateway), ("compare_gateway", compare_gateway), ("e2e", e2e), ("reconnect", reconnect),
+                     ("soak", soak), ("receive_flood", receive_flood), ("edit_soak", edit_soak)):
         d = _load(name)
         parts.append(fn(d) if d else f"## {name}\n\nNot run yet: `.venv/bin/python -m bench.{name}`.\n")
     OUT.write_text("\n".join(parts))

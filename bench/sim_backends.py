@@ -116,6 +116,7 @@ class SimAr(ar_service_pb2_grpc.ArServiceServicer):
         self.started: list[float] = []  # loop time each of them started
         self.calls = 0  # calls that ran (alone or merged)
         self.merged_calls = 0  # of those, calls that joined a batch another call started
+        self.window_open = asyncio.Event()  # set while a batch's merge window is open: a test's call can join it
 
     def _response(self, r: ar_service_pb2.GenerateRequest) -> ar_service_pb2.GenerateResponse:
         if not r.prompt.strip():
@@ -167,12 +168,14 @@ class SimAr(ar_service_pb2_grpc.ArServiceServicer):
             t0 = loop.time()
             batch = [self._waiting.pop(0)]
             rows, close = batch[0].outputs, t0 + self.merge_window
+            self.window_open.set()
             while (rows := self._claim(batch, rows)) < self.cap and (left := close - loop.time()) > 0:
                 self._arrived.clear()
                 try:
                     await asyncio.wait_for(self._arrived.wait(), left)
                 except TimeoutError:
                     pass
+            self.window_open.clear()
             live = [c for c in batch if not c.done.done()]
             if not live:
                 continue

@@ -3,15 +3,16 @@
 - idle, then a burst: bursts separated by idle gaps longer than every keepalive interval all succeed, and no server
   ever counts a ping strike (the old servers' misspelt ping interval left grpc's 5-minute default in force, so the
   gateway's keepalive pings earned strikes until a worker answered GOAWAY "too_many_pings" under the next burst);
-- after a gateway restart the REST front and the SDK are back within 2 s of the gateway serving (with gRPC's
-  default reconnect backoff they kept answering "connection refused" for 8-13 s).
+- after a gateway restart the REST front and the SDK are served again, and no request meanwhile is answered
+  "connection refused" (with gRPC's default reconnect backoff they kept answering that for 8-13 s). How soon after
+  the gateway's SERVING is a figure for bench/reconnect.py (medians over restarts); here the bound only has to
+  fail a client that never comes back, and the reconnect backoff itself is pinned by the settings checks below.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +26,8 @@ import pytest
 
 from glmimage import AsyncClient, Client, GlmImageError, RetryPolicy
 from services.runtime import keepalive
-from tests.support.cluster import Cluster, wait_serving
+from tests.support.cluster import Cluster
+from tests.support.reconnect import restart_gateway
 
 PROMPT = 'idle "then" busy'
 SIZE = "64x64"
@@ -44,6 +46,9 @@ _PING = re.compile(r"SERVER\[(\w+)\]: received ping \d+: now=@(\d+)ms transport_
 # the attempts came about 1, 2.6, 5.2, 9.3 (+-1.9) and 15.8 (+-2.5) s after the first failure, so a gateway back
 # after ~11-12 s was reached only 2-6 s after it was serving.
 OUTAGE_S = 10.8
+# Served again within this of SERVING: 3x and more the slowest seen with both cores of a 2-core machine busy
+# (7.2 s over 10 restarts, one 64x64 generation of about 2 s included); how soon they are back: bench/reconnect.py.
+BACK_WITHIN_S = 30.0
 SDK_NO_RETRY = RetryPolicy(max_attempts=1)  # a failure must show, not be retried away
 
 
@@ -223,52 +228,16 @@ def test_bursts_after_idle_gaps_all_succeed_without_ping_strikes(cluster: Cluste
 
 
 @pytest.mark.chaos
-def test_rest_and_sdk_are_back_within_2s_of_a_restarted_gateway(cluster: Cluster) -> None:
-    rest = f"http://{cluster.procs['rest'].address}/v1/images/generations"
-    body = {"prompt": PROMPT, "n": 1, "size": SIZE}
+def test_rest_and_sdk_are_back_after_a_restarted_gateway(cluster: Cluster) -> None:
     sdk = Client(cluster.procs["gateway"].address, retry=SDK_NO_RETRY, timeout=30)
-    rest_answers: list[tuple[float, int, str]] = []  # after SERVING: (seconds, status, body)
     try:
         with httpx.Client(timeout=30) as http:
-            assert http.post(rest, json=body).status_code == 200
-            sdk.generate(PROMPT, size=SIZE)
-            cluster.kill("gateway", signal.SIGKILL)
-            # Both see it gone; from here their channels retry in the background with their reconnect backoff.
-            assert http.post(rest, json=body).status_code == 503
-            with pytest.raises(GlmImageError) as err:
-                sdk.generate(PROMPT, size=SIZE)
-            assert err.value.code == grpc.StatusCode.UNAVAILABLE
-            time.sleep(OUTAGE_S)  # the outage is the point here
-            cluster.restart("gateway", wait=False)
-            wait_serving(cluster.procs["gateway"].address, "glmimage.v1.GatewayService", timeout=60)
-            serving = time.monotonic()
-
-            def rest_ok() -> bool:
-                r = http.post(rest, json=body)
-                rest_answers.append((time.monotonic() - serving, r.status_code, r.text[:300]))
-                return r.status_code == 200
-
-            def sdk_ok() -> bool:
-                try:
-                    sdk.generate(PROMPT, size=SIZE)
-                    return True
-                except GlmImageError:
-                    return False
-
-            def seconds_to_success(call) -> float:
-                while not call():
-                    if time.monotonic() - serving > 30:
-                        return float("inf")
-                    time.sleep(0.05)
-                return time.monotonic() - serving
-
-            with cf.ThreadPoolExecutor(2) as pool:  # both at once: each is timed from the gateway's SERVING
-                rest_after, sdk_after = pool.map(seconds_to_success, (rest_ok, sdk_ok))
+            back = restart_gateway(cluster, http, sdk, OUTAGE_S, give_up_s=BACK_WITHIN_S).back
     finally:
         sdk.close()
-    assert rest_after <= 2.0, f"REST served again {rest_after:.2f}s after the gateway was SERVING: {rest_answers}"
-    assert sdk_after <= 2.0, f"the SDK was served again {sdk_after:.2f}s after the gateway was SERVING"
+    assert back.rest_s <= BACK_WITHIN_S, f"REST not served {BACK_WITHIN_S:.0f}s after SERVING: {back.rest_answers}"
+    assert back.sdk_s <= BACK_WITHIN_S, f"the SDK not served {BACK_WITHIN_S:.0f}s after the gateway was SERVING"
     # A request that found the channel still reconnecting waited for it instead of answering "connection refused"
     # (a 503 of the gateway's own, before it has seen its workers, is another matter).
-    refused = [a for a in rest_answers if a[1] != 200 and "failed to connect" in a[2].lower()]
+    refused = [a for a in back.rest_answers if a[1] != 200 and "failed to connect" in a[2].lower()]
     assert not refused, refused

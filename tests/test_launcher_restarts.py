@@ -118,8 +118,9 @@ def test_a_killed_denoiser_is_restarted_on_its_port_and_rejoins(tiny_checkpoint:
 
             _until(lambda: state() != pb.WORKER_STATE_AVAILABLE or replaced(), 30,
                    "the gateway to see the victim go, or its replacement")
-            back = _until(lambda: replaced() and state() == pb.WORKER_STATE_AVAILABLE, 60, "the victim to be back")
-            assert back < 30, f"round {round_}: back after {back:.1f}s"
+            # The launcher's restart backoff and a denoiser's start-up: 11-12 s seen with both cores busy.
+            _until(lambda: replaced() and state() == pb.WORKER_STATE_AVAILABLE, 60,
+                   f"round {round_}: the victim to be back")
             argv = psutil.Process(launcher_child(launcher, "denoiser-1")).cmdline()
             assert argv[argv.index("--port") + 1] == victim.rsplit(":", 1)[1]  # the same port, so the same address
             seen |= {p.pid for p in psutil.Process(launcher).children(recursive=True)}
