@@ -156,8 +156,9 @@ def check_n(n: int, limits: Limits) -> int:
     """The output count, 0 meaning 1 (proto3's unset)."""
     n = n or 1
     if not 1 <= n <= limits.max_request_outputs:
-        why = (f" (one AR batch holds at most {limits.max_batch_outputs} outputs: --max-batch-outputs "
-               f"{limits.max_batch_outputs})" if limits.max_batch_outputs < limits.max_n else "")
+        # In the client's terms: the operator's flag (--max-batch-outputs) is not theirs to change.
+        why = (f" (this server generates at most {limits.max_batch_outputs} images in one batch)"
+               if limits.max_batch_outputs < limits.max_n else "")
         raise InvalidArgument("n", f"must be between 1 and {limits.max_request_outputs}{why}, got {n}")
     return n
 
