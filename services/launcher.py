@@ -2,8 +2,9 @@
 
 AR server, denoisers, one or more GatewayServices (each with its own queue, all over the same AR and denoisers) and
 the REST front (over every gateway) each run in their own process. The launcher starts them in dependency order,
-waits for each to report SERVING, prints the addresses, restarts any that exits (on the same port, with a backoff
-and a restart budget: see supervisor.RestartPolicy), and on Ctrl-C or SIGTERM, and only then, stops them all.
+waits for each to report SERVING, prints the addresses and PIDs, restarts any that exits (on the same port, with a
+backoff and a restart budget: see supervisor.RestartPolicy; SIGUSR1 retries those given up), and on Ctrl-C or
+SIGTERM, and only then, stops them all.
 Children also get SIGKILL from the kernel if the launcher itself dies, so none is orphaned. This module is the
 command line and the suite's shape (which servers, with which flags, in which order); starting, health-gating and
 stopping processes is services/supervisor.py.
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import secrets
 import signal
 import socket
@@ -58,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch threads per model process (default 1: several processes share the cores)")
     p.add_argument("--ready-file", type=Path, default=None,
-                   help="write a JSON map of role -> address here once everything is SERVING")
+                   help="write a JSON map of role -> address here once everything is SERVING, with \"pids\" "
+                        "(role -> PID, and the launcher's own), rewritten when a server is restarted")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra flag passed to every gateway")
@@ -93,6 +96,45 @@ def _port_list(text: str) -> list[int]:
     if any(not 0 <= port < 65536 for port in ports):
         raise argparse.ArgumentTypeError(f"a port out of range in {text!r}")
     return ports
+
+
+# Each port flag with the make variable that sets it, so a port in use names what to change either way.
+PORT_FLAGS = {"rest_port": ("--rest-port", "REST_PORT"), "gateway_ports": ("--gateway-ports", "GATEWAY_PORTS"),
+              "ar_port": ("--ar-port", "AR_PORT"), "denoiser_ports": ("--denoiser-ports", "DENOISER_PORTS"),
+              "ar_metrics_port": ("--ar-metrics-port", "AR_METRICS_PORT"),
+              "gateway_metrics_ports": ("--gateway-metrics-ports", "GATEWAY_METRICS_PORTS"),
+              "denoiser_metrics_ports": ("--denoiser-metrics-ports", "DENOISER_METRICS_PORTS")}
+
+
+def port_problem(a: argparse.Namespace) -> str | None:
+    """One line naming a fixed port that is taken (or given twice) and the flag to change, else None. Checked
+    before anything starts: otherwise the server that cannot bind dies with a traceback among the others' logs."""
+    def ports(value: str | list[int] | int | None) -> list[int]:  # the flags come as all three (and unset)
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [int(v) for v in value.split(",")]
+        return value if isinstance(value, list) else [value]
+
+    # Only the metrics entries that a server uses (extra entries are ignored, see start_suite).
+    used = {"denoiser_metrics_ports": len(a.denoiser_ports.split(",")), "gateway_metrics_ports": len(a.gateway_ports)}
+    owner: dict[int, str] = {}
+    for dest, (flag, var) in PORT_FLAGS.items():
+        for port in ports(getattr(a, dest))[:used.get(dest)]:
+            if not port:
+                continue  # 0: a free one is picked
+            if port in owner:
+                return f"port {port} is given twice ({owner[port]} and {flag}): give each server its own"
+            owner[port] = flag
+            with socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET) as sock:
+                # As the servers bind: SO_REUSEADDR, so a port left in TIME_WAIT by a stack just stopped is free.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind((a.host, port))
+                except OSError as exc:
+                    return (f"port {port} on {a.host} is not free ({exc.strerror}): stop what holds it, or change "
+                            f"{flag} (make run {var}=...; 0 picks a free port)")
+    return None
 
 
 def gateway_names(count: int) -> list[str]:
@@ -160,25 +202,41 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
     return sup.addresses()
 
 
-def ready_map(addresses: dict[str, str], metrics: dict[str, str]) -> dict[str, str]:
+def ready_map(addresses: dict[str, str], metrics: dict[str, str], pids: dict[str, int] | None = None) -> dict:
     """What --ready-file holds: the banner's map, plus "gateways" (every gateway's address, comma-separated, as
-    the REST front's --gateway-address and the SDK take them) and, with several gateways, "gateway" and
-    "gateway-metrics" for the first one, so readers that know one gateway keep working."""
+    the REST front's --gateway-address and the SDK take them), "pids" when given and, with several gateways,
+    "gateway" and "gateway-metrics" for the first one, so readers that know one gateway keep working."""
     names = [name for name in addresses if name == "gateway" or name.startswith("gateway-")]
     extra = {"gateways": ",".join(addresses[name] for name in names)}
     if names and names[0] != "gateway":
         extra["gateway"] = addresses[names[0]]
         if f"{names[0]}-metrics" in metrics:
             extra["gateway-metrics"] = metrics[f"{names[0]}-metrics"]
+    if pids is not None:
+        extra["pids"] = pids
     return {**addresses, **metrics, **extra}
 
 
+def write_ready_file(path: Path, sup: Supervisor) -> None:
+    """Atomically: it is rewritten on each restart (a new PID), and a reader must never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(ready_map(sup.addresses(), sup.metrics_urls(),
+                                        {"launcher": os.getpid(), **sup.pids()})))
+    tmp.replace(path)
+
+
 async def run(args: argparse.Namespace) -> int:
+    problem = port_problem(args)
+    if problem:
+        print(f"launcher: error: {problem}", file=sys.stderr)
+        return 1
     sup = Supervisor(args.host, args.log_level)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # The way back for a server given up on, short of restarting the stack. Not SIGHUP: a closed terminal sends it.
+    loop.add_signal_handler(signal.SIGUSR1, sup.retry_given_up)
     code = 0
     try:
         starting = asyncio.ensure_future(start_suite(sup, args))
@@ -195,19 +253,19 @@ async def run(args: argparse.Namespace) -> int:
         metrics = sup.metrics_urls()
         lines += [f"  {name:<20} {url}" for name, url in metrics.items()]
         if args.ready_file:
-            args.ready_file.write_text(json.dumps(ready_map(addresses, metrics)))
-        print("GLM-Image stack is up:\n" + "\n".join(lines) +
-              f"\n\n  try: curl -s http://{rest}/v1/images/generations -H 'Content-Type: application/json' "
+            write_ready_file(args.ready_file, sup)
+            sup.on_restart = lambda: write_ready_file(args.ready_file, sup)
+        pids = ", ".join(f"{name} {pid}" for name, pid in {"launcher": os.getpid(), **sup.pids()}.items())
+        print("GLM-Image stack is up:\n" + "\n".join(lines) + f"\n\n  pids: {pids}" +
+              f"\n  try: curl -s http://{rest}/v1/images/generations -H 'Content-Type: application/json' "
               "-d '{\"prompt\":\"a red \\\"STOP\\\" sign\",\"n\":1,\"size\":\"256x256\"}'\n"
-              "  Ctrl-C stops everything.", flush=True)
+              f"  Ctrl-C stops everything; kill -USR1 {os.getpid()} restarts any server given up on.", flush=True)
         # From here on a child that exits is restarted (or given up, loudly): only a signal stops the stack.
         supervising = asyncio.ensure_future(sup.supervise())
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({supervising, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if supervising.done():
-            supervising.result()  # a bug in the supervisor surfaces here; else every child was given up
-            log.error("every server has been given up; waiting for Ctrl-C or SIGTERM")
-            await stopping
+            supervising.result()  # it returns only by raising: a bug in the supervisor surfaces here
         # Cancelled before `stop`, so no restart races the shutdown.
         supervising.cancel()
         await asyncio.gather(supervising, return_exceptions=True)

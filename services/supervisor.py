@@ -2,7 +2,8 @@
 
 Every server module takes the same `--host/--port/--port-file/--log-level` flags, so a child is a module name plus
 its own flags. Children run through the die_with_parent trampoline, so none outlives the supervisor. Once the stack
-is up, `supervise` restarts a child that exits (same flags, same port, health-gated again) under a RestartPolicy.
+is up, `supervise` restarts a child that exits (same flags, same port, health-gated again) under a RestartPolicy;
+one given up stays down until `retry_given_up` (the launcher's SIGUSR1) gives it a fresh budget.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,6 +152,8 @@ class Supervisor:
         self.children: list[Child] = []
         self._groups: list[list[Child]] = []  # as first started together: they stop together too
         self.run_dir = Path(tempfile.mkdtemp(prefix="glmimage-stack-"))
+        self._retry = asyncio.Event()  # set (then replaced) by retry_given_up: wakes every given-up child once
+        self.on_restart: Callable[[], None] | None = None  # after a child is back (new PID): the ready file
 
     def child(self, name: str, module: str, port: int, flags: list[str], health: str | None,
               env: dict[str, str] | None = None, metrics_port: int | None = None) -> Child:
@@ -186,6 +190,25 @@ class Supervisor:
     def addresses(self) -> dict[str, str]:
         return {c.name: c.address for c in self.children}
 
+    def pids(self) -> dict[str, int]:
+        """Each running child's PID (the server itself: the trampoline execs it)."""
+        return {c.name: c.process.pid for c in self.children if c.process is not None}
+
+    def retry_given_up(self) -> list[str]:
+        """Give every given-up child a fresh restart budget and restart it now; the names it retries."""
+        given_up = [c for c in self.children if c.given_up]
+        for c in given_up:
+            c.given_up = False
+            c.restarts.clear()  # a fresh budget: whatever made it crash may have been fixed meanwhile
+        names = [c.name for c in given_up]
+        if names:
+            log.warning("retrying %s, as asked", ", ".join(names))
+        else:
+            log.warning("asked to retry given-up servers: none is given up")
+        event, self._retry = self._retry, asyncio.Event()
+        event.set()
+        return names
+
     def metrics_urls(self) -> dict[str, str]:
         """`<name>-metrics` -> the /metrics URL of each server that serves one (the REST front always does)."""
         return {f"{c.name}-metrics": f"http://{self.host}:{c.metrics_port}/metrics"
@@ -199,8 +222,8 @@ class Supervisor:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     async def supervise(self) -> None:
-        """Keep every started child running until cancelled (the launcher cancels it before `stop`); returns
-        only if every child has been given up."""
+        """Keep every started child running until cancelled (the launcher cancels it before `stop`); a child
+        given up waits for `retry_given_up`, so this returns only by raising."""
         await asyncio.gather(*(self._keep_up(c) for c in self.children if c.process is not None))
 
     async def _keep_up(self, child: Child) -> None:
@@ -215,9 +238,10 @@ class Supervisor:
                 if len(child.restarts) >= policy.max_restarts:
                     child.given_up = True
                     log.error("GIVING UP on %s: it exited (last code %s) %d times within %.0fs; it stays down, the "
-                              "rest of the stack keeps serving", child.name, code, len(child.restarts) + 1,
-                              policy.window)
-                    return
+                              "rest of the stack keeps serving; kill -USR1 %d (the launcher) retries it",
+                              child.name, code, len(child.restarts) + 1, policy.window, os.getpid())
+                    await self._retry.wait()
+                    continue
                 delay = policy.backoff(len(child.restarts))
                 log.error("%s exited unexpectedly with code %s; restarting it on port %d in %.1fs (restart %d of "
                           "%d within %.0fs)", child.name, code, child.port, delay, len(child.restarts) + 1,
@@ -232,5 +256,8 @@ class Supervisor:
                         child.process.kill()
                         await child.process.wait()
                     continue
-                log.warning("%s is back on %s (restart %d)", child.name, child.address, len(child.restarts))
+                log.warning("%s is back on %s (restart %d, pid %d)", child.name, child.address, len(child.restarts),
+                            child.process.pid)
+                if self.on_restart is not None:
+                    self.on_restart()
                 break

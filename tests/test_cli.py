@@ -1,14 +1,16 @@
 """`glmimage` CLI, run as a real subprocess against the scripted gateway (tests/support/fake_gateway.py)."""
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
 
 import grpc
+import pytest
 
-from glmimage.cli import format_status
-from glmimage.results import Status, WorkerInfo
+from glmimage.cli import build_parser, format_limits, format_status, main
+from glmimage.results import Limits, Status, WorkerInfo
 from tests.support.certs import Pki
 from tests.support.fake_gateway import FakeServer, fake_image, serve_fake
 from tests.support.programs import glmimage
@@ -139,3 +141,44 @@ def test_connection_flags_go_before_or_after_the_subcommand(fake: FakeServer, tm
     fake.servicer.fail["GetStatus"] = [grpc.StatusCode.UNAVAILABLE]
     out = glmimage("--retries", "0", "status", "--address", fake.address, cwd=tmp_path)
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+
+
+def test_limits_print_integers_in_full() -> None:
+    limits = Limits(max_prompt_chars=8192, max_n=10, max_pixels=4194304, max_steps=200,
+                    max_guidance=30.010000228881836, max_batch_outputs=32, max_partial_images=3,
+                    max_reference_images=16, max_reference_bytes=8388608, max_reference_total_bytes=33554432,
+                    max_reference_pixels=16777216)
+    rows = dict(line.split() for line in format_limits(limits).splitlines()[1:])
+    assert rows["max_reference_bytes"] == "8388608" and rows["max_pixels"] == "4194304"
+    assert rows["max_guidance"] == "30.01"  # a float32 on the wire, shown as it was set
+
+
+def test_existing_files_are_not_overwritten_without_force(fake: FakeServer, tmp_path: Path) -> None:
+    first = glmimage("generate", "one", "-o", "out", "--seed", "1", "--address", fake.address, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    kept = (tmp_path / "out" / "image-0.png").read_bytes()
+    again = glmimage("generate", "two", "-o", "out", "--address", fake.address, cwd=tmp_path)
+    assert again.returncode == 1
+    assert "out/image-0.png exists; --force overwrites, or choose another -o or --name" in again.stderr
+    assert len(fake.servicer.calls) == 1  # refused before the request: nothing generated for nothing
+    assert (tmp_path / "out" / "image-0.png").read_bytes() == kept
+    forced = glmimage("generate", "two", "-o", "out", "--seed", "1", "--force", "--address", fake.address,
+                      cwd=tmp_path)
+    assert forced.returncode == 0, forced.stderr
+    assert (tmp_path / "out" / "image-0.png").read_bytes() == fake_image("two", 0, 1)
+
+
+def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    top = {a.dest: a.default for a in parser._actions}
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for p in [parser, *commands.choices.values()]:
+        for a in p._actions:
+            # The subcommands' copies of the connection flags default to SUPPRESS: the top-level default counts.
+            default = top.get(a.dest) if a.default == argparse.SUPPRESS else a.default
+            if a.option_strings and a.nargs != 0 and default is not None:
+                assert "default" in (a.help or ""), f"{p.prog} {a.option_strings[0]}: {a.help!r}"
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default 1)" in shown and "(default 600)" in shown and "(default: the current one)" in shown

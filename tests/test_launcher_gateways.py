@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
-from services.launcher import gateway_names, parse_args, ready_map
+from services.launcher import gateway_names, parse_args, port_problem, ready_map
 from tests.support.cluster import launcher_child, running_stack, wait_serving
 
 BURST = 16
@@ -44,6 +47,26 @@ def test_ready_file_keeps_the_gateway_key_for_the_first() -> None:
                     {"gateway-1-metrics": "http://g:3/metrics", "gateway-2-metrics": "http://g:4/metrics"})
     assert two["gateways"] == "g:1,g:2"
     assert two["gateway"] == "g:1" and two["gateway-metrics"] == "http://g:3/metrics"
+    assert ready_map({"rest": "r:1"}, {}, {"launcher": 1, "rest": 2})["pids"] == {"launcher": 1, "rest": 2}
+
+
+def test_a_port_in_use_is_one_line_naming_the_flag(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "services.launcher", "--rest-port", "0", "--gateway-port", "0",
+                              "--denoiser-ports", "0,0", "--ar-port", str(port)],
+                             capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"port {port} " in out.stderr and "--ar-port" in out.stderr and "AR_PORT=" in out.stderr
+    twice = parse_args(["--ar-port", "0", "--rest-port", "0", "--gateway-port", "0", "--denoiser-ports", "0,0",
+                        "--denoiser-metrics-ports", f"0,{port}", "--gateway-metrics-port", str(port)])
+    assert port_problem(twice) == (f"port {port} is given twice (--gateway-metrics-ports and "
+                                   "--denoiser-metrics-ports): give each server its own")
+    twice.denoiser_metrics_ports = f"0,0,{port}"  # an entry past the denoisers is unused
+    assert port_problem(twice) is None
 
 
 def _until(predicate, timeout: float, what: str, step: float = 0.05) -> float:

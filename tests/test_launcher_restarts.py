@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import json
 import logging
 import signal
 import sys
@@ -23,15 +24,15 @@ from tests.support.cluster import launcher_child, running_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
-# A stand-in server: binds --port, writes --port-file atomically, answers /health; with "crash" it exits 0.2 s
-# after its first health check, so every restart passes the gate and then crashes again.
+# A stand-in server: binds --port, writes --port-file atomically, answers /health; while the file named last exists
+# it exits 0.2 s after a health check, so every restart passes the gate and then crashes again.
 FAKE_SERVER = """
 import http.server, os, sys, threading
-port, port_file, crash = int(sys.argv[2]), sys.argv[4], sys.argv[5] == "crash"
+port, port_file, crash_while = int(sys.argv[2]), sys.argv[4], sys.argv[5]
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers()
-        if crash: threading.Timer(0.2, os._exit, (3,)).start()
+        if os.path.exists(crash_while): threading.Timer(0.2, os._exit, (3,)).start()
     def log_message(self, *args): pass
 server = http.server.HTTPServer(("127.0.0.1", port), Health)
 open(port_file + ".tmp", "w").write(str(server.server_address[1])); os.replace(port_file + ".tmp", port_file)
@@ -39,9 +40,9 @@ server.serve_forever()
 """
 
 
-def _fake(run_dir: Path, name: str, behaviour: str) -> Child:
+def _fake(run_dir: Path, name: str, crash_while: Path) -> Child:
     port_file = run_dir / f"{name}.port"
-    argv = [sys.executable, "-c", FAKE_SERVER, "--port", "0", "--port-file", str(port_file), behaviour]
+    argv = [sys.executable, "-c", FAKE_SERVER, "--port", "0", "--port-file", str(port_file), str(crash_while)]
     return Child(name=name, argv=argv, port_file=port_file, health_service=None)
 
 
@@ -50,8 +51,12 @@ def test_a_crash_loop_is_given_up_and_the_rest_keeps_running(caplog: pytest.LogC
 
     async def scenario() -> None:
         sup = Supervisor("127.0.0.1", "INFO", policy)
-        steady, crasher = _fake(sup.run_dir, "steady", "steady"), _fake(sup.run_dir, "crasher", "crash")
+        broken = sup.run_dir / "broken"
+        broken.touch()
+        steady, crasher = _fake(sup.run_dir, "steady", sup.run_dir / "never"), _fake(sup.run_dir, "crasher", broken)
         sup.children += [steady, crasher]
+        rewrites: list[int] = []
+        sup.on_restart = lambda: rewrites.append(sup.pids()["crasher"])
         loop = asyncio.get_running_loop()
         await sup.start([steady, crasher], loop.time() + 20)
         steady_pid, crasher_port = steady.process.pid, crasher.port
@@ -67,6 +72,15 @@ def test_a_crash_loop_is_given_up_and_the_rest_keeps_running(caplog: pytest.LogC
             status = await asyncio.to_thread(
                 lambda: urllib.request.urlopen(f"http://{steady.address}/health", timeout=5).status)
             assert status == 200
+            # The way back (the launcher's SIGUSR1): fixed meanwhile, it is restarted with a fresh budget, stays up.
+            broken.unlink()
+            rewrites.clear()
+            assert sup.retry_given_up() == ["crasher"]
+            while not (rewrites and crasher.process.returncode is None):
+                assert loop.time() < deadline and not crasher.given_up, "the crasher was never retried"
+                await asyncio.sleep(0.05)
+            assert rewrites == [crasher.process.pid] and crasher.restarts and crasher.port == crasher_port
+            assert sup.retry_given_up() == []
         finally:
             supervising.cancel()
             await asyncio.gather(supervising, return_exceptions=True)
@@ -76,7 +90,7 @@ def test_a_crash_loop_is_given_up_and_the_rest_keeps_running(caplog: pytest.LogC
     with caplog.at_level(logging.INFO, logger="services.supervisor"):
         asyncio.run(scenario())
     restarts = [r for r in caplog.records if "crasher exited unexpectedly" in r.getMessage()]
-    assert len(restarts) == policy.max_restarts
+    assert len(restarts) == policy.max_restarts + 1  # and the retry
     assert any(r.levelno == logging.ERROR and r.getMessage().startswith("GIVING UP on crasher")
                for r in caplog.records)
 
@@ -92,6 +106,12 @@ def _until(predicate, timeout: float, what: str) -> float:
 def test_a_killed_denoiser_is_restarted_on_its_port_and_rejoins(tiny_checkpoint: Path, tmp_path: Path) -> None:
     with running_stack(tmp_path, denoisers=2) as run:
         addr, launcher = run.addresses, run.proc.pid
+        # The banner and the ready file show every PID, the launcher's for its SIGUSR1.
+        pids = {name: launcher_child(launcher, name) for name in ("ar", "denoiser-0", "denoiser-1", "gateway", "rest")}
+        assert addr["pids"] == {"launcher": launcher, **pids}
+        assert f"  pids: {', '.join(f'{n} {p}' for n, p in addr['pids'].items())}" in run.banner
+        assert f"kill -USR1 {launcher} " in run.banner[-1]
+        run.proc.send_signal(signal.SIGUSR1)  # nothing is given up: a no-op, and it must not end the launcher
         gateway = gateway_service_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(addr["gateway"]))
         victim = addr["denoiser-1"]
         seen = {p.pid for p in psutil.Process(launcher).children(recursive=True)}
@@ -125,6 +145,9 @@ def test_a_killed_denoiser_is_restarted_on_its_port_and_rejoins(tiny_checkpoint:
             assert argv[argv.index("--port") + 1] == victim.rsplit(":", 1)[1]  # the same port, so the same address
             seen |= {p.pid for p in psutil.Process(launcher).children(recursive=True)}
             assert generate(1000 + round_) == 1
+            _until(lambda: json.loads((tmp_path / "ready.json").read_text())["pids"]["denoiser-1"]
+                   == launcher_child(launcher, "denoiser-1"), 30, "the ready file to show the new PID")
+        assert run.proc.poll() is None
         run.proc.send_signal(signal.SIGTERM)
         assert run.proc.wait(timeout=60) == 0
     left = [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]

@@ -28,6 +28,7 @@ from glmimage.client import (
     Completed,
     GenerationResult,
     GlmImageError,
+    Limits,
     PartialImage,
     Progress,
     RetryPolicy,
@@ -56,10 +57,12 @@ def _connection_args(parser: argparse.ArgumentParser, *, suppress: bool = False)
                    f"several are called round robin (default {DEFAULT_ADDRESS}, or ${ADDRESS_ENV})")
     g.add_argument("--api-key", default=default(os.environ.get(API_KEY_ENV)),
                    help=f"sent as 'authorization: Bearer <key>' (default ${API_KEY_ENV})")
+    # Each default is written into its help: the subcommands' copies have none for argparse to show.
     g.add_argument("--timeout", type=float, default=default(600.0),
-                   help="overall deadline in seconds, retries included")
+                   help="overall deadline in seconds, retries included (default 600)")
     g.add_argument("--retries", type=int, default=default(3),
-                   help="retries on UNAVAILABLE / RESOURCE_EXHAUSTED, with exponential backoff (0 disables)")
+                   help="retries on UNAVAILABLE / RESOURCE_EXHAUSTED, with exponential backoff (default 3; 0 "
+                   "disables)")
     g.add_argument("--tls", action="store_true", default=default(False), help="use TLS with the system trust store")
     g.add_argument("--tls-ca", type=Path, metavar="PEM", default=default(None),
                    help="CA bundle that signed the server certificate (implies --tls)")
@@ -98,19 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _image_args(parser: argparse.ArgumentParser) -> None:
     """The output and request flags that generate and edit share."""
-    parser.add_argument("-n", type=int, default=1, help="number of images (1-10)")
+    parser.add_argument("-n", type=int, default=1, help="number of images, 1-10 (default 1)")
     parser.add_argument("--size", type=size_arg, default=None, metavar="WxH",
                         help="e.g. 512x512 (default: the gateway's)")
-    parser.add_argument("-o", "--output-dir", type=Path, default=Path("."), help="directory for the images")
+    parser.add_argument("-o", "--output-dir", type=Path, default=Path("."),
+                        help="directory for the images (default: the current one)")
     parser.add_argument("--name", default="image", help="file name stem: <name>-<i>.<ext> (default: image)")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite files of those names; without it an existing file is an error, before "
+                        "anything is generated")
     parser.add_argument("--format", choices=sorted(FORMATS), default=None, help="image encoding (default png)")
-    parser.add_argument("--compression", type=int, default=None, help="0-100, 100 the least compressed")
-    parser.add_argument("--seed", type=int, default=None, help="output i uses seed + i")
-    parser.add_argument("--steps", type=int, default=None, help="denoising steps")
-    parser.add_argument("--guidance", type=float, default=None, help="guidance scale")
+    parser.add_argument("--compression", type=int, default=None,
+                        help="0-100, 100 the least compressed (default: the gateway's)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="output i uses seed + i (default: the gateway picks one)")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the gateway's)")
+    parser.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the gateway's)")
     parser.add_argument("--stream", action="store_true", help="stream progress (a progress bar on stderr)")
     parser.add_argument("--partial-images", type=int, default=0, choices=range(4), metavar="{0-3}",
-                        help="with --stream: previews per image, written as <name>-<i>.partial-<k>.<ext>")
+                        help="with --stream: previews per image, written as <name>-<i>.partial-<k>.<ext> "
+                        "(default 0)")
 
 
 def client_from(args: argparse.Namespace) -> Client:
@@ -157,6 +167,10 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
     kwargs = dict(n=args.n, size=args.size, output_format=args.format, output_compression=args.compression,
                   seed=args.seed, steps=args.steps, guidance=args.guidance)
     ext = {"jpeg": "jpg"}.get(args.format or "png", args.format or "png")
+    planned = [args.output_dir / f"{args.name}-{i}.{ext}" for i in range(args.n)]
+    if args.stream:
+        planned += [_partial_path(args, i, k, ext) for i in range(args.n) for k in range(args.partial_images)]
+    _refuse_to_overwrite(planned, args.force)
     partial_paths: list[Path] = []
     if args.stream:
         bar = ProgressBar(args.n, sys.stderr)
@@ -167,9 +181,9 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
                     bar.update(event)
                 elif isinstance(event, PartialImage):
                     args.output_dir.mkdir(parents=True, exist_ok=True)
-                    stem = f"{args.name}-{event.image_index}.partial-{event.partial_image_index}"
-                    path = args.output_dir / f"{stem}.{ext}"
-                    path.write_bytes(event.image)
+                    path = _partial_path(args, event.image_index, event.partial_image_index, ext)
+                    with open(path, "wb" if args.force else "xb") as f:
+                        f.write(event.image)
                     partial_paths.append(path)
                 elif isinstance(event, Completed):
                     result = event.result
@@ -179,7 +193,7 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
             raise ValueError("the stream ended without a result")
     else:
         result = run(args.prompt, **kwargs)
-    paths = result.save(args.output_dir, args.name)
+    paths = result.save(args.output_dir, args.name, overwrite=args.force)
     if args.json:
         print(json.dumps({"files": [str(p) for p in paths], "partial_files": [str(p) for p in partial_paths],
                           "seeds": result.seeds, "width": result.width, "height": result.height,
@@ -195,6 +209,19 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
           f"total_tokens={u.total_tokens} cached_tokens={u.cached_tokens} image_tokens={u.image_tokens} "
           f"images={len(paths)}")
     return 0
+
+
+def _partial_path(args: argparse.Namespace, image: int, partial: int, ext: str) -> Path:
+    return args.output_dir / f"{args.name}-{image}.partial-{partial}.{ext}"
+
+
+def _refuse_to_overwrite(paths: list[Path], force: bool) -> None:
+    """Checked before the request, so an earlier run's images are neither lost nor paid for again. (The writes
+    themselves refuse too, for a file that appears meanwhile.)"""
+    existing = [p for p in paths if p.exists()]
+    if existing and not force:
+        more = f" (and {len(existing) - 1} more)" if len(existing) > 1 else ""
+        raise FileExistsError(f"{existing[0]} exists{more}; --force overwrites, or choose another -o or --name")
 
 
 def format_status(status: Status) -> str:
@@ -236,12 +263,17 @@ def _status(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def format_limits(limits: Limits) -> str:
+    """One row per limit; integers in full (a byte count as 8388608, not 8.38861e+06)."""
+    def number(value: float) -> str:
+        return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+    return _table(["LIMIT", "VALUE"], [[name, number(value)] for name, value in asdict(limits).items()])
+
+
 def _limits(args: argparse.Namespace, client: Client) -> int:
-    limits = asdict(client.limits())
-    if args.json:
-        print(json.dumps(limits, indent=2))
-    else:
-        print(_table(["LIMIT", "VALUE"], [[name, f"{value:g}"] for name, value in limits.items()]))
+    limits = client.limits()
+    print(json.dumps(asdict(limits), indent=2) if args.json else format_limits(limits))
     return 0
 
 

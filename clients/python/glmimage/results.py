@@ -64,14 +64,16 @@ class GenerationResult:
         fmt = formats.BY_NAME.get(self.output_format)
         return self.output_format if fmt is None else fmt.extension
 
-    def save(self, directory: str | Path, stem: str = "image") -> list[Path]:
-        """Write ``<stem>-<i>.<ext>`` into ``directory`` (created if missing); returns the paths."""
+    def save(self, directory: str | Path, stem: str = "image", *, overwrite: bool = True) -> list[Path]:
+        """Write ``<stem>-<i>.<ext>`` into ``directory`` (created if missing); returns the paths. With
+        ``overwrite=False`` a file that exists already raises FileExistsError instead."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         paths = []
         for i, data in enumerate(self.images):
             path = out / f"{stem}-{i}.{self.extension}"
-            path.write_bytes(data)
+            with open(path, "wb" if overwrite else "xb") as f:
+                f.write(data)
             paths.append(path)
         return paths
 
