@@ -15,9 +15,9 @@ from typing import Protocol
 
 import grpc
 
-from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.observe import Observer, Timing
+from gateway.scheduler import types as sch
 from gateway.timeouts import CostModel, DenoiseTimeouts, ar_work
 from gateway.workers import CREDENTIAL_CODES, Worker, WorkerHealth, refusal
 from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2, gateway_service_pb2

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.scheduler import (
+from gateway.scheduler.core import Scheduler
+from gateway.scheduler.types import (
     Action,
     ArBatchFailed,
     ArBatchSucceeded,
@@ -22,12 +23,10 @@ from gateway.scheduler import (
     DenoiseSucceeded,
     DispatchArBatch,
     DispatchDenoise,
-    ErrorKind,
     FailRequest,
     JobId,
     RequestArrived,
     RequestCancelled,
-    Scheduler,
     SchedulerConfig,
     Tick,
     WorkerAdded,
@@ -40,6 +39,7 @@ from gateway.scheduler import (
     WorkerState,
     WorkerUnhealthy,
 )
+from services.runtime.errors import ErrorKind
 from tests.support.scheduler_model import AR, DN, OTHER, SIZE
 
 # ----------------------------------------------------------------------------------------------------- helpers

@@ -22,7 +22,8 @@ import random
 import pytest
 
 from bench import scheduler_micro
-from gateway.scheduler import (
+from gateway.scheduler.core import Scheduler, _MinQueue
+from gateway.scheduler.types import (
     ArBatchFailed,
     ArBatchSucceeded,
     DenoiseFailed,
@@ -31,11 +32,9 @@ from gateway.scheduler import (
     DenoiseSucceeded,
     DispatchArBatch,
     DispatchDenoise,
-    ErrorKind,
     Event,
     RequestArrived,
     RequestCancelled,
-    Scheduler,
     SchedulerConfig,
     Tick,
     WorkerAdded,
@@ -44,8 +43,8 @@ from gateway.scheduler import (
     WorkerRemoved,
     WorkerRole,
     WorkerUnhealthy,
-    _MinQueue,
 )
+from services.runtime.errors import ErrorKind
 
 BENCH_DIGEST = "537365488b5c9c42"
 RANDOM_DIGEST = "e81b1912dd9879c5"

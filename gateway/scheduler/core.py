@@ -28,9 +28,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
-# The exchange types live in gateway/scheduler_types.py; they are re-exported here (see __all__) for every user.
-from gateway import scheduler_types
-from gateway.scheduler_types import (
+# Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
+from services.runtime.errors import ErrorKind
+
+from .types import (
     Action,
     ArBatchFailed,
     ArBatchSucceeded,
@@ -63,10 +64,7 @@ from gateway.scheduler_types import (
     WorkerUnhealthy,
 )
 
-# Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
-from services.runtime.errors import ErrorKind
-
-__all__ = [*scheduler_types.__all__, "Scheduler"]  # the exchange types, re-exported with the machine
+__all__ = ["Scheduler"]
 
 
 _EVENT_TYPES: tuple[type, ...] = get_args(Event)

@@ -1,0 +1,7 @@
+"""The gateway's scheduler: a pure state machine, ``Scheduler.handle(event) -> list[Action]``.
+
+Import each name from the module that defines it (this package re-exports nothing):
+
+- ``types``: what goes in and out: the events, the actions, SchedulerConfig, the snapshots and counters;
+- ``core``: ``Scheduler``, the policy.
+"""
