@@ -22,7 +22,8 @@ import random
 import pytest
 
 from bench import scheduler_micro
-from gateway.scheduler.core import Scheduler, _MinQueue
+from gateway.scheduler.containers import MinQueue
+from gateway.scheduler.core import Scheduler
 from gateway.scheduler.types import (
     ArBatchFailed,
     ArBatchSucceeded,
@@ -211,10 +212,10 @@ def test_the_random_stream_reaches_the_paths_it_is_meant_to() -> None:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_min_queue_pops_in_heap_order(seed: int) -> None:
-    """_MinQueue (a heap with a sorted fast lane) gives the order one heap would, through pushes in and out of order,
+    """MinQueue (a heap with a sorted fast lane) gives the order one heap would, through pushes in and out of order,
     pops and drops."""
     r = random.Random(seed)
-    q, ref = _MinQueue(), []
+    q, ref = MinQueue(), []
     for i in range(2000):
         x = r.random()
         if x < 0.5:
