@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, get_args
 
 # Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
@@ -72,15 +71,6 @@ __all__ = ["Scheduler"]
 _EVENT_TYPES: tuple[type, ...] = get_args(Event)
 
 
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    batch_id: int
-    worker: str
-    height: int
-    width: int
-    request_ids: tuple[str, ...]
-
-
 # A denoise queue entry: (class, admission seq, index, request_id). Class 0 = requeued (goes to the front),
 # class 1 = fresh. (class, seq, index) is unique, so request_id never takes part in comparisons.
 _QueueKey = tuple[int, int, int, str]
@@ -106,7 +96,7 @@ class Scheduler:
         self._pending_ar: dict[tuple[int, int, int], ArQueue] = {}  # none is empty
         self._pending_ar_outputs = 0
         self._denoise_q = MinQueue()  # of _QueueKey: the smallest is dispatched next
-        self._batches: dict[int, _Batch] = {}
+        self._batches: dict[int, DispatchArBatch] = {}  # in flight, as dispatched
         self._pool = Pool(config.ar_max_inflight_batches)
         self._deadlines = MinQueue()  # of (deadline, seq, request_id), lazily pruned
         self._attempt_floor: OrderedDict[str, int] = OrderedDict()
@@ -480,7 +470,7 @@ class Scheduler:
         for req in sorted(stranded, key=lambda r: r.seq):
             self._fail(req, ErrorKind.UNAVAILABLE, self._pool.none_ready(AR, "it went away"), actions)
 
-    def _waiting_for(self, batch: _Batch) -> list[Request]:
+    def _waiting_for(self, batch: DispatchArBatch) -> list[Request]:
         """The live requests whose current AR batch this is (an ended or re-batched one no longer counts)."""
         return [r for rid in batch.request_ids
                 if (r := self._active.get(rid)) is not None and r.ar_batch == batch.batch_id]
@@ -579,7 +569,7 @@ class Scheduler:
         self._pending_ar_outputs += req.n
         self._ar_dirty = True
 
-    def _take_batch(self, batch_id: int) -> _Batch | None:
+    def _take_batch(self, batch_id: int) -> DispatchArBatch | None:
         """Pop an in-flight batch and free its AR slot; None (and counted as fenced) if unknown."""
         batch = self._batches.pop(batch_id, None)
         if batch is None:
@@ -593,7 +583,7 @@ class Scheduler:
                 self._forget(w)
         return batch
 
-    def _ar_batch_failed(self, batch: _Batch, message: str, reason: str, actions: list[Action],
+    def _ar_batch_failed(self, batch: DispatchArBatch, message: str, reason: str, actions: list[Action],
                          charge: bool = True) -> None:
         """Requeue the batch's live requests, each charged one AR failure (``charge``) and failed past its retries;
         uncharged, every one goes again (its AR refused the call before running it)."""
@@ -670,7 +660,7 @@ class Scheduler:
                 q.keep_only(rest)
             else:
                 del self._pending_ar[key]
-            batch = _Batch(
+            batch = DispatchArBatch(
                 next(self._batch_ids), w.address, key[0], key[1], tuple(r.request_id for r in taken)
             )
             for r in taken:
@@ -680,9 +670,7 @@ class Scheduler:
             self._batches[batch.batch_id] = batch
             w.batches.add(batch.batch_id)
             self._pool.used(w)
-            actions.append(
-                DispatchArBatch(batch.batch_id, w.address, batch.height, batch.width, batch.request_ids)
-            )
+            actions.append(batch)
 
     # -------------------------------------------------------------------------------------------- denoise stage
 
