@@ -1,4 +1,4 @@
-"""Tests of the pure scheduler core (gateway/scheduler.py).
+"""Tests of the pure scheduler core (gateway/scheduler/core.py).
 
 Example-based tests pin every event in every relevant state; the hypothesis state machine that drives the scheduler
 with random event sequences is in tests/test_scheduler_machine.py.

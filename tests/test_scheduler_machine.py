@@ -1,4 +1,4 @@
-"""Property-based test of the pure scheduler core (gateway/scheduler.py).
+"""Property-based test of the pure scheduler core (gateway/scheduler/core.py).
 
 A hypothesis state machine drives the scheduler with random event sequences through a small simulated cluster
 (the reference model in tests/support/scheduler_model.py) and checks the invariants after every step.
