@@ -692,7 +692,8 @@ class Scheduler:
         """Handle the end of a denoise RPC: free the worker only if it holds exactly ``job``.
 
         Returns the live output the result belongs to, or None if the result is fenced."""
-        w = self._pool.members.get(worker)
+        pool = self._pool
+        w = pool.members.get(worker)
         # (``is`` first: the driver usually hands back the very JobId it was given; equal values also match.)
         if w is None or w.role is not DENOISER or (w.job is not job and w.job != job):
             # Superseded (worker went unhealthy and maybe took another job), unknown, or duplicated.
@@ -703,7 +704,7 @@ class Scheduler:
         if w.draining:
             self._forget(w)
         else:
-            self._pool.offer(w)
+            pool.offer(w)
         if found is None:
             # The request ended while this RPC ran (cancel/deadline/failure); the slot is freed above.
             self.counters.fenced_results += 1
@@ -725,7 +726,7 @@ class Scheduler:
         # One output per free denoiser, so a request's n outputs fan out to n workers at once.
         queue, pool = self._denoise_q, self._pool
         while queue.first is not None and pool.idle:  # (no entry left in the idle heap: none is free)
-            w = pool.free_denoiser()
+            w = pool.take_free_denoiser()
             if w is None:
                 return
             _, _, index, rid = queue.pop()
@@ -735,6 +736,5 @@ class Scheduler:
             out.state = INFLIGHT
             address = out.worker = w.address
             job = w.job = JobId(rid, index, attempt)
-            pool.used(w)
             self.counters.denoise_dispatches += 1
             actions.append(DispatchDenoise(job, address, req.ar_outputs[index]))

@@ -61,7 +61,7 @@ class Pool:
         self.ready_ar = 0
         self.ready_denoisers = 0
         # Heap of denoisers that may be free, by (last_used, added_seq): the LRU choice without scanning the pool.
-        # Validated lazily when it reaches the top (see free_denoiser).
+        # Validated lazily when it reaches the top (see take_free_denoiser).
         self.idle: list[tuple[int, int, Worker]] = []
         self._ar_room = ar_max_inflight_batches
         self._added = itertools.count(1)
@@ -116,7 +116,7 @@ class Pool:
     # ------------------------------------------------------------------------------------------ free-worker choice
 
     def used(self, w: Worker) -> None:
-        """``w`` was just given work: it is now the most recently used of its role."""
+        """``w`` was just given work: it is now the most recently used of its role (see take_free_denoiser)."""
         w.last_used = next(self._clock)
 
     def offer(self, w: Worker) -> None:
@@ -127,8 +127,9 @@ class Pool:
             w.offered = True
             heapq.heappush(self.idle, (w.last_used, w.added_seq, w))
 
-    def free_denoiser(self) -> Worker | None:
-        """The free denoiser used least recently, taken out of the idle heap (the caller dispatches to it).
+    def take_free_denoiser(self) -> Worker | None:
+        """The free denoiser used least recently, taken out of the idle heap and marked used: the caller dispatches
+        to it (the mark is made here, not by a call to ``used``: this runs for every denoise job).
 
         An entry whose worker is gone, unhealthy, not serving or busy is dropped: each of those ways back to free
         passes through offer, which pushes it again."""
@@ -137,6 +138,7 @@ class Pool:
             w = heapq.heappop(heap)[2]
             w.offered = False
             if self.members.get(w.address) is w and w.ready and w.job is None and not w.elsewhere:
+                w.last_used = next(self._clock)
                 return w
         return None
 
