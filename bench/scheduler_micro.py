@@ -11,31 +11,37 @@ very same actions, and the clock measures handle() alone, not this harness. Figu
 events/s and ns per event for each pool size, and the cost curve (ns per event at the largest pool over the
 smallest, which logarithmic growth bounds by log(1000)/log(10) = 3).
 
-With ``--base REV`` the scheduler of an earlier revision (its gateway/scheduler.py, over this checkout's exchange
-types) replays the same streams, in rounds alternating with this one's, so both see the same machine load; the
-head/base ratio of the medians is the speed-up, and both must complete the same requests.
+With ``--base REV`` the scheduler of an earlier revision (its gateway/scheduler/ package, or gateway/scheduler.py
+before the package, over this checkout's exchange types) replays the same streams, in rounds alternating with this
+one's, so both see the same machine load; the head/base ratio of the medians is the speed-up, and both must complete
+the same requests.
 Writes bench/results/scheduler_micro.json.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import math
 import subprocess
 import sys
 import time
 import types
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import median, write_result
-from gateway.scheduler import (
+from gateway.scheduler import types as exchange_types
+from gateway.scheduler.core import Scheduler
+from gateway.scheduler.types import (
     ArBatchSucceeded,
     DenoiseSucceeded,
     DispatchArBatch,
     DispatchDenoise,
     Event,
     RequestArrived,
-    Scheduler,
     SchedulerConfig,
     WorkerAdded,
     WorkerHealthy,
@@ -114,17 +120,50 @@ def _replay(denoisers: int, stream: list[Event], scheduler: type = Scheduler) ->
 
 
 def scheduler_at(rev: str) -> tuple[type, str]:
-    """The Scheduler class of gateway/scheduler.py as of ``rev`` (loaded as a module of its own, next to this
-    checkout's gateway.scheduler_types), and the commit ``rev`` names."""
+    """The Scheduler class as of ``rev``, and the commit ``rev`` names. Its modules are loaded from git as modules of
+    their own, over this checkout's exchange types (so that both sides take the very same events): the package
+    gateway/scheduler/ (every module but types.py), or, in a revision from before the package, gateway/scheduler.py
+    (which imported them from gateway.scheduler_types)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
 
     commit = git("rev-parse", "--verify", f"{rev}^{{commit}}").strip()
-    module = types.ModuleType(f"bench_scheduler_at_{commit[:10]}")
-    module.__file__ = f"{commit[:10]}:gateway/scheduler.py"
-    sys.modules[module.__name__] = module  # dataclasses look their module up while the class body is built
-    exec(compile(git("show", f"{commit}:gateway/scheduler.py"), module.__file__, "exec"), module.__dict__)
-    return module.Scheduler, commit
+    name = f"bench_scheduler_at_{commit[:10]}"
+    if not git("ls-tree", "--name-only", commit, "gateway/scheduler/core.py").strip():
+        module = types.ModuleType(name)
+        module.__file__ = f"{commit[:10]}:gateway/scheduler.py"
+        sys.modules[name] = module  # dataclasses look their module up while the class body is built
+        sys.modules["gateway.scheduler_types"] = exchange_types
+        try:
+            exec(compile(git("show", f"{commit}:gateway/scheduler.py"), module.__file__, "exec"), module.__dict__)
+        finally:
+            del sys.modules["gateway.scheduler_types"]
+        return module.Scheduler, commit
+    package = types.ModuleType(name)
+    package.__path__ = []  # a package: ``from .pool import ...`` in its modules goes through _GitModules
+    sys.modules[name] = package
+    sys.modules[f"{name}.types"] = exchange_types
+    sys.meta_path.insert(0, _GitModules(name, lambda sub: git("show", f"{commit}:gateway/scheduler/{sub}.py")))
+    return importlib.import_module(f"{name}.core").Scheduler, commit
+
+
+class _GitModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds and loads the modules of ``package`` from the sources ``source(module name)`` returns."""
+
+    def __init__(self, package: str, source: Callable[[str], str]) -> None:
+        self.package, self.source = package, source
+
+    def find_spec(self, fullname: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname.rpartition(".")[0] != self.package:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None  # the default module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        sub = module.__name__.rpartition(".")[2]
+        exec(compile(self.source(sub), f"{self.package}:{sub}.py", "exec"), module.__dict__)
 
 
 def _figures(times: list[float], events: int) -> dict:
@@ -189,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--pools", type=lambda s: tuple(int(x) for x in s.split(",")), default=POOLS,
                    help="comma-separated denoiser counts, smallest first")
-    p.add_argument("--base", metavar="REV", help="also replay on gateway/scheduler.py as of this git revision, "
+    p.add_argument("--base", metavar="REV", help="also replay on the scheduler as of this git revision, "
                    "in alternating rounds, and report the speed-up")
     args = p.parse_args(argv)
     results = run(args.pools, args.events, args.rounds, args.base)

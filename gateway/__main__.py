@@ -10,7 +10,7 @@ from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.membership import parse_allow_rule, split_host_port
 from gateway.metrics import GatewayMetrics
-from gateway.scheduler import SchedulerConfig
+from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from gateway.timeouts import TimeoutPolicy
 from glmimage.sizes import size_arg

@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass, field
 
 from gateway.membership import AllowRule
-from gateway.scheduler import SchedulerConfig
+from gateway.scheduler.types import SchedulerConfig
 from gateway.timeouts import TimeoutPolicy
 from services.runtime.tls import ClientTls
 

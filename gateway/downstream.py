@@ -15,9 +15,9 @@ from typing import Protocol
 
 import grpc
 
-from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.observe import Observer, Timing
+from gateway.scheduler import types as sch
 from gateway.timeouts import CostModel, DenoiseTimeouts, ar_seconds, ar_work
 from gateway.validation import Admitted
 from gateway.workers import CREDENTIAL_CODES, Worker, WorkerHealth, refusal

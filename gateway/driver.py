@@ -20,12 +20,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway import scheduler as sch
 from gateway.config import GatewayConfig
 from gateway.downstream import Downstream, StreamOptions
 from gateway.membership import DnsMembership
 from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer, Timing
+from gateway.scheduler import types as sch
+from gateway.scheduler.core import Scheduler
 from gateway.validation import Admitted
 from gateway.workers import Worker, WorkerHealth
 from glmimage.v1 import ar_service_pb2, denoiser_service_pb2
@@ -61,10 +62,10 @@ class _Pending:
 
 
 class Driver:
-    def __init__(self, config: GatewayConfig, scheduler: sch.Scheduler | None = None,
+    def __init__(self, config: GatewayConfig, scheduler: Scheduler | None = None,
                  metrics: GatewayMetrics | None = None) -> None:
         self.config = config
-        self.scheduler = scheduler or sch.Scheduler(config.scheduler)
+        self.scheduler = scheduler or Scheduler(config.scheduler)
         self.observe = Observer(metrics)
         self._pending: dict[str, _Pending] = {}
         self._workers: dict[str, Worker] = {}

@@ -17,7 +17,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from gateway.scheduler import WorkerRole
+from gateway.scheduler.types import WorkerRole
 from services.runtime.tls import PLAINTEXT_SCHEME, TLS_SCHEME, split_scheme
 
 log = logging.getLogger(__name__)

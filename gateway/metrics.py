@@ -16,7 +16,9 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway import scheduler as sch
+from gateway.scheduler import types as sch
+from gateway.scheduler.core import Scheduler
+from services.runtime.errors import ErrorKind
 
 # Reference AR batches take 20-33 s and denoising 12 s; the buckets also cover the tiny model and 100x-faster
 # simulations, which run in milliseconds.
@@ -36,7 +38,7 @@ class _Published:
     refusing: frozenset[str] = frozenset()  # members that refuse the gateway's credential (its internal token)
 
 
-_EMPTY = _Published(sch.Scheduler().snapshot(), sch.Counters())
+_EMPTY = _Published(Scheduler().snapshot(), sch.Counters())
 
 
 class GatewayMetrics(Collector):
@@ -63,7 +65,7 @@ class GatewayMetrics(Collector):
         self.images = Counter("glmimage_gateway_images", "Images returned to clients", registry=reg)
         self.tokens = Counter("glmimage_gateway_tokens", "AR tokens of successful requests", ["kind"],
                               registry=reg)
-        for outcome in ("ok", *(k.value for k in sch.ErrorKind)):
+        for outcome in ("ok", *(k.value for k in ErrorKind)):
             self.requests.labels(outcome)  # every series exists from the start, so rate() sees the first one
         for kind in ("prompt", "completion"):
             self.tokens.labels(kind)

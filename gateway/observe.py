@@ -9,9 +9,11 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from gateway import scheduler as sch
 from gateway.metrics import GatewayMetrics
+from gateway.scheduler import types as sch
+from gateway.scheduler.core import Scheduler
 from glmimage.v1 import ar_service_pb2
+from services.runtime.errors import ErrorKind
 
 
 @dataclass
@@ -68,11 +70,11 @@ class Observer:
         if timing is not None:
             m.request_seconds.observe(time.monotonic() - timing.arrived)
 
-    def failed(self, kind: sch.ErrorKind) -> None:
+    def failed(self, kind: ErrorKind) -> None:
         if self.metrics is not None:
             self.metrics.requests.labels(kind.value).inc()
 
-    def publish(self, scheduler: sch.Scheduler, stuck: Iterable[str], refusing: Iterable[str] = ()) -> None:
+    def publish(self, scheduler: Scheduler, stuck: Iterable[str], refusing: Iterable[str] = ()) -> None:
         """``stuck``: members there but making no progress; ``refusing``: members refusing the credential."""
         if self.metrics is not None:
             self.metrics.publish(scheduler.snapshot(), scheduler.counters, frozenset(stuck), frozenset(refusing))

@@ -16,8 +16,8 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway import scheduler as sch
 from gateway.config import GatewayConfig
+from gateway.scheduler import types as sch
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.runtime import keepalive
 from services.runtime.limits import advertised

@@ -28,7 +28,7 @@ from gateway.__main__ import parse_args as gateway_args
 from gateway.membership import DnsMembership, parse_allow_rule
 from gateway.rest import __main__ as rest_main
 from gateway.rest.app import RestSettings, create_app
-from gateway.scheduler import WorkerRole, WorkerState
+from gateway.scheduler.types import WorkerRole, WorkerState
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc

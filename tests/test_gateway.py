@@ -15,7 +15,7 @@ from PIL import Image
 from gateway import downstream
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
-from gateway.scheduler import SchedulerConfig
+from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc, gateway_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb

@@ -23,7 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.membership import DnsMembership, join_host_port, resolve, split_host_port
 from gateway.metrics import GatewayMetrics
-from gateway.scheduler import SchedulerConfig, WorkerRole
+from gateway.scheduler.types import SchedulerConfig, WorkerRole
 from gateway.validation import Admitted
 from gateway.workers import WorkerHealth
 from glmimage.v1 import denoiser_service_pb2_grpc
@@ -387,7 +387,7 @@ async def test_api_keys_guard_gateway_service_but_not_health_or_reflection(clust
 
 async def test_a_denoise_task_cancelled_before_it_ran_frees_its_worker(cluster: SimCluster) -> None:
     """A CancelDenoise can land before the dispatched RPC task has run at all (cancel in the same loop turn)."""
-    from gateway import scheduler as sch
+    from gateway.scheduler import types as sch
 
     class CancelFirstDispatch(Driver):
         cancelled: list[sch.JobId] = []

@@ -1,4 +1,4 @@
-"""Tests of the pure scheduler core (gateway/scheduler.py).
+"""Tests of the pure scheduler core (gateway/scheduler/core.py).
 
 Example-based tests pin every event in every relevant state; the hypothesis state machine that drives the scheduler
 with random event sequences is in tests/test_scheduler_machine.py.
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.scheduler import (
+from gateway.scheduler.core import Scheduler
+from gateway.scheduler.types import (
     Action,
     ArBatchFailed,
     ArBatchSucceeded,
@@ -22,12 +23,10 @@ from gateway.scheduler import (
     DenoiseSucceeded,
     DispatchArBatch,
     DispatchDenoise,
-    ErrorKind,
     FailRequest,
     JobId,
     RequestArrived,
     RequestCancelled,
-    Scheduler,
     SchedulerConfig,
     Tick,
     WorkerAdded,
@@ -40,6 +39,7 @@ from gateway.scheduler import (
     WorkerState,
     WorkerUnhealthy,
 )
+from services.runtime.errors import ErrorKind
 from tests.support.scheduler_model import AR, DN, OTHER, SIZE
 
 # ----------------------------------------------------------------------------------------------------- helpers

@@ -1,4 +1,4 @@
-"""Property-based test of the pure scheduler core (gateway/scheduler.py).
+"""Property-based test of the pure scheduler core (gateway/scheduler/core.py).
 
 A hypothesis state machine drives the scheduler with random event sequences through a small simulated cluster
 (the reference model in tests/support/scheduler_model.py) and checks the invariants after every step.
@@ -17,7 +17,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from gateway.scheduler import (
+from gateway.scheduler.core import Scheduler
+from gateway.scheduler.types import (
     Action,
     ArBatchFailed,
     ArBatchSucceeded,
@@ -30,13 +31,11 @@ from gateway.scheduler import (
     DenoiseSucceeded,
     DispatchArBatch,
     DispatchDenoise,
-    ErrorKind,
     Event,
     FailRequest,
     JobId,
     RequestArrived,
     RequestCancelled,
-    Scheduler,
     SchedulerConfig,
     Tick,
     WorkerAdded,
@@ -47,6 +46,7 @@ from gateway.scheduler import (
     WorkerState,
     WorkerUnhealthy,
 )
+from services.runtime.errors import ErrorKind
 from tests.support.scheduler_model import (
     AR,
     DN,

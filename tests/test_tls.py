@@ -12,7 +12,7 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
-from gateway.scheduler import SchedulerConfig
+from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.executor import SerialExecutor

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.scheduler import (
+from gateway.scheduler.types import (
     Action,
     DispatchArBatch,
     JobId,

@@ -22,7 +22,7 @@ from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.membership import parse_allow_rule
 from gateway.metrics import GatewayMetrics
-from gateway.scheduler import SchedulerConfig
+from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc

@@ -15,22 +15,27 @@ Invariants (checked by tests/test_scheduler.py and tests/test_scheduler_machine.
 - a result from a superseded attempt, a finished request or the wrong worker is fenced: it completes nothing and
   frees only a slot that is really held by exactly that job;
 - a worker that is healthy again gets work immediately (every handle() ends with the dispatch loop).
+
+This module is the policy, top to bottom: the public API, the event handlers, the request lifecycle, the AR stage,
+the denoise stage. What it keeps its books with is in the sibling modules: records.py (a request and its outputs),
+containers.py (the queues), pool.py (the workers, and the choice of a free one), speed.py (the CPython speed tricks).
 """
 
 from __future__ import annotations
 
-import enum
-import heapq
 import itertools
-import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, get_args
 
-# The exchange types live in gateway/scheduler_types.py; they are re-exported here (see __all__) for every user.
-from gateway import scheduler_types
-from gateway.scheduler_types import (
+# Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
+from services.runtime.errors import ErrorKind
+
+from .containers import ArQueue, MinQueue
+from .pool import Pool, Worker
+from .records import Output, Request
+from .speed import AR, AR_INFLIGHT, DENOISER, DENOISING, DONE, IDLE, INFLIGHT, NEVER, PENDING_AR, QUEUED
+from .types import (
     Action,
     ArBatchFailed,
     ArBatchSucceeded,
@@ -57,226 +62,19 @@ from gateway.scheduler_types import (
     WorkerHealthy,
     WorkerNotServing,
     WorkerRemoved,
-    WorkerRole,
-    WorkerSnapshot,
-    WorkerState,
     WorkerUnhealthy,
 )
 
-# Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
-from services.runtime.errors import ErrorKind
-
-__all__ = [*scheduler_types.__all__, "Scheduler"]  # the exchange types, re-exported with the machine
+__all__ = ["Scheduler"]
 
 
 _EVENT_TYPES: tuple[type, ...] = get_args(Event)
-
-# ---------------------------------------------------------------------------------------------------------------
-# Internal state
-
-
-class _Stage(enum.Enum):
-    PENDING_AR = enum.auto()
-    AR_INFLIGHT = enum.auto()
-    DENOISING = enum.auto()
-
-
-class _OutState(enum.Enum):
-    IDLE = enum.auto()  # neither queued nor running: before the AR result, or its attempt just ended
-    QUEUED = enum.auto()
-    INFLIGHT = enum.auto()
-    DONE = enum.auto()
-
-
-# The enum members the scheduler compares against, as module globals. Reading a member off its class
-# (``_Stage.DENOISING``) costs about ten times a global read in CPython 3.11 (the enum metaclass defines
-# __getattr__, which slows down every attribute read on the class), and every event does a dozen.
-_PENDING_AR, _AR_INFLIGHT, _DENOISING = _Stage.PENDING_AR, _Stage.AR_INFLIGHT, _Stage.DENOISING
-_IDLE, _QUEUED, _INFLIGHT, _DONE = _OutState.IDLE, _OutState.QUEUED, _OutState.INFLIGHT, _OutState.DONE
-_AR, _DENOISER = WorkerRole.AR, WorkerRole.DENOISER
-
-
-# The internal records use __slots__: their attributes are read and written on every event, and a slot is
-# quicker to reach than an instance __dict__ (and smaller, with 10,000 queued outputs).
-@dataclass(slots=True, eq=False)
-class _Output:
-    index: int
-    attempt: int  # JobId.attempt of the latest dispatch (starts at the request's attempt base)
-    state: _OutState = _IDLE
-    worker: str | None = None
-    result: object = None
-    refusals: int = 0  # dispatches a denoiser refused as busy with another gateway's job: not attempts used
-
-
-@dataclass(slots=True, eq=False)  # identity equality: deque.remove must not confuse two requests
-class _Request:
-    request_id: str
-    seq: int  # admission order; also distinguishes incarnations of a reused request_id
-    n: int
-    height: int
-    width: int
-    deadline: float | None
-    arrived_at: float  # AR queue age; kept across AR retries so a retried request is not starved
-    attempt_base: int
-    outputs: list[_Output]
-    stage: _Stage = _PENDING_AR
-    ar_batch: int | None = None
-    ar_failures: int = 0
-    # An edit, or it shared a batch the AR refused as bad input: it goes alone (from now on).
-    solo: bool = False
-    ar_outputs: tuple[object, ...] = ()
-    done: int = 0
-
-    @property
-    def queue_key(self) -> tuple[int, int, int]:
-        """The AR queue it waits in: one per resolution, and one of its own when it goes alone (so it neither waits
-        behind a batching window nor holds one up)."""
-        return (self.height, self.width, self.seq if self.solo else 0)
-
-
-@dataclass(slots=True, eq=False)
-class _Worker:
-    address: str
-    role: WorkerRole
-    added_seq: int  # tie-break for LRU so choices are deterministic
-    healthy: bool = False  # a new worker is unhealthy until its first health check passes
-    draining: bool = False
-    not_serving: bool = False  # healthy but said NOT_SERVING: finishing what it holds, takes nothing new
-    last_used: int = 0
-    job: JobId | None = None  # denoisers: the one job whose slot this worker holds
-    offered: bool = False  # denoisers: has its one entry in Scheduler._idle_denoisers
-    batches: set[int] = field(default_factory=set)  # AR: batch ids in flight
-    # Denoisers: another gateway's job holds the slot, as its occupancy stream (or a busy refusal) said, at
-    # sequence ``occupancy_seq``; such a denoiser gets no job from here until it is free again.
-    elsewhere: bool = False
-    occupancy_seq: int = -1
-    # accepts_work() as of the last change to its flags, kept by Scheduler._recount (False once forgotten): it is
-    # what the ready counts count, and what the dispatch paths read instead of calling accepts_work().
-    ready: bool = False
-    # Why it last stopped taking work (None since it was last healthy, or never checked): what the message of a
-    # request that finds no worker of its stage says.
-    down: WorkerDown | None = None
-
-    def busy(self) -> bool:
-        return self.job is not None or bool(self.batches)
-
-    def accepts_work(self) -> bool:
-        return self.healthy and not self.draining and not self.not_serving
-
-
-class _ArQueue:
-    """One AR queue (a resolution's, or a solo request's own): its requests in dispatch order, and the two figures
-    the AR dispatch pass checks on every look, kept up to date instead of recomputed from the requests each time:
-    ``outputs`` (the sum of their n) and ``oldest()`` (the smallest (arrived_at, seq), cached)."""
-
-    __slots__ = ("requests", "outputs", "_oldest")
-
-    def __init__(self) -> None:
-        self.requests: deque[_Request] = deque()
-        self.outputs = 0
-        self._oldest: tuple[float, int] | None = None  # None: to be computed (empty, or its oldest left)
-
-    def push(self, req: _Request, front: bool) -> None:
-        if front:
-            self.requests.appendleft(req)
-        else:
-            self.requests.append(req)
-        self.outputs += req.n
-        if self._oldest is not None and (req.arrived_at, req.seq) < self._oldest:
-            self._oldest = (req.arrived_at, req.seq)  # a retried request keeps its age: it may be the oldest
-
-    def remove(self, req: _Request) -> None:
-        self.requests.remove(req)
-        self.outputs -= req.n
-        if (req.arrived_at, req.seq) == self._oldest:
-            self._oldest = None
-
-    def keep_only(self, rest: deque[_Request]) -> None:
-        """After a batch took some of the requests: ``rest`` are those left, in order."""
-        self.requests = rest
-        self.outputs = sum(r.n for r in rest)
-        self._oldest = None
-
-    def oldest(self) -> tuple[float, int]:
-        if self._oldest is None:
-            self._oldest = min((r.arrived_at, r.seq) for r in self.requests)
-        return self._oldest
-
-
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    batch_id: int
-    worker: str
-    height: int
-    width: int
-    request_ids: tuple[str, ...]
-
-
-class _MinQueue:
-    """A priority queue of unique, comparable entries, smallest first: a heap with a fast lane.
-
-    Entries usually come in increasing order (deadlines of requests with the same timeout; the outputs of AR
-    batches answered in turn), and a pop from a heap of 10,000 sifts through cold memory. So an entry greater than
-    the last one in the lane is appended to the lane (a deque, sorted by construction), any other goes to the heap,
-    and a pop takes the smaller of the two heads: the same order as one heap. ``first`` is the smallest entry
-    (None if empty), kept up to date so that a peek costs an attribute read."""
-
-    __slots__ = ("first", "_lane", "_heap")
-
-    def __init__(self) -> None:
-        self.first: Any = None
-        self._lane: deque[Any] = deque()
-        self._heap: list[Any] = []
-
-    def __len__(self) -> int:
-        return len(self._lane) + len(self._heap)
-
-    def __iter__(self) -> Iterator[Any]:
-        """Every entry, in no particular order."""
-        yield from self._lane
-        yield from self._heap
-
-    def push(self, entry: Any) -> None:
-        lane = self._lane
-        if not lane or lane[-1] < entry:
-            lane.append(entry)
-        else:
-            heapq.heappush(self._heap, entry)
-        if self.first is None or entry < self.first:
-            self.first = entry
-
-    def pop(self) -> Any:
-        """Take the smallest entry out (the queue must not be empty)."""
-        entry = self.first
-        if self._heap and self._heap[0] is entry:
-            heapq.heappop(self._heap)
-        else:
-            self._lane.popleft()
-        self._find_first()
-        return entry
-
-    def drop_if(self, doomed: Callable[[Any], bool]) -> None:
-        self._lane = deque(e for e in self._lane if not doomed(e))
-        self._heap = [e for e in self._heap if not doomed(e)]
-        heapq.heapify(self._heap)
-        self._find_first()
-
-    def _find_first(self) -> None:
-        lane, heap = self._lane, self._heap
-        if lane and heap:
-            self.first = lane[0] if lane[0] < heap[0] else heap[0]
-        elif lane:
-            self.first = lane[0]
-        else:
-            self.first = heap[0] if heap else None
 
 
 # A denoise queue entry: (class, admission seq, index, request_id). Class 0 = requeued (goes to the front),
 # class 1 = fresh. (class, seq, index) is unique, so request_id never takes part in comparisons.
 _QueueKey = tuple[int, int, int, str]
 _FRONT, _FRESH = 0, 1
-
-_NEVER = math.inf  # a time no clock reaches (a constant: float("inf") parses a string on every call)
 
 # How many ended request ids remember their highest attempt number. A reused id continues above it, so a late
 # result of the previous incarnation cannot pass the fencing check of the new one.
@@ -293,31 +91,20 @@ class Scheduler:
         self._seq = itertools.count(1)
         self._batch_ids = itertools.count(1)
         self._maybe_abandoned: set[int] = set()  # batches that lost a request during the current event
-        self._use_clock = itertools.count(1)  # logical clock for least-recently-used choices
-        self._active: dict[str, _Request] = {}
+        self._active: dict[str, Request] = {}
         # (height, width, 0) -> the requests that may batch together; a solo request queues under its own key.
-        self._pending_ar: dict[tuple[int, int, int], _ArQueue] = {}  # none is empty
+        self._pending_ar: dict[tuple[int, int, int], ArQueue] = {}  # none is empty
         self._pending_ar_outputs = 0
-        self._denoise_q = _MinQueue()  # of _QueueKey: the smallest is dispatched next
-        self._batches: dict[int, _Batch] = {}
-        self._workers: dict[str, _Worker] = {}
-        # The same workers by role, so a choice among the few AR servers does not scan every denoiser.
-        self._by_role: dict[WorkerRole, dict[str, _Worker]] = {r: {} for r in WorkerRole}
-        self._ar_workers = self._by_role[_AR]  # looked up on every event; an enum's hash is not free
-        # How many members of each role accept work, kept by _recount and _forget, so that "is any worker of this
-        # stage ready" (asked on every event with fail-fast on) costs O(1), not a scan of the denoiser pool.
-        self._ready_ar = 0
-        self._ready_denoisers = 0
-        # Heap of denoisers that may be free, by (last_used, added_seq): the LRU choice without scanning the pool.
-        # Validated lazily when it reaches the top (see _free_denoiser).
-        self._idle_denoisers: list[tuple[int, int, _Worker]] = []
-        self._deadlines = _MinQueue()  # of (deadline, seq, request_id), lazily pruned
+        self._denoise_q = MinQueue()  # of _QueueKey: the smallest is dispatched next
+        self._batches: dict[int, DispatchArBatch] = {}  # in flight, as dispatched
+        self._pool = Pool(config.ar_max_inflight_batches)
+        self._deadlines = MinQueue()  # of (deadline, seq, request_id), lazily pruned
         self._attempt_floor: OrderedDict[str, int] = OrderedDict()
         self._ended = False  # a request ended during this event (see _prune_deadlines)
         # When the AR dispatch pass may find something to do again (see _dispatch_ar): at once if _ar_dirty (an AR
         # queue or an AR worker changed), else from _ar_recheck_at on (a waiting group's batch delay expires).
         self._ar_dirty = False
-        self._ar_recheck_at = _NEVER
+        self._ar_recheck_at = NEVER
         # Event type -> its handler, in the order of the Event union (handle() looks up the exact type).
         self._handlers: dict[type, Callable[[Any, list[Action]], None]] = {
             RequestArrived: self._on_arrived,
@@ -345,9 +132,9 @@ class Scheduler:
 
     def handle(self, event: Event) -> list[Action]:
         """Apply one event; return the actions to perform, in order."""
-        # One dict lookup on the exact type instead of isinstance over the union and a 14-case match: this runs on
-        # every event. Anything else (a subclass of an event type, or not an event) takes the slow path: isinstance
-        # against each type in the union's order, as the match did.
+        # One dict lookup on the exact type, not isinstance over the 14 types of the union: this runs on every event.
+        # Anything else (a subclass of an event type, or not an event) takes the slow path: isinstance against each
+        # type in the union's order.
         handler = self._handlers.get(type(event))
         if handler is None:
             handler = self._handler_by_isinstance(event)
@@ -362,9 +149,10 @@ class Scheduler:
             self._expire_deadlines(actions)
         handler(event, actions)
         # After any event: the last worker of a stage may be gone, a batch may have lost its last request.
-        if self._pending_ar and not self._ready_ar:
+        pool = self._pool
+        if self._pending_ar and not pool.ready_ar:
             self._fail_stranded_ar_requests(actions)
-        if self._denoise_q.first is not None and not self._ready_denoisers:
+        if self._denoise_q.first is not None and not pool.ready_denoisers:
             self._fail_stranded_denoise_requests(actions)
         if self._maybe_abandoned:
             self._stop_abandoned_batches(actions)
@@ -373,7 +161,7 @@ class Scheduler:
         # queued work and a denoiser that may be free (with either missing it does nothing, and touches nothing).
         if self._ar_dirty or self._now >= self._ar_recheck_at:  # else the AR pass would find nothing to do
             self._dispatch_ar(actions)
-        if self._idle_denoisers and self._denoise_q.first is not None:
+        if pool.idle and self._denoise_q.first is not None:
             self._dispatch_denoise(actions)
         if self._ended:  # only an ended request can leave a dead entry at the head of the deadline queue
             self._prune_deadlines()
@@ -392,7 +180,7 @@ class Scheduler:
             candidates.append(self._deadlines.first[0])  # pruned after every handle(): the head is live
         # A batch delay expiry matters only if some AR worker could take the batch; otherwise the event that
         # frees a worker triggers the dispatch. (Without this, an expired group would make the driver spin.)
-        if self._pending_ar and self._free_ar_worker() is not None:
+        if self._pending_ar and self._pool.free_ar_server() is not None:
             delay = self.config.ar_batch_delay
             candidates.extend(q.oldest()[0] + delay for q in self._pending_ar.values())
         return min(candidates) if candidates else None
@@ -404,7 +192,7 @@ class Scheduler:
             pending_denoise_outputs=len(self._denoise_q),
             pending_denoise_requests=len({k[1] for k in self._denoise_q}),
             active_requests=len(self._active),
-            workers=tuple(self._worker_snapshot(w) for w in self._workers.values()),
+            workers=self._pool.snapshots(),
         )
 
     def queued_outputs(self) -> int:
@@ -413,12 +201,12 @@ class Scheduler:
 
     def is_not_serving(self, address: str) -> bool:
         """Whether ``address`` said NOT_SERVING (draining: finishing what it holds, taking nothing new)."""
-        w = self._workers.get(address)
+        w = self._pool.members.get(address)
         return w is not None and w.not_serving
 
     def has_worker(self, address: str) -> bool:
         """Whether ``address`` is still a member (a removed worker stays one until it has drained)."""
-        return address in self._workers
+        return address in self._pool.members
 
     # --------------------------------------------------------------------------------------------- event handlers
 
@@ -440,10 +228,10 @@ class Scheduler:
                       f"n={ev.n} is more images than this server queues at once; ask for at most "
                       f"{cfg.max_queued_outputs}")
             note = f"--max-queued-outputs={cfg.max_queued_outputs}"
-        elif cfg.fail_fast_without_workers and not self._any_ready(_AR):
-            reject = (ErrorKind.UNAVAILABLE, self._none_ready(_AR, None))
-        elif cfg.fail_fast_without_workers and not self._any_ready(_DENOISER):
-            reject = (ErrorKind.UNAVAILABLE, self._none_ready(_DENOISER, None))
+        elif cfg.fail_fast_without_workers and not self._pool.any_ready(AR):
+            reject = (ErrorKind.UNAVAILABLE, self._pool.none_ready(AR, None))
+        elif cfg.fail_fast_without_workers and not self._pool.any_ready(DENOISER):
+            reject = (ErrorKind.UNAVAILABLE, self._pool.none_ready(DENOISER, None))
         elif queued + ev.n > cfg.max_queued_outputs:
             # The client's terms (retry later, or fewer images); the operator's flag goes to the gateway log.
             reject = (ErrorKind.RESOURCE_EXHAUSTED,
@@ -456,7 +244,7 @@ class Scheduler:
             return
 
         base = self._attempt_floor.pop(rid, 0)
-        req = _Request(
+        req = Request(
             request_id=rid,
             seq=next(self._seq),
             n=ev.n,
@@ -465,7 +253,7 @@ class Scheduler:
             deadline=ev.deadline,
             arrived_at=self._now,
             attempt_base=base,
-            outputs=[_Output(index=i, attempt=base) for i in range(ev.n)],
+            outputs=[Output(index=i, attempt=base) for i in range(ev.n)],
             solo=ev.solo,
         )
         self._active[rid] = req
@@ -495,7 +283,7 @@ class Scheduler:
                     req, ErrorKind.INTERNAL, f"AR stage returned {got} outputs, expected {req.n}", actions
                 )
                 continue
-            req.stage = _DENOISING
+            req.stage = DENOISING
             req.ar_outputs = tuple(outs)
             for out in req.outputs[:1] if self.config.serial_outputs else req.outputs:
                 self._enqueue_output(req, out, front=False)
@@ -526,7 +314,7 @@ class Scheduler:
         if found is None:
             return
         req, out = found
-        out.state = _DONE
+        out.state = DONE
         out.worker = None
         out.result = ev.result
         req.done += 1
@@ -545,7 +333,7 @@ class Scheduler:
         if found is None:
             return
         req, out = found
-        out.state, out.worker = _IDLE, None
+        out.state, out.worker = IDLE, None
         if ev.retryable:
             self._retry_output(req, out, "denoise_failed", ev.message, actions)
         else:
@@ -555,8 +343,8 @@ class Scheduler:
 
     def _on_denoise_refused_busy(self, ev: DenoiseRefusedBusy, actions: list[Action]) -> None:
         self.counters.collisions += 1
-        w = self._workers.get(ev.worker)
-        held = w is not None and w.role is _DENOISER and w.job == ev.job
+        w = self._pool.members.get(ev.worker)
+        held = w is not None and w.role is DENOISER and w.job == ev.job
         found = self._take_job(ev.job, ev.worker)
         if held and (ev.sequence is None or ev.sequence >= w.occupancy_seq):
             # Busy until its stream says free; a free state newer than the refusal already came (stale).
@@ -565,13 +353,13 @@ class Scheduler:
                 w.occupancy_seq = ev.sequence
         if found is not None:
             req, out = found
-            out.state, out.worker = _IDLE, None
+            out.state, out.worker = IDLE, None
             out.refusals += 1
             self._enqueue_output(req, out, front=True)  # to another free denoiser in this same event
 
     def _on_denoiser_occupancy(self, ev: DenoiserOccupancy, actions: list[Action]) -> None:
-        w = self._workers.get(ev.worker)
-        if w is None or w.role is not _DENOISER:
+        w = self._pool.members.get(ev.worker)
+        if w is None or w.role is not DENOISER:
             return
         if ev.sequence is not None:
             if ev.sequence <= w.occupancy_seq:
@@ -579,25 +367,24 @@ class Scheduler:
             w.occupancy_seq = ev.sequence
         w.elsewhere = ev.elsewhere
         if not w.elsewhere:
-            self._offer(w)
+            self._pool.offer(w)
 
     def _on_tick(self, ev: Tick, actions: list[Action]) -> None:
         pass  # time moved: deadlines before the handler, batch delays in the dispatch loop after it
 
     def _on_worker_added(self, ev: WorkerAdded, actions: list[Action]) -> None:
-        w = self._workers.get(ev.worker)
+        w = self._pool.members.get(ev.worker)
         if w is None:
-            w = self._workers[ev.worker] = _Worker(ev.worker, ev.role, added_seq=next(self._seq))
-            self._by_role[ev.role][ev.worker] = w
+            w = self._pool.add(ev.worker, ev.role)
             self._recount(w)
         elif w.role is ev.role:
             w.draining = False  # re-added while draining (endpoint flap): keep it
             self._recount(w)
-            self._offer(w)
+            self._pool.offer(w)
         # A different role under a live address is a discovery glitch: keep the known worker until it is gone.
 
     def _on_worker_removed(self, ev: WorkerRemoved, actions: list[Action]) -> None:
-        w = self._workers.get(ev.worker)
+        w = self._pool.members.get(ev.worker)
         if w is None:
             return
         if w.busy():
@@ -607,22 +394,22 @@ class Scheduler:
             self._forget(w)
 
     def _on_worker_healthy(self, ev: WorkerHealthy, actions: list[Action]) -> None:
-        w = self._workers.get(ev.worker)
+        w = self._pool.members.get(ev.worker)
         if w is not None:
             w.healthy = True  # the dispatch loop at the end of handle() hands it work right away
             w.not_serving = False
             w.down = None
             self._recount(w)
-            self._offer(w)
+            self._pool.offer(w)
 
     def _on_worker_not_serving(self, ev: WorkerNotServing, actions: list[Action]) -> None:
-        w = self._workers.get(ev.worker)
+        w = self._pool.members.get(ev.worker)
         if w is not None and w.healthy:
             w.not_serving = True  # unlike WorkerUnhealthy, nothing it holds is cancelled or requeued
             self._recount(w)
 
     def _on_worker_unhealthy(self, ev: WorkerUnhealthy, actions: list[Action]) -> None:
-        w = self._workers.get(ev.worker)
+        w = self._pool.members.get(ev.worker)
         if w is None:
             return
         w.down = ev.why  # also for one never healthy: it refused the credential when it joined
@@ -635,9 +422,9 @@ class Scheduler:
         # It refused the call before running it (a credential is checked first): no attempt was used.
         charge = ev.why is not WorkerDown.CREDENTIAL_REFUSED
         # Client-facing: which stage, never which address (the driver logs that with the request ids).
-        stage = "the AR server" if w.role is _AR else "the denoiser"
+        stage = "the AR server" if w.role is AR else "the denoiser"
         reason = f"{stage} running it " + ("became unavailable" if ev.why is WorkerDown.GONE else ev.why.value)
-        if w.role is _AR:
+        if w.role is AR:
             for bid in sorted(w.batches):
                 actions.append(CancelArBatch(bid, w.address))
                 batch = self._batches.pop(bid)  # fence: its result is ignored from now on
@@ -650,7 +437,7 @@ class Scheduler:
             if found is not None:
                 req, out = found
                 actions.append(CancelDenoise(job, w.address))
-                out.state, out.worker = _IDLE, None
+                out.state, out.worker = IDLE, None
                 if not charge:
                     out.refusals += 1  # like a busy refusal: a dispatch, not an attempt
                 self._retry_output(req, out, "worker_unhealthy", reason, actions)
@@ -658,57 +445,31 @@ class Scheduler:
         if w.draining:
             self._forget(w)
 
-    # ----------------------------------------------------------------------------------------- request lifecycle
+    # The pool's books change here, so that the AR pass hears of every change to an AR worker (see _dispatch_ar).
 
-    def _any_ready(self, role: WorkerRole) -> bool:
-        """Whether some member of ``role`` accepts work (what a scan of accepts_work() would say)."""
-        return (self._ready_ar if role is _AR else self._ready_denoisers) > 0
-
-    def _recount(self, w: _Worker, member: bool = True) -> None:
-        """Bring the ready counts up to date after a change to a worker's healthy, draining or not_serving flag,
-        or to its membership (``member=False``: _forget).
-
-        Every such change calls this, so the counts always equal the number of members for which accepts_work()
-        holds, and w.ready says whether w is one of them."""
-        ready = member and w.accepts_work()
-        if ready is not w.ready:
-            w.ready = ready
-            delta = 1 if ready else -1
-            if w.role is _AR:
-                self._ready_ar += delta
-            else:
-                self._ready_denoisers += delta
-        if w.role is _AR:
+    def _recount(self, w: Worker) -> None:
+        """After a change to a worker's healthy, draining or not_serving flag (see Pool.recount)."""
+        self._pool.recount(w)
+        if w.role is AR:
             self._ar_dirty = True  # a worker joined, left, or may take batches now (or no longer)
 
-    def _none_ready(self, role: WorkerRole, default: str | None) -> str:
-        """The client's message when no worker of ``role`` takes work: with why its members stopped (distinct, in
-        WorkerDown's order), or ``default`` when they only went away or gave no reason. Off the hot path: only a
-        request that finds its stage empty reads it."""
-        given = {w.down for w in self._by_role[role].values() if w.down is not None}
-        whys = [d for d in WorkerDown if d in given]
-        if whys and whys != [WorkerDown.GONE]:
-            why: str | None = f"it {whys[0].value}" if len(whys) == 1 else "; ".join(f"one {d.value}" for d in whys)
-        else:
-            why = default
-        stage = "no AR server is available" if role is _AR else "no denoiser is available"
-        return f"{stage} ({why}); retry later" if why else f"{stage}; retry later"
+    def _forget(self, w: Worker) -> None:
+        """Drop a worker from membership."""
+        self._pool.forget(w)
+        if w.role is AR:
+            self._ar_dirty = True
 
-    def _forget(self, w: _Worker) -> None:
-        """Drop a worker from membership (its heap entry, if any, is discarded when it reaches the top)."""
-        del self._workers[w.address]
-        del self._by_role[w.role][w.address]
-        self._recount(w, member=False)
+    # ----------------------------------------------------------------------------------------- request lifecycle
 
     def _fail_stranded_ar_requests(self, actions: list[Action]) -> None:
         """With fail-fast on, requests still waiting for an AR batch fail once no AR worker is left to take it."""
-        if not self._pending_ar or not self.config.fail_fast_without_workers or self._any_ready(_AR):
+        if not self._pending_ar or not self.config.fail_fast_without_workers or self._pool.any_ready(AR):
             return
         stranded = [req for q in self._pending_ar.values() for req in q.requests]
         for req in sorted(stranded, key=lambda r: r.seq):
-            self._fail(req, ErrorKind.UNAVAILABLE, self._none_ready(_AR, "it went away"), actions)
+            self._fail(req, ErrorKind.UNAVAILABLE, self._pool.none_ready(AR, "it went away"), actions)
 
-    def _waiting_for(self, batch: _Batch) -> list[_Request]:
+    def _waiting_for(self, batch: DispatchArBatch) -> list[Request]:
         """The live requests whose current AR batch this is (an ended or re-batched one no longer counts)."""
         return [r for rid in batch.request_ids
                 if (r := self._active.get(rid)) is not None and r.ar_batch == batch.batch_id]
@@ -727,23 +488,23 @@ class Scheduler:
     def _fail_stranded_denoise_requests(self, actions: list[Action]) -> None:
         """With fail-fast on, requests with an output waiting for a denoiser fail once none is left to take it
         (the last one went away or is draining), rather than at their deadline minutes later."""
-        if not self._denoise_q or not self.config.fail_fast_without_workers or self._any_ready(_DENOISER):
+        if not self._denoise_q or not self.config.fail_fast_without_workers or self._pool.any_ready(DENOISER):
             return
         stranded = {self._active[rid] for _, _, _, rid in self._denoise_q if rid in self._active}
         for req in sorted(stranded, key=lambda r: r.seq):
-            self._fail(req, ErrorKind.UNAVAILABLE, self._none_ready(_DENOISER, "it went away"), actions)
+            self._fail(req, ErrorKind.UNAVAILABLE, self._pool.none_ready(DENOISER, "it went away"), actions)
 
-    def _fail(self, req: _Request, code: ErrorKind, message: str, actions: list[Action], *,
+    def _fail(self, req: Request, code: ErrorKind, message: str, actions: list[Action], *,
               field: str | None = None) -> None:
         self._end(req, actions)
         self.counters.failed[code] += 1
         actions.append(FailRequest(req.request_id, code, message, field))
 
-    def _end(self, req: _Request, actions: list[Action]) -> None:
+    def _end(self, req: Request, actions: list[Action]) -> None:
         """Remove an active request from every queue and cancel its in-flight denoise jobs."""
         del self._active[req.request_id]
         self._ended = True
-        if req.stage is _PENDING_AR:
+        if req.stage is PENDING_AR:
             q = self._pending_ar[req.queue_key]
             q.remove(req)
             if not q.requests:
@@ -752,18 +513,18 @@ class Scheduler:
             # (A removal cannot let a batch leave: its group only gets smaller and younger. Set all the same, so
             # that the rule stays simple: every change to the AR queues sets the flag.)
             self._ar_dirty = True
-        elif req.stage is _DENOISING:
+        elif req.stage is DENOISING:
             queued = False
             for out in req.outputs:  # one pass: on the hot path of every completion
-                if out.state is _QUEUED:
+                if out.state is QUEUED:
                     queued = True
-                elif out.state is _INFLIGHT and out.worker is not None:
+                elif out.state is INFLIGHT and out.worker is not None:
                     # The worker keeps the slot until the RPC ends, so it is never oversubscribed.
                     actions.append(CancelDenoise(JobId(req.request_id, out.index, out.attempt), out.worker))
             if queued:
                 seq = req.seq
                 self._denoise_q.drop_if(lambda k: k[1] == seq)
-        elif req.stage is _AR_INFLIGHT and req.ar_batch is not None:
+        elif req.stage is AR_INFLIGHT and req.ar_batch is not None:
             # The batch result will drop this request (it is no longer active). If nobody else waits for the
             # batch, it is stopped at the end of this event (unless this event is its result).
             self._maybe_abandoned.add(req.ar_batch)
@@ -797,35 +558,35 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------------- AR stage
 
-    def _enqueue_ar(self, req: _Request, front: bool) -> None:
-        req.stage = _PENDING_AR
+    def _enqueue_ar(self, req: Request, front: bool) -> None:
+        req.stage = PENDING_AR
         key = req.queue_key
         q = self._pending_ar.get(key)
         if q is None:  # (not setdefault: that would build a queue on every call)
-            q = self._pending_ar[key] = _ArQueue()
+            q = self._pending_ar[key] = ArQueue()
         q.push(req, front)
         self._pending_ar_outputs += req.n
         self._ar_dirty = True
 
-    def _take_batch(self, batch_id: int) -> _Batch | None:
+    def _take_batch(self, batch_id: int) -> DispatchArBatch | None:
         """Pop an in-flight batch and free its AR slot; None (and counted as fenced) if unknown."""
         batch = self._batches.pop(batch_id, None)
         if batch is None:
             self.counters.fenced_results += 1
             return None
         self._ar_dirty = True  # an AR slot is free
-        w = self._workers.get(batch.worker)
+        w = self._pool.members.get(batch.worker)
         if w is not None:
             w.batches.discard(batch_id)
             if w.draining and not w.busy():
                 self._forget(w)
         return batch
 
-    def _ar_batch_failed(self, batch: _Batch, message: str, reason: str, actions: list[Action],
+    def _ar_batch_failed(self, batch: DispatchArBatch, message: str, reason: str, actions: list[Action],
                          charge: bool = True) -> None:
         """Requeue the batch's live requests, each charged one AR failure (``charge``) and failed past its retries;
         uncharged, every one goes again (its AR refused the call before running it)."""
-        retry: list[_Request] = []
+        retry: list[Request] = []
         for req in self._waiting_for(batch):
             req.ar_batch = None
             if charge:
@@ -839,26 +600,13 @@ class Scheduler:
             self._enqueue_ar(req, front=True)
         self.counters.requeues[reason] += len(retry)
 
-    def _free_ar_worker(self) -> _Worker | None:
-        """The AR worker with room that holds the fewest batches, then was used least recently (then joined first).
-        (A loop, not min() over a list with a key function: this runs for every batch and every next_wakeup().)"""
-        room = self.config.ar_max_inflight_batches
-        best: _Worker | None = None
-        best_key: tuple[int, int, int] = (0, 0, 0)
-        for w in self._ar_workers.values():
-            if w.ready and len(w.batches) < room:
-                key = (len(w.batches), w.last_used, w.added_seq)
-                if best is None or key < best_key:
-                    best, best_key = w, key
-        return best
-
     def _eligible_group(self) -> tuple[tuple[int, int, int] | None, float]:
         """The resolution whose batch may leave now and whose oldest request is oldest (None if none may), and the
         earliest time at which a group that may not leave yet will by age (inf if there is none)."""
         cfg = self.config
         now = self._now
         best: tuple[tuple[float, int], tuple[int, int, int]] | None = None
-        wait_until = _NEVER
+        wait_until = NEVER
         for key, q in self._pending_ar.items():
             oldest = q.oldest()
             due = oldest[0] + cfg.ar_batch_delay
@@ -870,12 +618,12 @@ class Scheduler:
                 wait_until = due
         return (None if best is None else best[1]), wait_until
 
-    def _pack(self, q: deque[_Request]) -> list[_Request]:
+    def _pack(self, q: deque[Request]) -> list[Request]:
         """Oldest first; skip what does not fit and keep scanning. An oversized or solo head goes alone."""
         cap = self.config.ar_batch_max_outputs
         if q[0].n > cap or q[0].solo:
             return [q[0]]
-        taken: list[_Request] = []
+        taken: list[Request] = []
         room = cap
         for r in q:
             if r.n <= room and not r.solo:
@@ -893,14 +641,14 @@ class Scheduler:
         # alone will let a waiting group leave. handle() skips the pass until one of them says otherwise: most
         # events (denoise results) change neither, and the pass would scan the queues for nothing.
         self._ar_dirty = False
-        self._ar_recheck_at = _NEVER
+        self._ar_recheck_at = NEVER
         while self._pending_ar:  # checked first: cheaper than looking for a group or a free worker
             # The group first: usually none may leave yet (a batch is filling up), and then no worker is looked at.
             key, wait_until = self._eligible_group()
             if key is None:
                 self._ar_recheck_at = wait_until
                 return
-            w = self._free_ar_worker()
+            w = self._pool.free_ar_server()
             if w is None:
                 return  # until a slot frees up or a worker becomes ready (both set _ar_dirty)
             q = self._pending_ar[key]
@@ -911,43 +659,42 @@ class Scheduler:
                 q.keep_only(rest)
             else:
                 del self._pending_ar[key]
-            batch = _Batch(
+            batch = DispatchArBatch(
                 next(self._batch_ids), w.address, key[0], key[1], tuple(r.request_id for r in taken)
             )
             for r in taken:
-                r.stage = _AR_INFLIGHT
+                r.stage = AR_INFLIGHT
                 r.ar_batch = batch.batch_id
                 self._pending_ar_outputs -= r.n
             self._batches[batch.batch_id] = batch
             w.batches.add(batch.batch_id)
-            w.last_used = next(self._use_clock)
-            actions.append(
-                DispatchArBatch(batch.batch_id, w.address, batch.height, batch.width, batch.request_ids)
-            )
+            self._pool.used(w)
+            actions.append(batch)
 
     # -------------------------------------------------------------------------------------------- denoise stage
 
-    def _enqueue_output(self, req: _Request, out: _Output, front: bool) -> None:
-        out.state = _QUEUED
+    def _enqueue_output(self, req: Request, out: Output, front: bool) -> None:
+        out.state = QUEUED
         self._denoise_q.push((_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
 
-    def _live_output(self, job: JobId, worker: str) -> tuple[_Request, _Output] | None:
+    def _live_output(self, job: JobId, worker: str) -> tuple[Request, Output] | None:
         """The output ``job`` is the current, in-flight attempt of, on ``worker``; else None (stale)."""
         req = self._active.get(job.request_id)
-        if req is None or req.stage is not _DENOISING or not 0 <= job.index < req.n:
+        if req is None or req.stage is not DENOISING or not 0 <= job.index < req.n:
             return None
         out = req.outputs[job.index]
-        if out.state is not _INFLIGHT or out.attempt != job.attempt or out.worker != worker:
+        if out.state is not INFLIGHT or out.attempt != job.attempt or out.worker != worker:
             return None
         return req, out
 
-    def _take_job(self, job: JobId, worker: str) -> tuple[_Request, _Output] | None:
+    def _take_job(self, job: JobId, worker: str) -> tuple[Request, Output] | None:
         """Handle the end of a denoise RPC: free the worker only if it holds exactly ``job``.
 
         Returns the live output the result belongs to, or None if the result is fenced."""
-        w = self._workers.get(worker)
+        pool = self._pool
+        w = pool.members.get(worker)
         # (``is`` first: the driver usually hands back the very JobId it was given; equal values also match.)
-        if w is None or w.role is not _DENOISER or (w.job is not job and w.job != job):
+        if w is None or w.role is not DENOISER or (w.job is not job and w.job != job):
             # Superseded (worker went unhealthy and maybe took another job), unknown, or duplicated.
             self.counters.fenced_results += 1
             return None
@@ -956,14 +703,14 @@ class Scheduler:
         if w.draining:
             self._forget(w)
         else:
-            self._offer(w)
+            pool.offer(w)
         if found is None:
             # The request ended while this RPC ran (cancel/deadline/failure); the slot is freed above.
             self.counters.fenced_results += 1
         return found
 
     def _retry_output(
-        self, req: _Request, out: _Output, reason: str, message: str, actions: list[Action]
+        self, req: Request, out: Output, reason: str, message: str, actions: list[Action]
     ) -> None:
         used = out.attempt - req.attempt_base - out.refusals
         if used >= self.config.max_attempts:
@@ -974,62 +721,19 @@ class Scheduler:
         self.counters.requeues[reason] += 1
         self._enqueue_output(req, out, front=True)
 
-    def _offer(self, w: _Worker) -> None:
-        """Give a denoiser that may have become free its entry in the idle heap (one at most: its key only changes
-        when it is dispatched, which takes the entry out first)."""
-        if w.role is _DENOISER and not w.offered and w.ready and w.job is None \
-                and not w.elsewhere:
-            w.offered = True
-            heapq.heappush(self._idle_denoisers, (w.last_used, w.added_seq, w))
-
-    def _free_denoiser(self) -> _Worker | None:
-        """The free denoiser used least recently, taken out of the idle heap (the caller dispatches to it).
-
-        An entry whose worker is gone, unhealthy, not serving or busy is dropped: each of those ways back to free
-        passes through _offer, which pushes it again."""
-        heap = self._idle_denoisers
-        while heap:
-            w = heapq.heappop(heap)[2]
-            w.offered = False
-            if self._workers.get(w.address) is w and w.ready and w.job is None and not w.elsewhere:
-                return w
-        return None
-
     def _dispatch_denoise(self, actions: list[Action]) -> None:
         # One output per free denoiser, so a request's n outputs fan out to n workers at once.
-        queue = self._denoise_q
-        while queue.first is not None and self._idle_denoisers:  # (no entry left in the idle heap: none is free)
-            w = self._free_denoiser()
+        queue, pool = self._denoise_q, self._pool
+        while queue.first is not None and pool.idle:  # (no entry left in the idle heap: none is free)
+            w = pool.take_free_denoiser()
             if w is None:
                 return
             _, _, index, rid = queue.pop()
             req = self._active[rid]
             out = req.outputs[index]
             attempt = out.attempt = out.attempt + 1
-            out.state = _INFLIGHT
+            out.state = INFLIGHT
             address = out.worker = w.address
             job = w.job = JobId(rid, index, attempt)
-            w.last_used = next(self._use_clock)
             self.counters.denoise_dispatches += 1
             actions.append(DispatchDenoise(job, address, req.ar_outputs[index]))
-
-    # ---------------------------------------------------------------------------------------------- snapshots
-
-    def _worker_snapshot(self, w: _Worker) -> WorkerSnapshot:
-        if w.role is _AR:
-            inflight = len(w.batches)
-            full = inflight >= self.config.ar_max_inflight_batches
-        else:
-            inflight = 0 if w.job is None else 1
-            full = w.job is not None or w.elsewhere
-        if w.draining:
-            state = WorkerState.DRAINING
-        elif not w.healthy:
-            state = WorkerState.UNHEALTHY
-        elif w.not_serving:
-            state = WorkerState.DRAINING  # by its own choice: it said NOT_SERVING
-        elif full:
-            state = WorkerState.BUSY
-        else:
-            state = WorkerState.AVAILABLE
-        return WorkerSnapshot(w.address, w.role, state, inflight, w.job, held_elsewhere=w.elsewhere)

@@ -1,8 +1,8 @@
 """The scheduler's exchange types: events in, actions out, and what it is configured and observed with.
 
-gateway/scheduler.py holds the state machine that consumes these (``Scheduler.handle(event) -> list[Action]``)
-and re-exports every name here, so ``from gateway import scheduler as sch; sch.DispatchArBatch`` keeps working.
-Like the scheduler, this module imports only the standard library and services.runtime.errors.
+gateway/scheduler/core.py holds the state machine that consumes these (``Scheduler.handle(event) -> list[Action]``);
+every user imports them from here. Like the scheduler, this module imports only the standard library and
+services.runtime.errors.
 """
 
 from __future__ import annotations

@@ -1,0 +1,180 @@
+"""The scheduler's pool bookkeeping: the workers it knows, by address and by role; how many of each role take work;
+and the choice of a free one (the least recently used free denoiser off a heap, the least loaded AR server).
+
+What a worker's state means for the work it holds (requeue, fence, drain) is policy: core.Scheduler decides it and
+calls in here to change the books.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from .speed import AR, DENOISER
+from .types import JobId, WorkerDown, WorkerRole, WorkerSnapshot, WorkerState
+
+
+@dataclass(slots=True, eq=False)
+class Worker:
+    address: str
+    role: WorkerRole
+    added_seq: int  # tie-break for LRU so choices are deterministic
+    healthy: bool = False  # a new worker is unhealthy until its first health check passes
+    draining: bool = False
+    not_serving: bool = False  # healthy but said NOT_SERVING: finishing what it holds, takes nothing new
+    last_used: int = 0
+    job: JobId | None = None  # denoisers: the one job whose slot this worker holds
+    offered: bool = False  # denoisers: has its one entry in Pool.idle
+    batches: set[int] = field(default_factory=set)  # AR: batch ids in flight
+    # Denoisers: another gateway's job holds the slot, as its occupancy stream (or a busy refusal) said, at
+    # sequence ``occupancy_seq``; such a denoiser gets no job from here until it is free again.
+    elsewhere: bool = False
+    occupancy_seq: int = -1
+    # accepts_work() as of the last change to its flags, kept by Pool.recount (False once forgotten): it is what the
+    # ready counts count, and what the dispatch paths read instead of calling accepts_work().
+    ready: bool = False
+    # Why it last stopped taking work (None since it was last healthy, or never checked): what the message of a
+    # request that finds no worker of its stage says.
+    down: WorkerDown | None = None
+
+    def busy(self) -> bool:
+        return self.job is not None or bool(self.batches)
+
+    def accepts_work(self) -> bool:
+        return self.healthy and not self.draining and not self.not_serving
+
+
+class Pool:
+    """The members (a removed worker stays one until it has drained), and the counts and heap kept over them."""
+
+    __slots__ = ("members", "by_role", "ar_servers", "ready_ar", "ready_denoisers", "idle", "_ar_room", "_added",
+                 "_clock")
+
+    def __init__(self, ar_max_inflight_batches: int) -> None:
+        self.members: dict[str, Worker] = {}
+        # The same workers by role, so a choice among the few AR servers does not scan every denoiser.
+        self.by_role: dict[WorkerRole, dict[str, Worker]] = {r: {} for r in WorkerRole}
+        self.ar_servers = self.by_role[AR]  # looked up on every event; an enum's hash is not free
+        # How many members of each role accept work, kept by recount, so that "is any worker of this stage ready"
+        # (asked on every event with fail-fast on) costs O(1), not a scan of the denoiser pool.
+        self.ready_ar = 0
+        self.ready_denoisers = 0
+        # Heap of denoisers that may be free, by (last_used, added_seq): the LRU choice without scanning the pool.
+        # Validated lazily when it reaches the top (see take_free_denoiser).
+        self.idle: list[tuple[int, int, Worker]] = []
+        self._ar_room = ar_max_inflight_batches
+        self._added = itertools.count(1)
+        self._clock = itertools.count(1)  # logical clock for least-recently-used choices
+
+    # ------------------------------------------------------------------------------------------------ membership
+
+    def add(self, address: str, role: WorkerRole) -> Worker:
+        """A new member, unhealthy until its first health check passes (the caller recounts it)."""
+        w = self.members[address] = Worker(address, role, added_seq=next(self._added))
+        self.by_role[role][address] = w
+        return w
+
+    def forget(self, w: Worker) -> None:
+        """Drop a worker from membership (its heap entry, if any, is discarded when it reaches the top)."""
+        del self.members[w.address]
+        del self.by_role[w.role][w.address]
+        self.recount(w, member=False)
+
+    def recount(self, w: Worker, member: bool = True) -> None:
+        """Bring the ready counts up to date after a change to a worker's healthy, draining or not_serving flag,
+        or to its membership (``member=False``: forget).
+
+        Every such change calls this, so the counts always equal the number of members for which accepts_work()
+        holds, and w.ready says whether w is one of them."""
+        ready = member and w.accepts_work()
+        if ready is not w.ready:
+            w.ready = ready
+            delta = 1 if ready else -1
+            if w.role is AR:
+                self.ready_ar += delta
+            else:
+                self.ready_denoisers += delta
+
+    def any_ready(self, role: WorkerRole) -> bool:
+        """Whether some member of ``role`` accepts work (what a scan of accepts_work() would say)."""
+        return (self.ready_ar if role is AR else self.ready_denoisers) > 0
+
+    def none_ready(self, role: WorkerRole, default: str | None) -> str:
+        """The client's message when no worker of ``role`` takes work: with why its members stopped (distinct, in
+        WorkerDown's order), or ``default`` when they only went away or gave no reason. Off the hot path: only a
+        request that finds its stage empty reads it."""
+        given = {w.down for w in self.by_role[role].values() if w.down is not None}
+        whys = [d for d in WorkerDown if d in given]
+        if whys and whys != [WorkerDown.GONE]:
+            why: str | None = f"it {whys[0].value}" if len(whys) == 1 else "; ".join(f"one {d.value}" for d in whys)
+        else:
+            why = default
+        stage = "no AR server is available" if role is AR else "no denoiser is available"
+        return f"{stage} ({why}); retry later" if why else f"{stage}; retry later"
+
+    # ------------------------------------------------------------------------------------------ free-worker choice
+
+    def used(self, w: Worker) -> None:
+        """``w`` was just given work: it is now the most recently used of its role (see take_free_denoiser)."""
+        w.last_used = next(self._clock)
+
+    def offer(self, w: Worker) -> None:
+        """Give a denoiser that may have become free its entry in the idle heap (one at most: its key only changes
+        when it is dispatched, which takes the entry out first)."""
+        if w.role is DENOISER and not w.offered and w.ready and w.job is None \
+                and not w.elsewhere:
+            w.offered = True
+            heapq.heappush(self.idle, (w.last_used, w.added_seq, w))
+
+    def take_free_denoiser(self) -> Worker | None:
+        """The free denoiser used least recently, taken out of the idle heap and marked used: the caller dispatches
+        to it (the mark is made here, not by a call to ``used``: this runs for every denoise job).
+
+        An entry whose worker is gone, unhealthy, not serving or busy is dropped: each of those ways back to free
+        passes through offer, which pushes it again."""
+        heap = self.idle
+        while heap:
+            w = heapq.heappop(heap)[2]
+            w.offered = False
+            if self.members.get(w.address) is w and w.ready and w.job is None and not w.elsewhere:
+                w.last_used = next(self._clock)
+                return w
+        return None
+
+    def free_ar_server(self) -> Worker | None:
+        """The AR worker with room that holds the fewest batches, then was used least recently (then joined first).
+        (A loop, not min() over a list with a key function: this runs for every batch and every next_wakeup().)"""
+        room = self._ar_room
+        best: Worker | None = None
+        best_key: tuple[int, int, int] = (0, 0, 0)
+        for w in self.ar_servers.values():
+            if w.ready and len(w.batches) < room:
+                key = (len(w.batches), w.last_used, w.added_seq)
+                if best is None or key < best_key:
+                    best, best_key = w, key
+        return best
+
+    # ---------------------------------------------------------------------------------------------- snapshots
+
+    def snapshots(self) -> tuple[WorkerSnapshot, ...]:
+        return tuple(self._snapshot(w) for w in self.members.values())
+
+    def _snapshot(self, w: Worker) -> WorkerSnapshot:
+        if w.role is AR:
+            inflight = len(w.batches)
+            full = inflight >= self._ar_room
+        else:
+            inflight = 0 if w.job is None else 1
+            full = w.job is not None or w.elsewhere
+        if w.draining:
+            state = WorkerState.DRAINING
+        elif not w.healthy:
+            state = WorkerState.UNHEALTHY
+        elif w.not_serving:
+            state = WorkerState.DRAINING  # by its own choice: it said NOT_SERVING
+        elif full:
+            state = WorkerState.BUSY
+        else:
+            state = WorkerState.AVAILABLE
+        return WorkerSnapshot(w.address, w.role, state, inflight, w.job, held_elsewhere=w.elsewhere)
