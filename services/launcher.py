@@ -64,6 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(role -> PID, and the launcher's own), rewritten when a server is restarted")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--ar-arg", action="append", default=[],
+                   help="extra flag passed to the AR, e.g. --ar-arg=--dtype=bfloat16 (repeatable)")
+    p.add_argument("--denoiser-arg", action="append", default=[],
+                   help="extra flag passed to every denoiser, e.g. --denoiser-arg=--default-steps=50 for real "
+                        "weights (repeatable)")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra flag passed to every gateway")
     p.add_argument("--rest-arg", action="append", default=[], help="extra flag passed to the REST front")
     p.add_argument("--internal-token", action="store_true",
@@ -169,7 +174,7 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
         await asyncio.to_thread(ensure_tiny_checkpoint)
     # The token goes through the environment, not argv, so `ps` does not show it.
     token_env = {"GLMIMAGE_INTERNAL_TOKEN": secrets.token_urlsafe(32)} if a.internal_token else {}
-    ar = sup.child("ar", "services.ar", a.ar_port, model_flags, "glmimage.v1.ArService", token_env,
+    ar = sup.child("ar", "services.ar", a.ar_port, [*model_flags, *a.ar_arg], "glmimage.v1.ArService", token_env,
                    _metrics_port(a.ar_metrics_port))
     ports = a.denoiser_ports.split(",")
     # `make run DENOISER_PORTS=a,b,c` must work with the default two metrics ports: a denoiser beyond the list
@@ -178,7 +183,7 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
     if a.denoiser_metrics_ports is not None:
         given = a.denoiser_metrics_ports.split(",")
         metrics_ports = [given[i] if i < len(given) else "0" for i in range(len(ports))]
-    denoisers = [sup.child(f"denoiser-{i}", "services.denoiser", int(p), model_flags,
+    denoisers = [sup.child(f"denoiser-{i}", "services.denoiser", int(p), [*model_flags, *a.denoiser_arg],
                            "glmimage.v1.DenoiserService", token_env, _metrics_port(m))
                  for i, (p, m) in enumerate(zip(ports, metrics_ports, strict=True))]
     await sup.start([ar, *denoisers], deadline)

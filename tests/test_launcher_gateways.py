@@ -142,3 +142,28 @@ def test_two_gateways_one_killed_mid_burst(tiny_checkpoint: Path, tmp_path: Path
         assert run.proc.wait(timeout=60) == 0
     left = [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not left, f"orphans left behind: {left}"
+
+
+async def test_extra_flags_reach_the_ar_and_every_denoiser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make run STACK_ARGS="--denoiser-arg=--default-steps=50"` (real weights): the flag reaches every denoiser, an
+    --ar-arg the AR, and neither the other role. The supervisor is stopped at its first start."""
+    from services.launcher import start_suite
+    from services.model import tiny
+    from services.supervisor import Supervisor
+
+    class Started(Exception):
+        pass
+
+    async def first_start(self, children, deadline):
+        raise Started
+
+    monkeypatch.setattr(Supervisor, "start", first_start)
+    monkeypatch.setattr(tiny, "ensure_tiny_checkpoint", lambda: None)
+    sup = Supervisor("127.0.0.1", "INFO")
+    args = parse_args(["--denoiser-ports", "0,0", "--ar-arg=--max-queue=7", "--denoiser-arg=--default-steps=50"])
+    with pytest.raises(Started):
+        await start_suite(sup, args)
+    argv = {c.name: c.argv for c in sup.children}
+    assert "--max-queue=7" in argv["ar"] and "--default-steps=50" not in argv["ar"]
+    for name in ("denoiser-0", "denoiser-1"):
+        assert "--default-steps=50" in argv[name] and "--max-queue=7" not in argv[name]
