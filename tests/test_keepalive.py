@@ -91,7 +91,7 @@ def _hops() -> dict[str, dict[str, Any]]:
 def _server() -> dict[str, int]:
     from services.runtime.server import server_options
 
-    return dict(server_options(64))
+    return dict(server_options(64 << 20, 64 << 20))
 
 
 @pytest.mark.parametrize("hop", HOPS)
