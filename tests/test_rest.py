@@ -285,7 +285,8 @@ async def test_defaults_request_id_and_extensions(client: httpx.AsyncClient, bac
         "prompt": "a cat", "size": "auto", "output_format": "webp", "output_compression": 80, "seed": 7,
         "guidance_scale": 2.5, "num_inference_steps": 12, "quality": "high", "partial_images": 2,
         "user": "u1",
-        "style": "vivid", "some_future_field": {"x": 1},
+        # OpenAI fields taken and ignored on purpose
+        "style": "vivid", "moderation": "low", "safety_identifier": "s1",
     })
     assert resp.status_code == 200, resp.text
     assert resp.json()["size"] == "256x256"
@@ -346,6 +347,40 @@ async def test_openai_sdk(app: FastAPI, backend: Backend) -> None:
 
 
 # --- validation ---------------------------------------------------------------------------------
+
+
+async def test_unknown_fields_are_refused_by_name(client: httpx.AsyncClient, backend: Backend) -> None:
+    # A typo must not give an image nobody asked for (the default steps, a random seed): OpenAI refuses it too.
+    err = _assert_error(await _generate(client, {"prompt": "x", "num_inference_step": 3, "sead": 1}), 400,
+                        "num_inference_step", "unknown_parameter")
+    assert "'num_inference_step' (did you mean 'num_inference_steps'?)" in err["message"]
+    assert "'sead' (did you mean 'seed'?)" in err["message"]
+    # Named before any other fault of the body, which the typo likely explains.
+    err = _assert_error(await _generate(client, {"prompt": "x", "n": "two", "x" * 1000: 1}), 400,
+                        "x" * 64, "unknown_parameter")
+    assert backend.servicer.calls == []
+
+
+async def test_the_sdk_sends_what_is_accepted_and_nothing_unknown(app: FastAPI, backend: Backend) -> None:
+    async with _http(app) as http:
+        sdk = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0, http_client=http)
+        await sdk.images.generate(prompt="x", size="64x64", style="natural", moderation="auto", user="u",
+                                  safety_identifier="s", background="auto")
+        with pytest.raises(openai.BadRequestError) as exc:
+            await sdk.images.generate(prompt="x", extra_body={"sead": 1})
+    assert exc.value.code == "unknown_parameter" and exc.value.param == "sead"
+    assert len(backend.servicer.calls) == 1
+
+
+async def test_openapi_says_which_fields_are_ignored(client: httpx.AsyncClient) -> None:
+    schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
+    for model, ignored in (("ImageGenerationRequest", {"style", "moderation", "safety_identifier"}),
+                           ("ImageEditRequest", {"input_fidelity", "safety_identifier"})):
+        assert schemas[model]["additionalProperties"] is False
+        props = schemas[model]["properties"]
+        assert {name for name, p in props.items() if p.get("x-ignored")} == ignored
+        assert all(props[name]["description"].startswith("Accepted for OpenAI compatibility and ignored")
+                   for name in ignored)
 
 BAD_BODIES: list[tuple[str, Any, str | None]] = [
     ("missing prompt", {"n": 1}, "prompt"),

@@ -116,6 +116,16 @@ async def test_sdk_edit_two_images(sdk: openai.AsyncOpenAI, fake: FakeServer) ->
     assert usage.input_tokens == image_tokens + usage.input_tokens_details.text_tokens
 
 
+async def test_sdk_edit_with_the_fields_taken_and_ignored(sdk: openai.AsyncOpenAI, fake: FakeServer) -> None:
+    await sdk.images.edit(image=("one.png", RED, "image/png"), prompt="x", size="64x64", input_fidelity="high",
+                          user="u", safety_identifier="s", background="opaque")
+    assert len(_requests(fake)) == 1
+    with pytest.raises(openai.BadRequestError) as exc:
+        await sdk.images.edit(image=("one.png", RED, "image/png"), prompt="x", extra_body={"num_inference_step": 3})
+    assert exc.value.code == "unknown_parameter" and exc.value.param == "num_inference_step"
+    assert "did you mean 'num_inference_steps'?" in exc.value.message
+
+
 async def test_sdk_single_image_file(sdk: openai.AsyncOpenAI, fake: FakeServer) -> None:
     res = await sdk.images.edit(image=("one.jpg", _image(fmt="JPEG"), "image/jpeg"), prompt="night", size="96x64")
     [req] = _requests(fake)
@@ -223,6 +233,9 @@ BAD_FORMS: list[tuple[str, list[Any], str]] = [
     ("guidance NaN", ONE + PROMPT + [_text("guidance_scale", "nan")], "guidance_scale"),
     ("steps too many", ONE + PROMPT + [_text("num_inference_steps", "1001")], "num_inference_steps"),
     ("response_format url", ONE + PROMPT + [_text("response_format", "url")], "response_format"),
+    ("a typo", ONE + PROMPT + [_text("sead", "3")], "sead"),
+    ("a generation's field", ONE + PROMPT + [_text("style", "vivid")], "style"),
+    ("an unknown file", ONE + PROMPT + [_file(RED, "markup")], "markup"),
 ]
 
 

@@ -39,6 +39,7 @@ from .schemas import (
     ImageEditPartialImageEvent,
     ImageEditRequest,
     ImageGenCompletedEvent,
+    ImageGenerationRequest,
     ImageGenPartialImageEvent,
 )
 from .settings import GATEWAY_AUTH_MODES, RestSettings
@@ -97,7 +98,8 @@ def create_app(settings: RestSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return from_validation_errors(exc.errors()).response()
+        # The one JSON body FastAPI validates is a generation's (an edit's form is validated in edits.py).
+        return from_validation_errors(exc.errors(), ImageGenerationRequest.model_fields).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

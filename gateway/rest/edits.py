@@ -89,7 +89,8 @@ def _validate(form: FormData, images: list[bytes]) -> ImageEditRequest:
     try:
         return ImageEditRequest.model_validate({**fields, "image": images})
     except ValidationError as exc:  # locations as FastAPI gives them for a body
-        raise from_validation_errors([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+        raise from_validation_errors([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()],
+                                     ImageEditRequest.model_fields) from None
 
 
 @router.post(
