@@ -395,6 +395,8 @@ BAD_BODIES: list[tuple[str, Any, str | None]] = [
     ("size garbage", {"prompt": "x", "size": "abc"}, "size"),
     ("size zero", {"prompt": "x", "size": "0x256"}, "size"),
     ("size too large", {"prompt": "x", "size": "4096x4096"}, "size"),
+    ("size too elongated", {"prompt": "x", "size": "1x8000"}, "size"),
+    ("size too wide", {"prompt": "x", "size": "9000x10"}, "size"),
     ("size not string", {"prompt": "x", "size": 256}, "size"),
     ("response_format url", {"prompt": "x", "response_format": "url"}, "response_format"),
     ("output_format gif", {"prompt": "x", "output_format": "gif"}, "output_format"),
@@ -424,6 +426,15 @@ async def test_bad_inputs_400(
     err = _assert_error(await _generate(client, body), 400, param)
     assert err["type"] == "invalid_request_error"
     assert backend.servicer.calls == [] and backend.servicer.stream_calls == []
+
+
+@pytest.mark.parametrize(("size", "why"), [
+    ("2048x2080", "size: 2048x2080 (width x height) exceeds the limit of 4194304 pixels"),
+    ("9000x10", "size: 9000x10 (width x height) is more elongated than 4:1"),
+])
+async def test_a_size_refusal_names_size_in_the_users_order(client: httpx.AsyncClient, size: str, why: str) -> None:
+    err = _assert_error(await _generate(client, {"prompt": "x", "size": size}), 400, "size", "invalid_value")
+    assert err["message"] == why
 
 
 @pytest.mark.parametrize(

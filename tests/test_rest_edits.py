@@ -20,7 +20,7 @@ from gateway.rest.app import RestSettings, create_app
 from gateway.rest.edits import auto_size
 from gateway.rest.errors import param_of
 from glmimage.v1 import gateway_service_pb2 as gw
-from services.runtime.limits import Limits
+from services.runtime.limits import MAX_ASPECT, Limits
 from tests.support.edit_gateway import IMAGE_TOKENS_PER_REFERENCE, serve_edit_fake
 from tests.support.fake_gateway import FakeServer
 from tests.support.images import image_file
@@ -157,6 +157,12 @@ def test_auto_size_rule() -> None:
         assert w % 32 == 0 and h % 32 == 0 and w * h <= budget
         assert w * h > budget * 0.9
         assert abs(w / h - width / height) < 0.1 * width / height
+    # A 4:1 reference never gives a target past the aspect bound the gateway holds targets to.
+    assert auto_size(188, 47, 2048 * 2048) == (192, 64)  # rounded alone: 192x32, 6:1
+    assert auto_size(188, 47, 192 * 32) == (128, 32)  # no room to widen: shortened
+    for width in range(32, 400, 3):
+        w, h = auto_size(width, -(-width // 4), 2048 * 2048)
+        assert max(w, h) <= MAX_ASPECT * min(w, h), (width, w, h)
 
 
 async def test_size_auto_within_a_lower_pixel_limit(edit_server: FakeServer) -> None:
@@ -225,6 +231,7 @@ BAD_FORMS: list[tuple[str, list[Any], str]] = [
     ("n not a number", ONE + PROMPT + [_text("n", "two")], "n"),
     ("size garbage", ONE + PROMPT + [_text("size", "big")], "size"),
     ("size over the pixels", ONE + PROMPT + [_text("size", "4096x4096")], "size"),
+    ("size too elongated", ONE + PROMPT + [_text("size", "1x8000")], "size"),
     ("output_format gif", ONE + PROMPT + [_text("output_format", "gif")], "output_format"),
     ("background transparent", ONE + PROMPT + [_text("background", "transparent")], "background"),
     ("stream not a bool", ONE + PROMPT + [_text("stream", "maybe")], "stream"),
