@@ -40,6 +40,7 @@ from services.runtime.limits import (
     add_limit_args,
     advertised,
     check_reference_images,
+    float_text,
     from_proto,
     limits_from_args,
     limits_in_force,
@@ -87,6 +88,14 @@ def test_a_target_past_the_pixels_or_the_aspect_is_refused_naming_its_longer_sid
     with pytest.raises(InvalidArgument) as exc:
         model_size(height, width, Limits())
     assert exc.value.field == field and exc.value.description.startswith(why), exc.value
+
+
+@pytest.mark.parametrize(("value", "text"), [
+    (30.010000228881836, "30.01"), (30.0, "30"), (0.699999988079071, "0.7"), (2.5, "2.5"), (3.4e38, "3.4e+38"),
+    (float("nan"), "nan"), (1e39, "1e+39"),
+])
+def test_a_float_limit_is_shown_as_it_was_set(value: float, text: str) -> None:
+    assert float_text(value) == text
 
 
 def test_targets_and_references_share_one_aspect_bound() -> None:

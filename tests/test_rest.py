@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import base64
 import io
@@ -38,6 +39,7 @@ from glmimage.v1 import common_pb2
 from glmimage.v1 import gateway_service_pb2 as gw
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
 from services.runtime.errors import InvalidArgument, ServiceError
+from services.runtime.limits import from_proto
 from services.runtime.server import OWN_ERROR_KEY, rich_status
 from tests.support.asgi import RawClient
 from tests.support.certs import Pki
@@ -428,6 +430,38 @@ async def test_bad_inputs_400(
     assert backend.servicer.calls == [] and backend.servicer.stream_calls == []
 
 
+async def test_a_float32_limit_and_value_are_shown_as_the_client_wrote_them(backend: Backend) -> None:
+    # GetLimits carries max_guidance as a float32: --max-guidance 30.01 arrives as 30.010000228881836.
+    app = create_app(RestSettings(gateway_address=backend.address))
+    async with app.router.lifespan_context(app), _http(app) as client:
+        app.state.limits.current = from_proto(common_pb2.Limits(max_guidance=30.01))
+        assert app.state.limits.current.max_guidance != 30.01
+        err = _assert_error(await _generate(client, {"prompt": "x", "guidance_scale": 30.02}), 400,
+                            "guidance_scale", "invalid_value")
+        assert err["message"] == "guidance_scale: must be between 0 and 30.01, got 30.02"
+        doc = (await client.get("/openapi.json")).json()
+    prop = doc["components"]["schemas"]["ImageGenerationRequest"]["properties"]["guidance_scale"]
+    assert prop["anyOf"][0]["maximum"] == 30.01
+
+
+def test_client_texts_name_no_server_flag() -> None:
+    # What a REST client reads is in its terms: an operator's flag (--max-queued-outputs...) is not its to change,
+    # and goes to the log. Every text the REST front or the shared checks compose, read from their source.
+    # (/health's reasons are the operator's, and may name one.)
+    calls = {"APIError", "error_response", "InvalidArgument", "ResourceExhausted", "Unavailable", "_answer"}
+    root = Path(__file__).resolve().parent.parent
+    sources = [*sorted((root / "gateway/rest").glob("*.py")), root / "gateway/validation.py",
+               root / "services/runtime/limits.py"]
+    texts = []
+    for source in sources:
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in calls:
+                texts += [(source.name, n.value) for arg in node.args for n in ast.walk(arg)
+                          if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    assert len(texts) > 50
+    assert [t for t in texts if re.search(r"--[a-z]", t[1])] == []
+
+
 @pytest.mark.parametrize(("size", "why"), [
     ("2048x2080", "size: 2048x2080 (width x height) exceeds the limit of 4194304 pixels"),
     ("9000x10", "size: 9000x10 (width x height) is more elongated than 4:1"),
@@ -445,7 +479,8 @@ async def test_a_size_refusal_names_size_in_the_users_order(client: httpx.AsyncC
         (b'{"prompt": "\\ud800"}', "prompt", "invalid_value"),  # lone surrogate
         (b'{"prompt": "x", "guidance_scale": NaN}', "guidance_scale", None),
         (b'{"prompt": "x", "guidance_scale": 1e999}', "guidance_scale", None),
-        (b"\xff\xfe\x00", None, None),  # not UTF-8 at all
+        (b"\xff\xfe\x00", None, "invalid_json"),  # not UTF-8 at all
+        (b'{"prompt": "caf\xe9"}', None, "invalid_json"),  # Latin-1
     ],
 )
 async def test_raw_bodies_400(

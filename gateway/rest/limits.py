@@ -21,7 +21,14 @@ import grpc
 from gateway.validation import check_generate, check_partial_images
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.errors import InvalidArgument
-from services.runtime.limits import MAX_ASPECT, SEED_SPACE, Limits, check_reference_images, from_proto
+from services.runtime.limits import (
+    MAX_ASPECT,
+    SEED_SPACE,
+    Limits,
+    check_reference_images,
+    float_text,
+    from_proto,
+)
 
 from .errors import APIError, param_of
 
@@ -98,7 +105,8 @@ _ADVERTISED = {
     "prompt": ("maxLength", lambda lim: lim.max_prompt_chars),
     "n": ("maximum", lambda lim: lim.max_request_outputs),
     "num_inference_steps": ("maximum", lambda lim: lim.max_steps),
-    "guidance_scale": ("maximum", lambda lim: lim.max_guidance),
+    # A float32 on the wire (30.010000228881836): advertised as set (30.01).
+    "guidance_scale": ("maximum", lambda lim: float(float_text(lim.max_guidance))),
     "partial_images": ("maximum", lambda lim: lim.max_partial_images),
     "seed": ("maximum", lambda lim: SEED_SPACE - 1),
 }

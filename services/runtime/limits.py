@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import math
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -194,10 +196,29 @@ def check_steps(steps: int, limits: Limits) -> None:
                               f"must be between 1 and {limits.max_steps} (0: the default), got {steps}")
 
 
+_FLOAT32 = struct.Struct("f")
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _as_float32(value: float) -> float:
+    return float(_FLOAT32.unpack(_FLOAT32.pack(value))[0])
+
+
+def float_text(value: float) -> str:
+    """A float in the client's terms: the shortest decimal that is the same float32. Proto floats (guidance, and the
+    max_guidance GetLimits carries) are float32: 30.01 comes back as 30.010000228881836, and is shown as 30.01."""
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+        return f"{value:g}"
+    target = _as_float32(value)
+    number = next(n for n in (float(f"{value:.{digits}g}") for digits in range(1, 10)) if _as_float32(n) == target)
+    return str(int(number)) if number.is_integer() and abs(number) < 1e16 else repr(number)
+
+
 def check_guidance(guidance: float | None, limits: Limits) -> None:
     # `not (a <= x <= b)` also refuses NaN.
     if guidance is not None and not 0.0 <= guidance <= limits.max_guidance:
-        raise InvalidArgument("guidance_scale", f"must be between 0 and {limits.max_guidance:g}, got {guidance}")
+        raise InvalidArgument("guidance_scale", f"must be between 0 and {float_text(limits.max_guidance)}, "
+                                                f"got {float_text(guidance)}")
 
 
 def check_seed(seed: int | None, n: int = 1) -> None:
