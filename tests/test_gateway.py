@@ -111,6 +111,9 @@ async def test_default_size_and_request_id_echo(gateway) -> None:
     # batch task once died on it and held the AR slot for good.
     (pb.GenerateImagesRequest(prompt="x", height=2**32 - 1, width=2**32 - 1), "height"),
     (pb.GenerateImagesRequest(prompt="x", height=64, width=2**32 - 1), "width"),  # the larger side is at fault
+    # Within the pixel budget but past the aspect bound references are held to too.
+    (pb.GenerateImagesRequest(prompt="x", height=10, width=9000), "width"),
+    (pb.GenerateImagesRequest(prompt="x", height=8000, width=1), "height"),
     (pb.GenerateImagesRequest(prompt="x" * 8193), "prompt"),
     (pb.GenerateImagesRequest(prompt="x", num_inference_steps=201), "num_inference_steps"),
     (pb.GenerateImagesRequest(prompt="x", guidance_scale=float("nan")), "guidance_scale"),

@@ -28,20 +28,26 @@ from glmimage.v1 import (
     gateway_service_pb2_grpc,
 )
 from glmimage.v1 import gateway_service_pb2 as pb
+from services.runtime.errors import InvalidArgument
 from services.runtime.limits import (
     AR_FIELDS,
     DENOISER_FIELDS,
     FIELDS,
+    MAX_ASPECT,
     REFERENCE_FIELDS,
     SEED_SPACE,
     Limits,
     add_limit_args,
     advertised,
+    check_reference_images,
+    float_text,
     from_proto,
     limits_from_args,
     limits_in_force,
+    model_size,
 )
 from tests.support.cluster import Cluster
+from tests.support.images import image_file
 
 # Each worker tighter than the defaults, and than each other where both apply (prompt, pixels).
 AR_FLAGS = ["--max-prompt-chars", "300", "--max-n", "4", "--max-pixels", str(512 * 512)]
@@ -68,6 +74,38 @@ def test_in_force_is_the_tightest_per_role_and_defaults_stand_in_for_an_unknown_
     assert limits_in_force({}, ar, []).max_steps == Limits.max_steps
     # A batch cap below n bounds n too (one AR batch must hold a request's outputs).
     assert limits_in_force({}, [{"max_n": 10, "max_batch_outputs": 3}], []).max_request_outputs == 3
+
+
+@pytest.mark.parametrize(("width", "height", "field", "why"), [
+    (2048, 2080, "height", "2048x2080 (width x height) exceeds the limit of 4194304 pixels"),  # WxH, as asked
+    (2048, 2049, "height", "2048x2049 (width x height) exceeds the limit of 4194304 pixels; 2048x2080 after"),
+    (1, 8000, "height", "1x8000 (width x height) is more elongated than 4:1"),
+    (9000, 10, "width", "9000x10 (width x height) is more elongated than 4:1"),
+    (129, 32, "width", "129x32 (width x height) is more elongated"),
+])
+def test_a_target_past_the_pixels_or_the_aspect_is_refused_naming_its_longer_side(
+        width: int, height: int, field: str, why: str) -> None:
+    with pytest.raises(InvalidArgument) as exc:
+        model_size(height, width, Limits())
+    assert exc.value.field == field and exc.value.description.startswith(why), exc.value
+
+
+@pytest.mark.parametrize(("value", "text"), [
+    (30.010000228881836, "30.01"), (30.0, "30"), (0.699999988079071, "0.7"), (2.5, "2.5"), (3.4e38, "3.4e+38"),
+    (float("nan"), "nan"), (1e39, "1e+39"),
+])
+def test_a_float_limit_is_shown_as_it_was_set(value: float, text: str) -> None:
+    assert float_text(value) == text
+
+
+def test_targets_and_references_share_one_aspect_bound() -> None:
+    assert model_size(32, 128, Limits()) == (32, 128)  # 4:1 exactly, both ways
+    assert check_reference_images([image_file((128, 32))], Limits()) == [(128, 32)]
+    elongated = f"more elongated than {MAX_ASPECT:g}:1"
+    with pytest.raises(InvalidArgument, match=elongated):
+        model_size(32, 129, Limits())
+    with pytest.raises(InvalidArgument, match=elongated):
+        check_reference_images([image_file((129, 32))], Limits())
 
 
 def test_wire_form_round_trips_and_sends_only_the_fields_a_worker_applies() -> None:
@@ -161,6 +199,7 @@ async def test_openapi_advertises_the_limits_in_force(stack: Cluster) -> None:
     assert bound("seed", "maximum") == SEED_SPACE - 1
     size = doc["components"]["schemas"]["ImageGenerationRequest"]["properties"]["size"]
     assert size["x-max-pixels"] == 256 * 256
+    assert size["x-max-aspect"] == MAX_ASPECT
 
 
 # (REST body, REST param, the same request over gRPC, the field its BadRequest names)
@@ -169,6 +208,7 @@ ONE_PAST = [
     ({"n": 5}, "n", pb.GenerateImagesRequest(n=5), "n"),
     ({"size": "288x256"}, "size", pb.GenerateImagesRequest(width=288, height=256), "width"),
     ({"size": "256x288"}, "size", pb.GenerateImagesRequest(width=256, height=288), "height"),
+    ({"size": "64x320"}, "size", pb.GenerateImagesRequest(width=64, height=320), "height"),  # past 4:1
     ({"num_inference_steps": 8}, "num_inference_steps", pb.GenerateImagesRequest(num_inference_steps=8),
      "num_inference_steps"),
     ({"guidance_scale": 9.01}, "guidance_scale",

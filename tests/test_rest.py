@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import base64
 import io
@@ -38,6 +39,7 @@ from glmimage.v1 import common_pb2
 from glmimage.v1 import gateway_service_pb2 as gw
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
 from services.runtime.errors import InvalidArgument, ServiceError
+from services.runtime.limits import from_proto
 from services.runtime.server import OWN_ERROR_KEY, rich_status
 from tests.support.asgi import RawClient
 from tests.support.certs import Pki
@@ -285,7 +287,8 @@ async def test_defaults_request_id_and_extensions(client: httpx.AsyncClient, bac
         "prompt": "a cat", "size": "auto", "output_format": "webp", "output_compression": 80, "seed": 7,
         "guidance_scale": 2.5, "num_inference_steps": 12, "quality": "high", "partial_images": 2,
         "user": "u1",
-        "style": "vivid", "some_future_field": {"x": 1},
+        # OpenAI fields taken and ignored on purpose
+        "style": "vivid", "moderation": "low", "safety_identifier": "s1",
     })
     assert resp.status_code == 200, resp.text
     assert resp.json()["size"] == "256x256"
@@ -347,6 +350,40 @@ async def test_openai_sdk(app: FastAPI, backend: Backend) -> None:
 
 # --- validation ---------------------------------------------------------------------------------
 
+
+async def test_unknown_fields_are_refused_by_name(client: httpx.AsyncClient, backend: Backend) -> None:
+    # A typo must not give an image nobody asked for (the default steps, a random seed): OpenAI refuses it too.
+    err = _assert_error(await _generate(client, {"prompt": "x", "num_inference_step": 3, "sead": 1}), 400,
+                        "num_inference_step", "unknown_parameter")
+    assert "'num_inference_step' (did you mean 'num_inference_steps'?)" in err["message"]
+    assert "'sead' (did you mean 'seed'?)" in err["message"]
+    # Named before any other fault of the body, which the typo likely explains.
+    err = _assert_error(await _generate(client, {"prompt": "x", "n": "two", "x" * 1000: 1}), 400,
+                        "x" * 64, "unknown_parameter")
+    assert backend.servicer.calls == []
+
+
+async def test_the_sdk_sends_what_is_accepted_and_nothing_unknown(app: FastAPI, backend: Backend) -> None:
+    async with _http(app) as http:
+        sdk = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0, http_client=http)
+        await sdk.images.generate(prompt="x", size="64x64", style="natural", moderation="auto", user="u",
+                                  safety_identifier="s", background="auto")
+        with pytest.raises(openai.BadRequestError) as exc:
+            await sdk.images.generate(prompt="x", extra_body={"sead": 1})
+    assert exc.value.code == "unknown_parameter" and exc.value.param == "sead"
+    assert len(backend.servicer.calls) == 1
+
+
+async def test_openapi_says_which_fields_are_ignored(client: httpx.AsyncClient) -> None:
+    schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
+    for model, ignored in (("ImageGenerationRequest", {"style", "moderation", "safety_identifier"}),
+                           ("ImageEditRequest", {"input_fidelity", "safety_identifier"})):
+        assert schemas[model]["additionalProperties"] is False
+        props = schemas[model]["properties"]
+        assert {name for name, p in props.items() if p.get("x-ignored")} == ignored
+        assert all(props[name]["description"].startswith("Accepted for OpenAI compatibility and ignored")
+                   for name in ignored)
+
 BAD_BODIES: list[tuple[str, Any, str | None]] = [
     ("missing prompt", {"n": 1}, "prompt"),
     ("empty prompt", {"prompt": ""}, "prompt"),
@@ -360,6 +397,8 @@ BAD_BODIES: list[tuple[str, Any, str | None]] = [
     ("size garbage", {"prompt": "x", "size": "abc"}, "size"),
     ("size zero", {"prompt": "x", "size": "0x256"}, "size"),
     ("size too large", {"prompt": "x", "size": "4096x4096"}, "size"),
+    ("size too elongated", {"prompt": "x", "size": "1x8000"}, "size"),
+    ("size too wide", {"prompt": "x", "size": "9000x10"}, "size"),
     ("size not string", {"prompt": "x", "size": 256}, "size"),
     ("response_format url", {"prompt": "x", "response_format": "url"}, "response_format"),
     ("output_format gif", {"prompt": "x", "output_format": "gif"}, "output_format"),
@@ -391,6 +430,47 @@ async def test_bad_inputs_400(
     assert backend.servicer.calls == [] and backend.servicer.stream_calls == []
 
 
+async def test_a_float32_limit_and_value_are_shown_as_the_client_wrote_them(backend: Backend) -> None:
+    # GetLimits carries max_guidance as a float32: --max-guidance 30.01 arrives as 30.010000228881836.
+    app = create_app(RestSettings(gateway_address=backend.address))
+    async with app.router.lifespan_context(app), _http(app) as client:
+        app.state.limits.current = from_proto(common_pb2.Limits(max_guidance=30.01))
+        assert app.state.limits.current.max_guidance != 30.01
+        err = _assert_error(await _generate(client, {"prompt": "x", "guidance_scale": 30.02}), 400,
+                            "guidance_scale", "invalid_value")
+        assert err["message"] == "guidance_scale: must be between 0 and 30.01, got 30.02"
+        doc = (await client.get("/openapi.json")).json()
+    prop = doc["components"]["schemas"]["ImageGenerationRequest"]["properties"]["guidance_scale"]
+    assert prop["anyOf"][0]["maximum"] == 30.01
+
+
+def test_client_texts_name_no_server_flag() -> None:
+    # What a REST client reads is in its terms: an operator's flag (--max-queued-outputs...) is not its to change,
+    # and goes to the log. Every text the REST front or the shared checks compose, read from their source.
+    # (/health's reasons are the operator's, and may name one.)
+    calls = {"APIError", "error_response", "InvalidArgument", "ResourceExhausted", "Unavailable", "_answer"}
+    root = Path(__file__).resolve().parent.parent
+    sources = [*sorted((root / "gateway/rest").glob("*.py")), root / "gateway/validation.py",
+               root / "services/runtime/limits.py"]
+    texts = []
+    for source in sources:
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in calls:
+                texts += [(source.name, n.value) for arg in node.args for n in ast.walk(arg)
+                          if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    assert len(texts) > 50
+    assert [t for t in texts if re.search(r"--[a-z]", t[1])] == []
+
+
+@pytest.mark.parametrize(("size", "why"), [
+    ("2048x2080", "size: 2048x2080 (width x height) exceeds the limit of 4194304 pixels"),
+    ("9000x10", "size: 9000x10 (width x height) is more elongated than 4:1"),
+])
+async def test_a_size_refusal_names_size_in_the_users_order(client: httpx.AsyncClient, size: str, why: str) -> None:
+    err = _assert_error(await _generate(client, {"prompt": "x", "size": size}), 400, "size", "invalid_value")
+    assert err["message"] == why
+
+
 @pytest.mark.parametrize(
     ("content", "param", "code"),
     [
@@ -399,7 +479,8 @@ async def test_bad_inputs_400(
         (b'{"prompt": "\\ud800"}', "prompt", "invalid_value"),  # lone surrogate
         (b'{"prompt": "x", "guidance_scale": NaN}', "guidance_scale", None),
         (b'{"prompt": "x", "guidance_scale": 1e999}', "guidance_scale", None),
-        (b"\xff\xfe\x00", None, None),  # not UTF-8 at all
+        (b"\xff\xfe\x00", None, "invalid_json"),  # not UTF-8 at all
+        (b'{"prompt": "caf\xe9"}', None, "invalid_json"),  # Latin-1
     ],
 )
 async def test_raw_bodies_400(

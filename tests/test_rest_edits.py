@@ -20,7 +20,7 @@ from gateway.rest.app import RestSettings, create_app
 from gateway.rest.edits import auto_size
 from gateway.rest.errors import param_of
 from glmimage.v1 import gateway_service_pb2 as gw
-from services.runtime.limits import Limits
+from services.runtime.limits import MAX_ASPECT, Limits
 from tests.support.edit_gateway import IMAGE_TOKENS_PER_REFERENCE, serve_edit_fake
 from tests.support.fake_gateway import FakeServer
 from tests.support.images import image_file
@@ -116,6 +116,16 @@ async def test_sdk_edit_two_images(sdk: openai.AsyncOpenAI, fake: FakeServer) ->
     assert usage.input_tokens == image_tokens + usage.input_tokens_details.text_tokens
 
 
+async def test_sdk_edit_with_the_fields_taken_and_ignored(sdk: openai.AsyncOpenAI, fake: FakeServer) -> None:
+    await sdk.images.edit(image=("one.png", RED, "image/png"), prompt="x", size="64x64", input_fidelity="high",
+                          user="u", safety_identifier="s", background="opaque")
+    assert len(_requests(fake)) == 1
+    with pytest.raises(openai.BadRequestError) as exc:
+        await sdk.images.edit(image=("one.png", RED, "image/png"), prompt="x", extra_body={"num_inference_step": 3})
+    assert exc.value.code == "unknown_parameter" and exc.value.param == "num_inference_step"
+    assert "did you mean 'num_inference_steps'?" in exc.value.message
+
+
 async def test_sdk_single_image_file(sdk: openai.AsyncOpenAI, fake: FakeServer) -> None:
     res = await sdk.images.edit(image=("one.jpg", _image(fmt="JPEG"), "image/jpeg"), prompt="night", size="96x64")
     [req] = _requests(fake)
@@ -147,6 +157,12 @@ def test_auto_size_rule() -> None:
         assert w % 32 == 0 and h % 32 == 0 and w * h <= budget
         assert w * h > budget * 0.9
         assert abs(w / h - width / height) < 0.1 * width / height
+    # A 4:1 reference never gives a target past the aspect bound the gateway holds targets to.
+    assert auto_size(188, 47, 2048 * 2048) == (192, 64)  # rounded alone: 192x32, 6:1
+    assert auto_size(188, 47, 192 * 32) == (128, 32)  # no room to widen: shortened
+    for width in range(32, 400, 3):
+        w, h = auto_size(width, -(-width // 4), 2048 * 2048)
+        assert max(w, h) <= MAX_ASPECT * min(w, h), (width, w, h)
 
 
 async def test_size_auto_within_a_lower_pixel_limit(edit_server: FakeServer) -> None:
@@ -215,6 +231,7 @@ BAD_FORMS: list[tuple[str, list[Any], str]] = [
     ("n not a number", ONE + PROMPT + [_text("n", "two")], "n"),
     ("size garbage", ONE + PROMPT + [_text("size", "big")], "size"),
     ("size over the pixels", ONE + PROMPT + [_text("size", "4096x4096")], "size"),
+    ("size too elongated", ONE + PROMPT + [_text("size", "1x8000")], "size"),
     ("output_format gif", ONE + PROMPT + [_text("output_format", "gif")], "output_format"),
     ("background transparent", ONE + PROMPT + [_text("background", "transparent")], "background"),
     ("stream not a bool", ONE + PROMPT + [_text("stream", "maybe")], "stream"),
@@ -223,6 +240,9 @@ BAD_FORMS: list[tuple[str, list[Any], str]] = [
     ("guidance NaN", ONE + PROMPT + [_text("guidance_scale", "nan")], "guidance_scale"),
     ("steps too many", ONE + PROMPT + [_text("num_inference_steps", "1001")], "num_inference_steps"),
     ("response_format url", ONE + PROMPT + [_text("response_format", "url")], "response_format"),
+    ("a typo", ONE + PROMPT + [_text("sead", "3")], "sead"),
+    ("a generation's field", ONE + PROMPT + [_text("style", "vivid")], "style"),
+    ("an unknown file", ONE + PROMPT + [_file(RED, "markup")], "markup"),
 ]
 
 

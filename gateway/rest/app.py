@@ -39,6 +39,7 @@ from .schemas import (
     ImageEditPartialImageEvent,
     ImageEditRequest,
     ImageGenCompletedEvent,
+    ImageGenerationRequest,
     ImageGenPartialImageEvent,
 )
 from .settings import GATEWAY_AUTH_MODES, RestSettings
@@ -97,12 +98,18 @@ def create_app(settings: RestSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return from_validation_errors(exc.errors()).response()
+        # The one JSON body FastAPI validates is a generation's (an edit's form is validated in edits.py).
+        return from_validation_errors(exc.errors(), ImageGenerationRequest.model_fields).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 400 and isinstance(cause := exc.__cause__, UnicodeDecodeError):
+            # FastAPI's "error parsing the body": JSON must be UTF-8, so such a body is invalid JSON like any other.
+            return error_response(400, f"request body is not valid JSON: not UTF-8 (byte {cause.start})",
+                                  code="invalid_json")
         err_type = "server_error" if exc.status_code >= 500 else "invalid_request_error"
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        code = {400: "invalid_value", 404: "not_found", 405: "method_not_allowed",
+                413: "request_too_large"}.get(exc.status_code)
         return error_response(exc.status_code, str(exc.detail), type=err_type, code=code, headers=exc.headers)
 
     app.include_router(router)

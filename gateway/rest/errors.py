@@ -3,8 +3,9 @@ services.runtime.status, the map every hop shares)."""
 
 from __future__ import annotations
 
+import difflib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -122,10 +123,28 @@ _VALIDATION_CODES = {
 }
 
 
-def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> APIError:
-    """Turn FastAPI/pydantic validation errors into one 400 naming the first bad field."""
+# An unknown field's name is client input: at most this much of it is echoed.
+_MAX_NAME_CHARS = 64
+
+
+def unknown_fields(errors: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The body's fields that no parameter has (pydantic's extra_forbidden), in the order the body gave them."""
+    return [str(e["loc"][1])[:_MAX_NAME_CHARS] for e in errors
+            if e.get("type") == "extra_forbidden" and len(e.get("loc", ())) == 2 and e["loc"][0] == "body"]
+
+
+def from_validation_errors(errors: Sequence[Mapping[str, Any]], known: Iterable[str] = ()) -> APIError:
+    """Turn FastAPI/pydantic validation errors into one 400 naming the first bad field. Unknown fields come
+    first, all of them named (``known``: the parameters, for a "did you mean"): a typo is the likeliest cause of
+    whatever else is wrong."""
     if not errors:
         return APIError(400, "invalid request body", code="invalid_value")
+    if unknown := unknown_fields(errors):
+        known = list(known)
+        names = ", ".join(f"{name!a}" + "".join(f" (did you mean {close!r}?)" for close in
+                                                difflib.get_close_matches(name, known, n=1)) for name in unknown)
+        return APIError(400, f"unknown parameter{'s' if len(unknown) > 1 else ''}: {names}", param=unknown[0],
+                        code="unknown_parameter")
     first = errors[0]
     err_type = str(first.get("type", ""))
     loc = tuple(first.get("loc", ()))

@@ -21,7 +21,14 @@ import grpc
 from gateway.validation import check_generate, check_partial_images
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.errors import InvalidArgument
-from services.runtime.limits import SEED_SPACE, Limits, check_reference_images, from_proto
+from services.runtime.limits import (
+    MAX_ASPECT,
+    SEED_SPACE,
+    Limits,
+    check_reference_images,
+    float_text,
+    from_proto,
+)
 
 from .errors import APIError, param_of
 
@@ -65,7 +72,10 @@ def _as_api_error() -> Iterator[None]:
     try:
         yield
     except InvalidArgument as exc:
-        raise APIError(400, str(exc), param=param_of(exc.field or ""), code="invalid_value") from None
+        param = param_of(exc.field or "")
+        # height and width are one REST parameter: the message names it, `size` (the size itself is written WxH).
+        message = f"size: {exc.description}" if param == "size" else str(exc)
+        raise APIError(400, message, param=param, code="invalid_value") from None
 
 
 def check(req: gateway_service_pb2.GenerateImagesRequest, partial_images: int, limits: Limits) -> None:
@@ -95,7 +105,8 @@ _ADVERTISED = {
     "prompt": ("maxLength", lambda lim: lim.max_prompt_chars),
     "n": ("maximum", lambda lim: lim.max_request_outputs),
     "num_inference_steps": ("maximum", lambda lim: lim.max_steps),
-    "guidance_scale": ("maximum", lambda lim: lim.max_guidance),
+    # A float32 on the wire (30.010000228881836): advertised as set (30.01).
+    "guidance_scale": ("maximum", lambda lim: float(float_text(lim.max_guidance))),
     "partial_images": ("maximum", lambda lim: lim.max_partial_images),
     "seed": ("maximum", lambda lim: SEED_SPACE - 1),
 }
@@ -125,5 +136,7 @@ def _state_limits(props: dict[str, Any], limits: Limits) -> None:
         props["image"]["x-max-pixels-each"] = limits.max_reference_pixels
     if "size" in props:
         props["size"]["x-max-pixels"] = limits.max_pixels
+        props["size"]["x-max-aspect"] = MAX_ASPECT
         props["size"]["description"] = (props["size"].get("description", "") +
-                                        f" At most {limits.max_pixels} pixels after that rounding.")
+                                        f" At most {limits.max_pixels} pixels after that rounding, and at most "
+                                        f"{MAX_ASPECT:g}:1 (as the reference images).")

@@ -44,12 +44,19 @@ def _number(name: str, description: str, *, ge: float | None = None, le: float |
                  description=description)
 
 
-class ImageGenerationRequest(BaseModel):
-    """Body of `POST /v1/images/generations` (OpenAI Images API plus GLM-Image extensions)."""
+def _ignored(why: str) -> Any:
+    """An OpenAI field taken and ignored on purpose (it has no meaning for GLM-Image), so that clients that send it
+    keep working; `x-ignored` says so in /openapi.json."""
+    return Field(None, description=f"Accepted for OpenAI compatibility and ignored: {why}",
+                 json_schema_extra={"x-ignored": True})
 
-    # strict: "2" is not an int and true is not 1, as in the OpenAI API; unknown fields
-    # (style, moderation, ...) are ignored so that newer SDKs keep working.
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+class ImageRequest(BaseModel):
+    """What a generation and an edit share. Unknown fields are refused (400 `unknown_parameter`, as OpenAI does):
+    a typo such as `sead` would otherwise give an image nobody asked for."""
+
+    # strict: "2" is not an int and true is not 1, as in the OpenAI API.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     # The bounds that depend on the servers' limits (prompt length, n, steps, guidance, partial images, pixels) are
     # the ones in force, from the gateway's GetLimits: gateway/rest/limits.py checks them and adds them to
@@ -82,6 +89,7 @@ class ImageGenerationRequest(BaseModel):
         None, description="`auto` or `opaque`; transparent backgrounds are not supported."
     )
     user: str | None = Field(None, description="End-user identifier; only logged.")
+    safety_identifier: str | None = _ignored("OpenAI's end-user identifier for abuse detection.")
     stream: bool | None = Field(
         None,
         description="`true`: answer with server-sent events, `image_generation.partial_image` events then one "
@@ -98,12 +106,19 @@ class ImageGenerationRequest(BaseModel):
         "guidance_scale", "Extension: classifier-free guidance scale, from 0.", ge=0.0)
 
 
-class ImageEditRequest(ImageGenerationRequest):
+class ImageGenerationRequest(ImageRequest):
+    """Body of `POST /v1/images/generations` (OpenAI Images API plus GLM-Image extensions)."""
+
+    style: Literal["vivid", "natural"] | None = _ignored("a DALL-E 3 style.")
+    moderation: Literal["low", "auto"] | None = _ignored("this server runs no content moderation.")
+
+
+class ImageEditRequest(ImageRequest):
     """Body of `POST /v1/images/edits`: multipart/form-data, every field but `image` a text field (read as JSON
     would give it: `n=2`, `stream=true`). `mask` is refused (GLM-Image has no inpainting mask), and so is an
     `image` that is text, not a file: image URLs are never fetched."""
 
-    model_config = ConfigDict(strict=False, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=False, extra="forbid", allow_inf_nan=False)
 
     image: list[bytes] = Field(
         min_length=1,
@@ -120,6 +135,7 @@ class ImageEditRequest(ImageGenerationRequest):
         description="`true`: answer with server-sent events, `image_edit.partial_image` events then one "
         "`image_edit.completed` event per image (with that image's usage), instead of one JSON body.",
     )
+    input_fidelity: Literal["high", "low"] | None = _ignored("the model always follows the references as it can.")
 
 
 class ImageData(BaseModel):

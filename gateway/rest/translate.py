@@ -13,7 +13,7 @@ from glmimage import formats, sizes
 from glmimage.v1 import common_pb2, gateway_service_pb2
 
 from .errors import APIError
-from .schemas import ImageGenerationRequest
+from .schemas import ImageRequest
 from .settings import RestSettings
 
 # API name by ImageFormat value, as the gateway answers (a view of glmimage.formats, for the stream's events).
@@ -61,7 +61,7 @@ def parse_size(size: str | None, settings: RestSettings) -> tuple[int, int]:
 
 
 def to_grpc(
-    body: ImageGenerationRequest, settings: RestSettings, rid: str
+    body: ImageRequest, settings: RestSettings, rid: str
 ) -> tuple[gateway_service_pb2.GenerateImagesRequest, str]:
     """Checks that need the settings, then the gRPC request and the effective quality name."""
     if body.model is not None and body.model not in settings.model_names:

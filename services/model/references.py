@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from services.runtime.errors import InvalidArgument
-from services.runtime.limits import MAX_REFERENCE_ASPECT, SIZE_MULTIPLE, TOKEN_PATCH
+from services.runtime.limits import MAX_ASPECT, SIZE_MULTIPLE, TOKEN_PATCH
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def reference_model_size(width: int, height: int, min_pixels: int, max_pixels: i
     # Rounding may cross a bound: clamp each side (the long-side bound wins should they conflict, as in smart_resize).
     w, h = (min(max(_multiple(side * scale), low), high) for side in (width, height))
     # Rounding a 4:1 image can pass 4:1 (188x47 -> 192x32): widen the short side, or shorten the long one.
-    while max(w, h) > MAX_REFERENCE_ASPECT * min(w, h):
+    while max(w, h) > MAX_ASPECT * min(w, h):
         grow_w = w < h
         if min(w, h) + SIZE_MULTIPLE <= high:
             w, h = (w + SIZE_MULTIPLE, h) if grow_w else (w, h + SIZE_MULTIPLE)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import math
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +39,9 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 # every gateway that follows the denoiser), GenerateRequest.request_id. A gateway's are well within it: its instance
 # id is host-pid-hex, a request id at most the 128 characters of x-request-id plus ".N" telling duplicates apart.
 MAX_ID_CHARS = 256
+# How elongated an image may be, long side over short side, the target and every reference alike: GLM-Image's
+# processor keeps references within it (smart_resize), and a target past it would be a strip the model never saw.
+MAX_ASPECT = 4.0
 
 
 @dataclass(frozen=True)
@@ -164,16 +169,23 @@ def check_n(n: int, limits: Limits) -> int:
 
 
 def model_size(height: int, width: int, limits: Limits) -> tuple[int, int]:
-    """The size the model runs at: each side rounded up to a multiple of 32, within the pixel budget."""
+    """The size the model runs at: each side rounded up to a multiple of 32, within the pixel budget and the aspect
+    bound. Messages give the size as the suite writes it, WIDTHxHEIGHT (REST's ``size``), whichever field is named."""
     for name, value in (("height", height), ("width", width)):
         if value <= 0:
             raise InvalidArgument(name, f"must be positive, got {value}")
+    size = f"{width}x{height} (width x height)"
+    # Named after the larger side: 32x4294967296 is the width's fault, not the height's.
+    longer = "height" if height > width else "width"
+    # Checked as asked; the rounded size is then within it too (4 * round_up(short) is a multiple of 32).
+    if max(height, width) > MAX_ASPECT * min(height, width):
+        raise InvalidArgument(longer, f"{size} is more elongated than {MAX_ASPECT:g}:1")
     h, w = round_up(height), round_up(width)
     if h * w > limits.max_pixels:
-        # Named after the larger side: 32x4294967296 is the width's fault, not the height's.
+        rounded = f"; {w}x{h} after rounding each side up to a multiple of {SIZE_MULTIPLE}" if (h, w) != (
+            height, width) else ""
         raise InvalidArgument("height" if h >= w else "width",
-                              f"{h}x{w} (after rounding up to multiples of {SIZE_MULTIPLE}) exceeds the limit of "
-                              f"{limits.max_pixels} pixels")
+                              f"{size} exceeds the limit of {limits.max_pixels} pixels{rounded}")
     return h, w
 
 
@@ -184,10 +196,29 @@ def check_steps(steps: int, limits: Limits) -> None:
                               f"must be between 1 and {limits.max_steps} (0: the default), got {steps}")
 
 
+_FLOAT32 = struct.Struct("f")
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _as_float32(value: float) -> float:
+    return float(_FLOAT32.unpack(_FLOAT32.pack(value))[0])
+
+
+def float_text(value: float) -> str:
+    """A float in the client's terms: the shortest decimal that is the same float32. Proto floats (guidance, and the
+    max_guidance GetLimits carries) are float32: 30.01 comes back as 30.010000228881836, and is shown as 30.01."""
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+        return f"{value:g}"
+    target = _as_float32(value)
+    number = next(n for n in (float(f"{value:.{digits}g}") for digits in range(1, 10)) if _as_float32(n) == target)
+    return str(int(number)) if number.is_integer() and abs(number) < 1e16 else repr(number)
+
+
 def check_guidance(guidance: float | None, limits: Limits) -> None:
     # `not (a <= x <= b)` also refuses NaN.
     if guidance is not None and not 0.0 <= guidance <= limits.max_guidance:
-        raise InvalidArgument("guidance_scale", f"must be between 0 and {limits.max_guidance:g}, got {guidance}")
+        raise InvalidArgument("guidance_scale", f"must be between 0 and {float_text(limits.max_guidance)}, "
+                                                f"got {float_text(guidance)}")
 
 
 def check_seed(seed: int | None, n: int = 1) -> None:
@@ -217,8 +248,6 @@ def check_partial_images(count: int, limits: Limits) -> None:
 
 # Reference images are decoded by Pillow; these are the formats the API accepts (OpenAI's: PNG, JPEG, WebP).
 REFERENCE_FORMATS = ("PNG", "JPEG", "WEBP")
-# The model's processor resizes references keeping their aspect ratio, up to this much (GLM-Image's smart_resize).
-MAX_REFERENCE_ASPECT = 4.0
 
 
 def check_reference_images(images: Sequence[bytes], limits: Limits) -> list[tuple[int, int]]:
@@ -255,8 +284,8 @@ def check_reference_images(images: Sequence[bytes], limits: Limits) -> list[tupl
         if width < 1 or height < 1 or width * height > limits.max_reference_pixels:
             raise InvalidArgument(name, f"declares {width}x{height} pixels; the limit is "
                                         f"{limits.max_reference_pixels} pixels")
-        if max(width, height) > MAX_REFERENCE_ASPECT * min(width, height):
-            raise InvalidArgument(name, f"{width}x{height} is more elongated than {MAX_REFERENCE_ASPECT:g}:1")
+        if max(width, height) > MAX_ASPECT * min(width, height):
+            raise InvalidArgument(name, f"{width}x{height} is more elongated than {MAX_ASPECT:g}:1")
         sizes.append((width, height))
     return sizes
 
