@@ -24,7 +24,6 @@ from services.ar.domain import (
     ArResult,
     RunControl,
     Usage,
-    check_batch,
     prior_output,
     row_seeds,
     validate,
@@ -89,7 +88,6 @@ class SrtBackend:
         return validate(req, self.limits)
 
     def generate(self, requests: Sequence[ArRequest], control: RunControl | None = None) -> list[ArResult]:
-        check_batch(requests, self.limits)
         if control is not None:
             control.check()
         t0 = time.perf_counter()
