@@ -54,10 +54,10 @@ LAYERS = (
           "gateway server modules, a worker or the model", packages=("gateway.rest",),
           may_import=frozenset({"protocol", "sdk", "runtime"})),
     Layer("supervisor", "the supervisor spawns processes by command line; it imports no server module",
-          modules=("services.supervisor",), may_import=frozenset({"runtime"})),
+          modules=("services.supervisor",), may_import=frozenset({"runtime", "protocol"})),
     Layer("launcher", "the launcher sees the supervisor, the runtime and the model (the tiny checkpoint); it starts "
           "servers by command line, never by import", modules=("services.launcher",),
-          may_import=frozenset({"runtime", "model", "supervisor"})),
+          may_import=frozenset({"runtime", "model", "supervisor", "protocol"})),
     Layer("root", "the services package itself imports nothing", modules=("services",)),
 )
 BY_NAME = {layer.name: layer for layer in LAYERS}
