@@ -13,8 +13,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from gateway.timeouts import TimeoutPolicy
-from glmimage.sizes import size_arg
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
+from glmimage.wire.sizes import size_arg
 from services.runtime.auth import add_internal_token_args, bearer_metadata, internal_token_from_args
 from services.runtime.limits import FIELDS, Limits, add_limit_args, limits_from_args, max_request_bytes
 from services.runtime.logs import configure_logging

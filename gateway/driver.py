@@ -27,9 +27,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer, Timing
 from gateway.scheduler import types as sch
 from gateway.scheduler.core import Scheduler
-from gateway.validation import Admitted
 from gateway.workers import Worker, WorkerHealth
 from glmimage.v1 import ar_service_pb2, denoiser_service_pb2
+from services.runtime.admission import Admitted
 from services.runtime.limits import Limits, limits_in_force, round_up
 from services.runtime.logs import spawn, without_request_id
 

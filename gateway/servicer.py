@@ -16,8 +16,8 @@ from gateway.config import GatewayConfig
 from gateway.driver import Driver, Outcome, RequestFailed, StreamOptions
 from gateway.membership import WorkerAddress, allowed, parse_worker_address, split_host_port
 from gateway.scheduler import types as sch
-from gateway.validation import Admitted, check_generate, check_partial_images
 from glmimage.v1 import common_pb2, denoiser_service_pb2, gateway_service_pb2, gateway_service_pb2_grpc
+from services.runtime.admission import Admitted, check_generate, check_partial_images
 from services.runtime.errors import InvalidArgument, error_for
 from services.runtime.limits import Limits
 from services.runtime.logs import request_id_var

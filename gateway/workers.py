@@ -35,7 +35,7 @@ AR_SERVICE = ar_service_pb2.DESCRIPTOR.services_by_name["ArService"].full_name
 DENOISER_SERVICE = denoiser_service_pb2.DESCRIPTOR.services_by_name["DenoiserService"].full_name
 # This hop's own channel arguments. make_channel adds the shared keepalive (its pings find a worker whose node
 # vanished without closing the connection: the health Watch then breaks and the worker is marked unhealthy) and the
-# short capped reconnect backoff (a restarted worker is reached within about a second): glmimage.keepalive, and
+# short capped reconnect backoff (a restarted worker is reached within about a second): glmimage.wire.keepalive, and
 # how they agree with what the workers accept, services.runtime.keepalive.
 CHANNEL_OPTIONS = keepalive.message_size_options(64 * 1024 * 1024, 64 * 1024 * 1024)
 

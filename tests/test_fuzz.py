@@ -40,8 +40,8 @@ from glmimage.v1 import ar_service_pb2 as ar_pb
 from glmimage.v1 import ar_service_pb2_grpc, common_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import denoiser_service_pb2 as dn_pb
 from glmimage.v1 import gateway_service_pb2 as gw_pb
+from services.runtime.details import field_violation
 from services.runtime.limits import round_up
-from services.runtime.server import field_violation
 from tests.support.sim_gateway import ADMIN, Gateway, running_gateway
 
 # Examples hold 100k-character strings on purpose; hypothesis warns when it builds their repr.

@@ -24,10 +24,10 @@ from gateway.driver import Driver
 from gateway.membership import DnsMembership, join_host_port, resolve, split_host_port
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler.types import SchedulerConfig, WorkerRole
-from gateway.validation import Admitted
 from gateway.workers import WorkerHealth
 from glmimage.v1 import denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
+from services.runtime.admission import Admitted
 from services.runtime.logs import RequestIdFilter, request_id_var
 from tests.support.sim_gateway import (
     ADMIN,

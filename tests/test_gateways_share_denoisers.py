@@ -18,8 +18,8 @@ from bench.sim_backends import SimAr, SimCosts, SimDenoiser, serve_sim_ar, serve
 from gateway import workers
 from gateway.metrics import GatewayMetrics
 from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc
+from services.runtime.details import ERROR_DOMAIN, error_info
 from services.runtime.errors import DENOISER_BUSY
-from services.runtime.server import ERROR_DOMAIN, error_info
 from tests.support.sim_gateway import BUSY, request, running_gateway, scrape, wait_for
 
 pytestmark = pytest.mark.asyncio

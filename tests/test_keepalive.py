@@ -120,8 +120,8 @@ def test_every_channel_argument_is_one_grpc_reads() -> None:
 
 
 def test_sdk_imports_no_server_module() -> None:
-    """The SDK is the base install: the client keepalive lives in it (glmimage.keepalive) and the servers import it
-    from there, never the other way round."""
+    """The SDK and protocol package are the base install: the client keepalive lives there (glmimage.wire.keepalive)
+    and the servers import it from there, never the other way round."""
     code = ("import sys, glmimage, glmimage.cli; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('services', 'gateway')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

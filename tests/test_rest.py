@@ -38,9 +38,9 @@ from gateway.rest.schemas import (
 from glmimage.v1 import common_pb2
 from glmimage.v1 import gateway_service_pb2 as gw
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
+from services.runtime.details import OWN_ERROR_KEY, rich_status
 from services.runtime.errors import InvalidArgument, ServiceError
 from services.runtime.limits import from_proto
-from services.runtime.server import OWN_ERROR_KEY, rich_status
 from tests.support.asgi import RawClient
 from tests.support.certs import Pki
 
@@ -450,7 +450,7 @@ def test_client_texts_name_no_server_flag() -> None:
     # (/health's reasons are the operator's, and may name one.)
     calls = {"APIError", "error_response", "InvalidArgument", "ResourceExhausted", "Unavailable", "_answer"}
     root = Path(__file__).resolve().parent.parent
-    sources = [*sorted((root / "gateway/rest").glob("*.py")), root / "gateway/validation.py",
+    sources = [*sorted((root / "gateway/rest").glob("*.py")), root / "services/runtime/admission.py",
                root / "services/runtime/limits.py"]
     texts = []
     for source in sources:

@@ -19,7 +19,7 @@ from gateway.rest import upstream
 from gateway.rest.app import RestSettings, create_app
 from gateway.rest.upstream import GATEWAY_SERVICE, dns_host_port
 from glmimage import AsyncClient, Client, RetryPolicy
-from glmimage.channels import ROUND_ROBIN_CONFIG, balanced_target, split_addresses
+from glmimage.wire.channels import ROUND_ROBIN_CONFIG, balanced_target, split_addresses
 from tests.support.fake_gateway import FakeServer, serve_fake
 
 BODY = {"prompt": "two gateways", "size": "256x256"}

@@ -1,5 +1,6 @@
-"""The pieces every process shares, from the SDK (the base install): the one size parser (glmimage.sizes), the one
-image-format map (glmimage.formats) and the one client channel builder (glmimage.channels)."""
+"""The pieces every process shares, from the protocol package (glmimage.wire, in the base install): the one size
+parser (glmimage.wire.sizes), the one image-format map (glmimage.wire.formats) and the one client channel builder
+(glmimage.wire.channels)."""
 from __future__ import annotations
 
 import argparse
@@ -17,12 +18,13 @@ import gateway.rest.__main__ as rest_main
 from gateway.rest import translate
 from gateway.rest.errors import APIError
 from gateway.rest.settings import RestSettings
-from glmimage import cli, formats
-from glmimage.channels import TlsConfig, aio_channel, channel_options, sync_channel
+from glmimage import cli
 from glmimage.client import build_request
-from glmimage.keepalive import CLIENT_OPTIONS
-from glmimage.sizes import parse_size, size_arg
 from glmimage.v1 import common_pb2
+from glmimage.wire import formats
+from glmimage.wire.channels import TlsConfig, aio_channel, channel_options, sync_channel
+from glmimage.wire.keepalive import CLIENT_OPTIONS
+from glmimage.wire.sizes import parse_size, size_arg
 from services.denoiser.encoding import ImageFormat, encode
 
 # ---- sizes --------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import uvicorn
 
-from glmimage.sizes import size_arg
+from glmimage.wire.sizes import size_arg
 
 from .app import create_app
 from .connections import GUARD_HELP, ConnectionGuards, protocol_class

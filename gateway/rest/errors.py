@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 from fastapi.responses import JSONResponse
 
-from services.runtime.server import OWN_ERROR_KEY, field_violation
+from services.runtime.details import OWN_ERROR_KEY, field_violation
 from services.runtime.status import row_of
 
 log = logging.getLogger("glmimage.rest")

@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 
-from gateway.validation import check_generate, check_partial_images
 from glmimage.v1 import gateway_service_pb2
+from services.runtime.admission import check_generate, check_partial_images
 from services.runtime.errors import InvalidArgument
 from services.runtime.limits import (
     MAX_ASPECT,

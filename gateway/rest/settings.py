@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glmimage.channels import split_addresses
+from glmimage.wire.channels import split_addresses
 
 
 def _default_quality_steps() -> dict[str, int]:

@@ -1,6 +1,6 @@
 """Translation between OpenAI JSON and the gRPC messages: an images request -> GenerateImagesRequest (sizes and
-formats read with the suite's one parser and map, glmimage.sizes and glmimage.formats), a response's images and
-usage -> JSON, GetStatus -> per-stage health."""
+formats read with the suite's one parser and map, glmimage.wire.sizes and glmimage.wire.formats), a response's
+images and usage -> JSON, GetStatus -> per-stage health."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from glmimage import formats, sizes
 from glmimage.v1 import common_pb2, gateway_service_pb2
+from glmimage.wire import formats, sizes
 
 from .errors import APIError
 from .schemas import ImageRequest
 from .settings import RestSettings
 
-# API name by ImageFormat value, as the gateway answers (a view of glmimage.formats, for the stream's events).
+# API name by ImageFormat value, as the gateway answers (a view of glmimage.wire.formats, for the stream's events).
 FORMAT_NAMES = {value: fmt.name for value, fmt in formats.BY_PROTO.items()}
 # DALL-E 3 quality names, for clients that still send them to the dall-e-3 alias.
 _QUALITY_ALIASES = {"standard": "medium", "hd": "high"}

@@ -17,8 +17,8 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from starlette.types import Receive
 
-from glmimage.channels import TlsConfig, aio_channel, balanced_target
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
+from glmimage.wire.channels import TlsConfig, aio_channel, balanced_target
 from services.runtime import keepalive
 
 from .errors import from_rpc_error
@@ -27,7 +27,7 @@ from .translate import Generation
 
 log = logging.getLogger("glmimage.rest")
 
-# Ten 2048x2048 PNGs can exceed gRPC's 4 MiB default by far. glmimage.channels adds the shared keepalive and the
+# Ten 2048x2048 PNGs can exceed gRPC's 4 MiB default by far. glmimage.wire.channels adds the shared keepalive and the
 # short capped reconnect backoff (a restarted gateway is reached within about a second), as on every hop.
 CHANNEL_OPTIONS = keepalive.message_size_options(256 * 1024 * 1024, 64 * 1024 * 1024)
 

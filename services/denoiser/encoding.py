@@ -1,5 +1,5 @@
 """Image encoding with Pillow: PNG, JPEG and WebP. Names, ImageFormat values and Pillow format names come from
-the suite's one format map, glmimage.formats; the encoder options (quality, zlib level) are this module's."""
+the suite's one format map, glmimage.wire.formats; the encoder options (quality, zlib level) are this module's."""
 from __future__ import annotations
 
 import enum
@@ -7,7 +7,7 @@ import io
 
 from PIL import Image
 
-from glmimage import formats
+from glmimage.wire import formats
 
 
 class ImageFormat(enum.Enum):

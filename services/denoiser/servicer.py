@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from glmimage import formats
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
+from glmimage.wire import formats
 from services.denoiser import metrics
 from services.denoiser.encoding import ImageFormat
 from services.denoiser.engine import (
@@ -37,7 +37,7 @@ from services.runtime.limits import DENOISER_FIELDS, check_id
 
 log = logging.getLogger(__name__)
 
-# The one format map (glmimage.formats); IMAGE_FORMAT_UNSPECIFIED means its default, PNG.
+# The one format map (glmimage.wire.formats); IMAGE_FORMAT_UNSPECIFIED means its default, PNG.
 FORMAT_FROM_PROTO = {**{f.proto: ImageFormat(f.name) for f in formats.BY_NAME.values()},
                      common_pb2.IMAGE_FORMAT_UNSPECIFIED: ImageFormat(formats.DEFAULT.name)}
 

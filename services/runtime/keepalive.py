@@ -1,8 +1,8 @@
 """Keepalive settings the servers accept, and why they agree with what every client sends.
 
 The client side, one definition for every hop (gateway -> AR and denoisers, REST front -> gateway, Python SDK ->
-gateway), is ``glmimage.keepalive``, applied by ``glmimage.channels`` (the SDK is the base install and must not
-import ``services``, so the servers import it from there); what every server accepts is here
+gateway), is ``glmimage.wire.keepalive``, applied by ``glmimage.wire.channels`` (the protocol package, in the base
+install, must not import ``services``, so the servers import it from there); what every server accepts is here
 (``services.runtime.server.start_server``). Torch-free and grpc-free: plain channel arguments.
 
 How grpc core (chttp2, grpcio 1.85) polices pings, which is what the numbers below must respect:
@@ -40,7 +40,7 @@ period on an idle connection, which is when a vanished peer would otherwise go u
 from __future__ import annotations
 
 # The client side, re-exported for the reasoning above and the servers' own message sizes.
-from glmimage.keepalive import (
+from glmimage.wire.keepalive import (
     KEEPALIVE_TIME_MS,
     KEEPALIVE_TIMEOUT_MS,
     Options,

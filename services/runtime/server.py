@@ -18,14 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from google.protobuf.message import DecodeError
-from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from grpc_status import rpc_status
 
 from services.runtime import keepalive
-from services.runtime.errors import ErrorKind, ServiceError
+from services.runtime.details import OWN_MARK, rich_status
+from services.runtime.errors import ServiceError
 from services.runtime.intake import (
     DEFAULT_BUDGET_BYTES,
     FLOW_CONTROL_OPTIONS,
@@ -36,18 +34,11 @@ from services.runtime.intake import (
 )
 from services.runtime.limits import Limits, max_request_bytes
 from services.runtime.logs import new_request_id, request_id_var
-from services.runtime.status import code_of
 from services.runtime.tls import ServerTls, add_server_tls_args
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_KEY = "x-request-id"
-# Trailing metadata on a status this suite's own code composed (a domain error): its text is meant for the client.
-# A status without it may come from gRPC itself (connection refused, a deadline seen by the client), whose text
-# names addresses and library internals; the REST front shows those in its own words instead.
-OWN_ERROR_KEY = "glmimage-error"
-
-
 # A client's id ends up in logs and in metadata to the next hop: printable ASCII, bounded; otherwise a fresh one.
 _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
 
@@ -60,59 +51,11 @@ def request_id_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str |
     return None
 
 
-_OWN = ((OWN_ERROR_KEY, "1"),)
-
 # Long-lived infrastructure streams (health Watch) must neither count as work nor hold a drain open.
 # The denoiser's occupancy stream is one too: a draining denoiser keeps publishing while its last job finishes.
 _INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.", "/glmimage.v1.DenoiserService/WatchOccupancy")
 # How long the infrastructure streams get to end before the server stops (they end at once unless hung).
 STREAMS_CLOSE_SECONDS = 1.0
-# The google.rpc.ErrorInfo domain of the reasons this suite sends.
-ERROR_DOMAIN = "glmimage.v1"
-
-
-def rich_status(exc: ServiceError) -> grpc.Status:
-    """The status for a domain error: its code and message, for INVALID_ARGUMENT with a field a google.rpc.BadRequest
-    field violation in the details (the description is the message without its "field: " lead), and our mark."""
-    code = code_of(exc.kind)
-    status = status_pb2.Status(code=code.value[0], message=exc.message)
-    if exc.kind is ErrorKind.INVALID_ARGUMENT and exc.field:
-        violation = error_details_pb2.BadRequest.FieldViolation(
-            field=exc.field, description=exc.message.removeprefix(f"{exc.field}: "))
-        status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
-    if exc.reason:
-        status.details.add().Pack(error_details_pb2.ErrorInfo(reason=exc.reason, domain=ERROR_DOMAIN,
-                                                              metadata=exc.info))
-    composed = rpc_status.to_status(status)
-    # abort_with_status replaces all trailing metadata with the status' own: the mark rides along in it.
-    return composed._replace(trailing_metadata=(*composed.trailing_metadata, *_OWN))
-
-
-def _details(err: grpc.RpcError) -> list:
-    try:
-        status = rpc_status.from_call(err)
-    except (ValueError, DecodeError):  # details that contradict the status, or are not a Status: not ours to trust
-        return []
-    return list(status.details) if status is not None else []
-
-
-def field_violation(err: grpc.RpcError) -> tuple[str, str] | None:
-    """The first google.rpc.BadRequest field violation (field, description) in a failed call's rich status."""
-    for detail in _details(err):
-        bad_request = error_details_pb2.BadRequest()
-        if detail.Unpack(bad_request) and bad_request.field_violations:
-            violation = bad_request.field_violations[0]
-            return violation.field, violation.description
-    return None
-
-
-def error_info(err: grpc.RpcError) -> tuple[str, str, dict[str, str]] | None:
-    """(reason, domain, metadata) of the first google.rpc.ErrorInfo in a failed call's rich status."""
-    for detail in _details(err):
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info.reason, info.domain, dict(info.metadata)
-    return None
 
 
 class InflightWork:
@@ -229,7 +172,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 log.info("%s refused: the request bytes are not a valid message", method)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"the request bytes are not a valid {rpc} request message",
-                                    trailing_metadata=_OWN)
+                                    trailing_metadata=OWN_MARK)
             if isinstance(exc, NotImplementedError):  # the generated base servicer's answer for a missing method
                 await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented by this server")
             if isinstance(exc, ServiceError):
@@ -237,14 +180,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort_with_status(rich_status(exc))
             log.exception("%s: unexpected error", method)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {rid})",
-                                trailing_metadata=_OWN)
+                                trailing_metadata=OWN_MARK)
 
         async def _admit(context: grpc.aio.ServicerContext) -> None:
             """Before the message is read: the request id, no new call while draining."""
             request_id_var.set(rid)
             if work is not None and work.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica",
-                                    trailing_metadata=_OWN)
+                                    trailing_metadata=OWN_MARK)
             if work is not None:
                 work.track(context)
 

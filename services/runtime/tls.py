@@ -1,6 +1,6 @@
 """Optional TLS for every gRPC hop: server credentials (with mutual TLS when a client CA is given), and the
 gateway's flags for reaching the AR and denoiser servers (per-address tls:// and plaintext:// included). The
-channels themselves are built by glmimage.channels, the one client-side builder of the suite.
+channels themselves are built by glmimage.wire.channels, the one client-side builder of the suite.
 
 Plaintext stays the default (loopback in `make run`); everything here is off unless a flag names a file.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from glmimage.channels import ChannelOptions, TlsConfig, aio_channel
+from glmimage.wire.channels import ChannelOptions, TlsConfig, aio_channel
 
 
 def _read(path: Path | None) -> bytes | None:
@@ -68,7 +68,7 @@ def split_scheme(address: str) -> tuple[str, bool | None]:
 
 
 def make_channel(address: str, tls: ClientTls | None = None, options: ChannelOptions = ()) -> grpc.aio.Channel:
-    """An aio channel to ``address`` (glmimage.channels, with the shared keepalive): TLS when ``tls`` is given or
+    """An aio channel to ``address`` (glmimage.wire.channels, with the shared keepalive): TLS when ``tls`` is given or
     the address says ``tls://``, plaintext when it says ``plaintext://`` or no TLS is configured."""
     target, wanted = split_scheme(address)
     if wanted is True and tls is None:

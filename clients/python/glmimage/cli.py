@@ -36,7 +36,7 @@ from glmimage.client import (
     TlsConfig,
     WorkerInfo,
 )
-from glmimage.sizes import size_arg
+from glmimage.wire.sizes import size_arg
 
 API_KEY_ENV = "GLMIMAGE_API_KEY"
 ADDRESS_ENV = "GLMIMAGE_ADDRESS"

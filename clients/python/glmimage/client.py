@@ -28,10 +28,6 @@ from typing import IO, Any, TypedDict, TypeVar, Unpack
 
 import grpc
 
-from glmimage import formats, sizes
-from glmimage.channels import TlsConfig, aio_channel, balanced_target, sync_channel
-from glmimage.formats import FORMATS
-from glmimage.keepalive import message_size_options
 from glmimage.results import (
     ROLES,
     Completed,
@@ -46,8 +42,12 @@ from glmimage.results import (
     event_from_proto,
 )
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
+from glmimage.wire import formats, sizes
+from glmimage.wire.channels import TlsConfig, aio_channel, balanced_target, sync_channel
+from glmimage.wire.formats import FORMATS
+from glmimage.wire.keepalive import message_size_options
 
-# The result types (glmimage.results), TlsConfig (glmimage.channels) and FORMATS (glmimage.formats) are
+# The result types (glmimage.results), TlsConfig (glmimage.wire.channels) and FORMATS (glmimage.wire.formats) are
 # re-exported here, where callers have always found them.
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_RETRY", "FORMATS", "NO_RETRY", "AsyncClient", "Client", "Completed",
            "GenerationResult", "GlmImageError", "Limits", "PartialImage", "Progress", "RetryPolicy", "Status",
@@ -114,7 +114,7 @@ NO_RETRY = RetryPolicy(max_attempts=1)
 
 
 def parse_size(size: str | Sequence[int] | None) -> tuple[int, int]:
-    """``"WxH"`` (glmimage.sizes) or ``(w, h)`` -> (width, height); None -> (0, 0), the gateway default."""
+    """``"WxH"`` (glmimage.wire.sizes) or ``(w, h)`` -> (width, height); None -> (0, 0), the gateway default."""
     if size is None:
         return 0, 0
     if isinstance(size, str):
@@ -205,7 +205,7 @@ class _Base:
         self.timeout = timeout
         self.retry = retry
         self._rng = rng or random.Random()
-        # glmimage.channels adds the keepalive the gateway accepts and a short capped reconnect backoff; the
+        # glmimage.wire.channels adds the keepalive the gateway accepts and a short capped reconnect backoff; the
         # caller's ``options`` come last, so they override.
         # Several gateways (a list, "a:p,b:p", or a dns:/// name) make one channel with grpc's round_robin: calls
         # spread over them, and a retry after an UNAVAILABLE goes to another one.

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from glmimage import formats
 from glmimage.v1 import common_pb2, gateway_service_pb2
+from glmimage.wire import formats
 
 _ROLE_NAMES = {gateway_service_pb2.WORKER_ROLE_AR: "ar", gateway_service_pb2.WORKER_ROLE_DENOISER: "denoiser"}
 ROLES = {v: k for k, v in _ROLE_NAMES.items()}

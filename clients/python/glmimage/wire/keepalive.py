@@ -1,5 +1,5 @@
 """Client-side connection settings of every gRPC hop of the suite: the SDK -> gateway, the REST front -> gateway
-and the gateway -> AR and denoisers all dial with these (through glmimage.channels).
+and the gateway -> AR and denoisers all dial with these (through glmimage.wire.channels).
 
 What the servers accept, and the reasoning behind both ends (how grpc core polices pings, and what went wrong
 before), is in services.runtime.keepalive, which imports these numbers; tests/test_keepalive.py checks that the

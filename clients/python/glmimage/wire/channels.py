@@ -1,5 +1,5 @@
 """The one client-side channel builder of the suite: plaintext or TLS (CA, client certificate for mutual TLS,
-a target name override), with the shared keepalive and reconnect settings (glmimage.keepalive), as a blocking or
+a target name override), with the shared keepalive and reconnect settings (glmimage.wire.keepalive), as a blocking or
 an asyncio channel. The SDK's clients, the REST front's gateway channel and the gateway's worker channels are all
 built here; the servers' side of TLS is services.runtime.tls."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from glmimage.keepalive import CLIENT_OPTIONS
+from glmimage.wire.keepalive import CLIENT_OPTIONS
 
 ChannelOptions = Sequence[tuple[str, Any]]
 

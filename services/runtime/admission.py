@@ -1,7 +1,8 @@
-"""Edge checks of GatewayService requests: every field range-checked before any arithmetic or queueing.
+"""Admission of GatewayService requests: every field range-checked before any arithmetic or queueing. The rules
+over the limits model (services.runtime.limits) that both the gateway servicer and the REST front apply.
 
 Whatever a worker would refuse is refused here, with the field named, so a bad request never reaches a shared AR
-batch, never holds a slot and never costs AR or denoiser work. The limits are those in force (the driver's
+batch, never holds a slot and never costs AR or denoiser work. The limits are those in force (the gateway driver's
 ``limits()``: the tightest of the gateway's flags and of what every worker advertised over GetLimits); the checks
 themselves are the workers' own, from services.runtime.limits.
 """
