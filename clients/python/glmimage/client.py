@@ -195,10 +195,14 @@ def build_add_worker(address: str, role: str) -> gateway_service_pb2.AddWorkerRe
 class _Base:
     """What both clients share: channel arguments, metadata, deadlines and the retry decision."""
 
-    def __init__(self, address: str | Sequence[str], *, api_key: str | None, tls: TlsConfig | None,
-                 timeout: float | None,
-                 retry: RetryPolicy, max_message_bytes: int, options: Sequence[tuple[str, Any]],
-                 rng: random.Random | None) -> None:
+    # The channel kind: grpc's blocking channel for Client, grpc.aio's for AsyncClient.
+    _make_channel: Callable[..., Any]
+
+    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, api_key: str | None = None,
+                 tls: TlsConfig | None = None,
+                 timeout: float | None = None, retry: RetryPolicy = DEFAULT_RETRY,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, options: Sequence[tuple[str, Any]] = (),
+                 rng: random.Random | None = None) -> None:
         self.address = address
         self.api_key = api_key
         self.tls = tls
@@ -211,6 +215,8 @@ class _Base:
         # spread over them, and a retry after an UNAVAILABLE goes to another one.
         self._target, balancing = balanced_target(address)
         self._options = [*message_size_options(max_message_bytes, max_message_bytes), *balancing, *options]
+        self._channel = self._make_channel(self._target, tls, self._options)
+        self._stub = gateway_service_pb2_grpc.GatewayServiceStub(self._channel)
 
     def _metadata(self, request_id: str | None) -> list[tuple[str, str]]:
         md = []
@@ -250,15 +256,7 @@ def _stream_ended_early(attempts: int) -> GlmImageError:
 class Client(_Base):
     """Blocking client for GatewayService. Thread-safe; close it (or use ``with``) to release the channel."""
 
-    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, api_key: str | None = None,
-                 tls: TlsConfig | None = None,
-                 timeout: float | None = None, retry: RetryPolicy = DEFAULT_RETRY,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, options: Sequence[tuple[str, Any]] = (),
-                 rng: random.Random | None = None) -> None:
-        super().__init__(address, api_key=api_key, tls=tls, timeout=timeout, retry=retry,
-                         max_message_bytes=max_message_bytes, options=options, rng=rng)
-        self._channel = sync_channel(self._target, tls, self._options)
-        self._stub = gateway_service_pb2_grpc.GatewayServiceStub(self._channel)
+    _make_channel = staticmethod(sync_channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -372,15 +370,7 @@ class Client(_Base):
 class AsyncClient(_Base):
     """asyncio client for GatewayService (grpc.aio). Create it inside the event loop that uses it."""
 
-    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, api_key: str | None = None,
-                 tls: TlsConfig | None = None,
-                 timeout: float | None = None, retry: RetryPolicy = DEFAULT_RETRY,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, options: Sequence[tuple[str, Any]] = (),
-                 rng: random.Random | None = None) -> None:
-        super().__init__(address, api_key=api_key, tls=tls, timeout=timeout, retry=retry,
-                         max_message_bytes=max_message_bytes, options=options, rng=rng)
-        self._channel = aio_channel(self._target, tls, self._options)
-        self._stub = gateway_service_pb2_grpc.GatewayServiceStub(self._channel)
+    _make_channel = staticmethod(aio_channel)
 
     async def close(self) -> None:
         await self._channel.close()
