@@ -1,6 +1,6 @@
-"""Runs the README's "Debugging with grpcurl" commands, exactly as written, against a real stack.
+"""Runs docs/grpcurl.md's commands, exactly as written, against a real stack.
 
-Only the ports change: the README uses `make run`'s defaults (50051 AR, 50061/50062 denoisers, 50050 gateway).
+Only the ports change: the page uses `make run`'s defaults (50051 AR, 50061/50062 denoisers, 50050 gateway).
 """
 from __future__ import annotations
 
@@ -20,24 +20,16 @@ from tests.support.cluster import running_stack
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
-SECTION = "## Debugging with grpcurl"
+PAGE = REPO / "docs" / "grpcurl.md"
 ROLE_OF_PORT = {"50051": "ar", "50061": "denoiser-0", "50062": "denoiser-1", "50050": "gateway"}
 SERVICE_OF_ROLE = {"ar": "glmimage.v1.ArService", "denoiser-0": "glmimage.v1.DenoiserService",
                    "denoiser-1": "glmimage.v1.DenoiserService", "gateway": "glmimage.v1.GatewayService"}
 ADDRESS = re.compile(r"^(?:127\.0\.0\.1|localhost):(\d+)$")
 
 
-def readme_commands(readme: Path = README) -> list[str]:
-    """The lines starting with `grpcurl` between the section heading and the next `## ` heading."""
-    text = readme.read_text()
-    start = text.find(SECTION + "\n")
-    if start < 0:
-        return []
-    body = text[start + len(SECTION):]
-    end = body.find("\n## ")
-    body = body if end < 0 else body[:end]
-    return [line.strip() for line in body.splitlines() if line.strip().startswith("grpcurl ")]
+def page_commands(page: Path = PAGE) -> list[str]:
+    """The lines of the page that start with `grpcurl`."""
+    return [line.strip() for line in page.read_text().splitlines() if line.strip().startswith("grpcurl ")]
 
 
 def grpcurl_binary() -> str:
@@ -65,10 +57,10 @@ def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield run.addresses
 
 
-def test_readme_section_covers_every_service() -> None:
-    """The section lists and describes each service, calls each stage, the gateway status and the health check."""
-    argvs = [shlex.split(c) for c in readme_commands()]
-    assert argvs, f"README.md has no grpcurl commands under {SECTION!r}"
+def test_page_covers_every_service() -> None:
+    """The page lists and describes each service, calls each stage, the gateway status and the health check."""
+    argvs = [shlex.split(c) for c in page_commands()]
+    assert argvs, f"{PAGE.relative_to(REPO)} has no grpcurl commands"
     listed = {ROLE_OF_PORT.get(ADDRESS.match(a[-2]).group(1), "?") for a in argvs
               if a[-1] == "list" and ADDRESS.match(a[-2])}
     assert {"ar", "gateway"} <= listed and listed & {"denoiser-0", "denoiser-1"}, listed
@@ -111,12 +103,12 @@ def _check_output(argv: list[str], role: str, stdout: str) -> None:
         assert stdout.strip(), "no output"
 
 
-@pytest.mark.parametrize("command", readme_commands(), ids=lambda c: " ".join(shlex.split(c)[-2:])[:60])
-def test_readme_command_runs(command: str, stack: dict[str, str]) -> None:
+@pytest.mark.parametrize("command", page_commands(), ids=lambda c: " ".join(shlex.split(c)[-2:])[:60])
+def test_page_command_runs(command: str, stack: dict[str, str]) -> None:
     argv = shlex.split(command)
     assert argv[0] == "grpcurl"
     roles = [ROLE_OF_PORT.get(m.group(1)) for m in map(ADDRESS.match, argv) if m]
-    assert len(roles) == 1 and roles[0], f"expected one 127.0.0.1 address with a README port: {command}"
+    assert len(roles) == 1 and roles[0], f"expected one 127.0.0.1 address with a port of make run: {command}"
     role = roles[0]
     argv = [grpcurl_binary(), *(stack[role] if ADDRESS.match(a) else a for a in argv[1:])]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
