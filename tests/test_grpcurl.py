@@ -1,6 +1,8 @@
-"""Runs docs/grpcurl.md's commands, exactly as written, against a real stack.
+"""Runs the documented commands that need a running stack, exactly as written, against a real one: docs/grpcurl.md's
+grpcurl calls, and the README's first request and first edit (curl, then the openai SDK).
 
-Only the ports change: the page uses `make run`'s defaults (50051 AR, 50061/50062 denoisers, 50050 gateway).
+Only the ports change: the pages use `make run`'s defaults (50051 AR, 50061/50062 denoisers, 50050 gateway, 8000
+REST).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "grpcurl.md"
+README = REPO / "README.md"
+FIRST_STEPS = ("## The first request", "## The first edit")
 ROLE_OF_PORT = {"50051": "ar", "50061": "denoiser-0", "50062": "denoiser-1", "50050": "gateway"}
 SERVICE_OF_ROLE = {"ar": "glmimage.v1.ArService", "denoiser-0": "glmimage.v1.DenoiserService",
                    "denoiser-1": "glmimage.v1.DenoiserService", "gateway": "glmimage.v1.GatewayService"}
@@ -30,6 +34,16 @@ ADDRESS = re.compile(r"^(?:127\.0\.0\.1|localhost):(\d+)$")
 def page_commands(page: Path = PAGE) -> list[str]:
     """The lines of the page that start with `grpcurl`."""
     return [line.strip() for line in page.read_text().splitlines() if line.strip().startswith("grpcurl ")]
+
+
+def readme_blocks(language: str) -> list[str]:
+    """The README's ```language blocks under its first-request and first-edit headings, in order."""
+    text, blocks = README.read_text(), []
+    for heading in FIRST_STEPS:
+        body = text[text.index(heading + "\n"):]
+        end = body.find("\n## ", 1)
+        blocks += re.findall(rf"^```{language}\n(.*?)^```", body if end < 0 else body[:end], flags=re.S | re.M)
+    return blocks
 
 
 def grpcurl_binary() -> str:
@@ -114,3 +128,29 @@ def test_page_command_runs(command: str, stack: dict[str, str]) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{command}\n{done.stderr}"
     _check_output(argv, role, done.stdout)
+
+
+def test_readme_first_request_and_edit_run_as_printed(stack: dict[str, str], tmp_path: Path) -> None:
+    """In a fresh directory: the curl generation saves out.png, and the curl edit sends it back as its reference."""
+    joined = (re.sub(r"\\\n\s*", " ", block) for block in readme_blocks("sh"))  # backslash continuations
+    commands = [line.strip() for block in joined for line in block.splitlines() if line.strip()]
+    assert [c.split()[0] for c in commands] == ["curl", ".venv/bin/python", "curl"], commands
+    replies = []
+    for command in commands:
+        here = command.replace("localhost:8000", stack["rest"]).replace(".venv/bin/", f"{Path(sys.executable).parent}/")
+        done = subprocess.run(["bash", "-o", "pipefail", "-c", here], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, f"{command}\n{done.stderr}"
+        replies.append(done.stdout)
+    generated, edited = json.loads(replies[0]), json.loads(replies[-1])
+    assert len(generated["data"]) == 1 and generated["usage"]["image_count"] == 1
+    assert (tmp_path / "out.png").read_bytes().startswith(b"\x89PNG")
+    assert len(edited["data"]) == 2 and edited["usage"]["input_tokens_details"]["image_tokens"] > 0
+
+
+def test_readme_openai_sdk_example_runs(stack: dict[str, str]) -> None:
+    (block,) = readme_blocks("python")
+    script = block.replace("http://localhost:8000", f"http://{stack['rest']}") + "\nprint(image.data[0].b64_json[:8])"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "iVBORw0K", done.stdout  # base64 of the PNG signature
