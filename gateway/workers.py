@@ -50,7 +50,7 @@ class WorkerHealth(enum.Enum):
     HUNG = "not answering health checks (hung)"
     TIMED_OUT = "a call to it timed out"
     # Its health is open, so it looks serving, but it refuses every call that needs the internal token: a wrong
-    # token file, or a rotation half done (see README, internal token).
+    # token file, or a rotation half done (see docs/operating.md, the internal token).
     CREDENTIAL_REFUSED = "refuses the gateway's credential"
 
     @property

@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--internal-token", action="store_true",
                    help="make AR and denoisers require a random token made for this run, which the gateway "
                         "presents (through the environment, $GLMIMAGE_INTERNAL_TOKEN); off by default, so the "
-                        "README's grpcurl calls straight to the AR and denoisers work without a header")
+                        "grpcurl calls of docs/grpcurl.md straight to the AR and denoisers work without a header")
     a = p.parse_args(argv)
     # The single-port flags stay for the callers that have them: each is the one-entry list of its plural.
     for one, several in (("gateway_port", "gateway_ports"), ("gateway_metrics_port", "gateway_metrics_ports")):

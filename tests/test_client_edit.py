@@ -1,4 +1,4 @@
-"""Image editing from every client: the SDK (sync and async), the CLI, the Node client and the README's grpcurl
+"""Image editing from every client: the SDK (sync and async), the CLI, the Node client and docs/grpcurl.md's
 example, against the scripted gateway (tests/support/fake_gateway.py) on a real gRPC server.
 
 An edit is a GenerateImages / GenerateImagesStream call with reference_images: the tests check that each client
@@ -184,7 +184,7 @@ def test_readme_cli_edit_runs_as_printed(fake: FakeServer, tmp_path: Path) -> No
     assert sent_references(fake.servicer.calls[0].request)
 
 
-# --- grpcurl: the README's edit example ------------------------------------------------------------------------------
+# --- grpcurl: docs/grpcurl.md's edit example ------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -129,7 +129,7 @@ async def test_a_denoiser_with_another_token_is_marked_and_a_burst_of_16_never_f
 async def test_a_token_rotation_old_and_new_both_accepted_and_a_fixed_worker_comes_back(
         tmp_path: Path, tiny_checkpoint: Path) -> None:
     old, new = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
-    shared = _token_file(tmp_path / "shared", old, new)  # step 1 of the README's rotation: both accepted
+    shared = _token_file(tmp_path / "shared", old, new)  # step 1 of docs/operating.md's rotation: both accepted
     procs = Cluster(tmp_path / "procs")
     env = {ENV_INTERNAL_TOKEN: ""}
     try:

@@ -1,6 +1,6 @@
 """Edits end to end on the real stack (`python -m services.launcher`, what `make run` starts, on the tiny model):
 the openai SDK's images.edit (several references, n=2, reproducible with a seed, streamed), the Python SDK, the
-CLI, the README's grpcurl example and the Node client, all against one stack."""
+CLI, docs/grpcurl.md's example and the Node client, all against one stack."""
 from __future__ import annotations
 
 import base64

@@ -1,4 +1,4 @@
-"""Running the clients as a user would: the `glmimage` CLI, the Node client and the README's grpcurl edit, as
+"""Running the clients as a user would: the `glmimage` CLI, the Node client and docs/grpcurl.md's edit, as
 subprocesses."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+GRPCURL_PAGE = REPO / "docs" / "grpcurl.md"
 GENERATE_JS = REPO / "clients" / "node" / "generate.js"
 
 
@@ -29,15 +29,15 @@ def run_node(node: str, *args: str, timeout: float = 300) -> subprocess.Complete
 
 
 def readme_grpcurl_edit() -> str:
-    """The README's grpcurl edit: the one shell line that pipes reference_images JSON into grpcurl."""
-    lines = [ln for ln in README.read_text().splitlines() if "grpcurl " in ln and "reference_images" in ln
+    """docs/grpcurl.md's edit: the one shell line that pipes reference_images JSON into grpcurl."""
+    lines = [ln for ln in GRPCURL_PAGE.read_text().splitlines() if "grpcurl " in ln and "reference_images" in ln
              and not ln.startswith("grpcurl ")]
     assert len(lines) == 1, lines
     return lines[0]
 
 
 def run_readme_grpcurl_edit(address: str, cwd: Path, reference: bytes) -> dict:
-    """The README's example as printed, in a shell, with `address` for make run's gateway and `reference` as the
+    """docs/grpcurl.md's example as printed, in a shell, with `address` for make run's gateway and `reference` as the
     file it reads; grpcurl comes from the interpreter's bin directory (the dev extra), as in test_grpcurl."""
     command = readme_grpcurl_edit()
     (path,) = re.findall(r"base64 < (\S+)", command)
