@@ -13,12 +13,12 @@ import grpc
 
 from gateway.auth import ADMIN, gateway_interceptor
 from gateway.config import GatewayConfig
-from gateway.driver import Driver, Outcome, RequestFailed, StreamOptions
+from gateway.driver import Driver, Outcome, StreamOptions
 from gateway.membership import WorkerAddress, allowed, parse_worker_address, split_host_port
 from gateway.scheduler import types as sch
 from gateway.validation import Admitted, check_generate, check_partial_images
 from glmimage.v1 import common_pb2, denoiser_service_pb2, gateway_service_pb2, gateway_service_pb2_grpc
-from services.runtime.errors import InvalidArgument, error_for
+from services.runtime.errors import InvalidArgument, ServiceError, error_for
 from services.runtime.limits import Limits
 from services.runtime.logs import request_id_var
 
@@ -51,6 +51,12 @@ def sum_usage(usages) -> common_pb2.Usage:
 
 def job_label(job: sch.JobId | None) -> str:
     return f"{job.request_id}/{job.index}#{job.attempt}" if job else ""
+
+
+def status_error(error: sch.RequestError) -> ServiceError:
+    """The scheduler's error as the call's status (the error interceptor sends it): the one place a failed
+    request becomes gRPC. Its operator_note stays in the gateway's log."""
+    return error_for(error.kind, error.message, error.field)
 
 
 def check_address(address: str) -> str:
@@ -112,11 +118,11 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         try:
             outcome = await self.driver.generate(request_id_var.get(), admitted, self._timeout(context),
                                                  expired=self._expired(context), caller=self._caller(context))
-        except RequestFailed as exc:
-            raise error_for(exc.code, exc.message, exc.field) from None
         except asyncio.CancelledError:
             log.info("client went away; request cancelled downstream")
             raise
+        if isinstance(outcome, sch.RequestError):
+            raise status_error(outcome)
         return self._response(outcome, admitted)
 
     async def GenerateImagesStream(self, request, context: grpc.aio.ServicerContext
@@ -161,13 +167,13 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             while (event := await events.get()) is not done:
                 yield event
             outcome = task.result()
-        except RequestFailed as exc:
-            raise error_for(exc.code, exc.message, exc.field) from None
         except asyncio.CancelledError:
             log.info("client went away; request cancelled downstream")
             raise
         finally:
             task.cancel()  # a no-op once done
+        if isinstance(outcome, sch.RequestError):
+            raise status_error(outcome)
         yield gateway_service_pb2.GenerateImagesStreamResponse(completed=self._response(outcome, admitted))
 
     def _check(self, request: gateway_service_pb2.GenerateImagesRequest, limits: Limits) -> Admitted:

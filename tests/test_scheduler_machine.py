@@ -180,11 +180,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if ev.batch_id in owned:  # a live batch (else fenced)
                     owned.discard(ev.batch_id)
                     self._maybe_gone(name)
-                    if isinstance(ev, ArBatchFailed) and ev.code in (ErrorKind.INVALID_ARGUMENT, ErrorKind.INTERNAL):
+                    if isinstance(ev, ArBatchFailed) and ev.kind in (ErrorKind.INVALID_ARGUMENT, ErrorKind.INTERNAL):
                         live = [rid for rid in w.batch_rids[ev.batch_id]
                                 if (r := self._live(rid)) is not None and r.batch == ev.batch_id]
                         if len(live) == 1:
-                            expect_invalid = (live[0], ev.code)
+                            expect_invalid = (live[0], ev.kind)
                         for rid in live if len(live) > 1 else ():
                             w.reqs[rid].solo = True  # split, with no retry charged
                     elif isinstance(ev, ArBatchFailed):
@@ -205,14 +205,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         if isinstance(ev, RequestArrived) and not any(
             isinstance(a, FailRequest)
             and a.request_id == ev.request_id
-            and a.code in (ErrorKind.INVALID_ARGUMENT, ErrorKind.RESOURCE_EXHAUSTED)
+            and a.error.kind in (ErrorKind.INVALID_ARGUMENT, ErrorKind.RESOURCE_EXHAUSTED)
             for a in actions
         ):
             w.reqs[ev.request_id] = _Req(ev.n, (ev.height, ev.width), ev.deadline)
         assert {a.batch_id for a in actions if isinstance(a, CancelArBatch) and not a.abandoned} == expect_ar_cancels
         if expect_invalid is not None:  # failed at once, not retried (or its deadline passed first)
             assert any(isinstance(a, FailRequest) and a.request_id == expect_invalid[0]
-                       and a.code in (expect_invalid[1], ErrorKind.DEADLINE_EXCEEDED)
+                       and a.error.kind in (expect_invalid[1], ErrorKind.DEADLINE_EXCEEDED)
                        for a in actions), "bad input not relayed"
         for a in actions:
             self._apply(ev, a, before)
@@ -312,14 +312,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             if (
                 isinstance(ev, RequestArrived)
                 and a.request_id == ev.request_id
-                and a.code
+                and a.error.kind
                 in (
                     ErrorKind.INVALID_ARGUMENT,
                     ErrorKind.RESOURCE_EXHAUSTED,
                 )
             ):
                 assert a.request_id not in w.reqs
-                if a.code is ErrorKind.RESOURCE_EXHAUSTED:
+                if a.error.kind is ErrorKind.RESOURCE_EXHAUSTED:
                     queued = before.pending_ar_outputs + before.pending_denoise_outputs  # type: ignore[attr-defined]
                     assert queued + ev.n > cfg.max_queued_outputs
                 else:
@@ -328,18 +328,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert a.request_id in w.reqs and a.request_id not in w.ended, "ended twice or never admitted"
             w.ended[a.request_id] = a
             r = w.reqs[a.request_id]
-            if a.code is ErrorKind.DEADLINE_EXCEEDED:
+            if a.error.kind is ErrorKind.DEADLINE_EXCEEDED:
                 assert r.deadline is not None and self.now >= r.deadline
-            if a.code is ErrorKind.CANCELLED:
+            if a.error.kind is ErrorKind.CANCELLED:
                 assert isinstance(ev, RequestCancelled) and ev.request_id == a.request_id
             # Out of tries only when they are really used up: busy and credential refusals are not tries.
-            if a.message.startswith("AR stage failed"):
+            if a.error.message.startswith("AR stage failed"):
                 assert r.ar_failures > cfg.ar_retries, f"{a.request_id} failed before its AR retries were used"
-            if a.message.startswith("denoise failed after"):
-                used = int(a.message.split()[3])
+            if a.error.message.startswith("denoise failed after"):
+                used = int(a.error.message.split()[3])
                 assert used >= cfg.max_attempts and any(
                     att - w.refusals.get((a.request_id, i), 0) == used
-                    for (rid, i), (att, _) in w.attempts.items() if rid == a.request_id), a.message
+                    for (rid, i), (att, _) in w.attempts.items() if rid == a.request_id), a.error.message
 
     def _check(self) -> None:
         s, w = self.s, self.w

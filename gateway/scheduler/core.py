@@ -54,6 +54,7 @@ from .types import (
     JobId,
     RequestArrived,
     RequestCancelled,
+    RequestError,
     SchedulerConfig,
     Snapshot,
     Tick,
@@ -240,7 +241,7 @@ class Scheduler:
             note = f"{queued} queued outputs + n={ev.n} > --max-queued-outputs={cfg.max_queued_outputs}"
         if reject is not None:
             self.counters.rejected += 1
-            actions.append(FailRequest(rid, *reject, operator_note=note))
+            actions.append(FailRequest(rid, RequestError(*reject, operator_note=note)))
             return
 
         base = self._attempt_floor.pop(rid, 0)
@@ -268,7 +269,7 @@ class Scheduler:
     def _on_cancelled(self, ev: RequestCancelled, actions: list[Action]) -> None:
         req = self._active.get(ev.request_id)
         if req is not None:
-            self._fail(req, ErrorKind.CANCELLED, ev.message, actions)
+            self._fail(req, ev.kind, ev.message, actions)
 
     def _on_ar_succeeded(self, ev: ArBatchSucceeded, actions: list[Action]) -> None:
         batch = self._take_batch(ev.batch_id)
@@ -292,14 +293,14 @@ class Scheduler:
         batch = self._take_batch(ev.batch_id)
         if batch is None:
             return
-        if ev.code not in (ErrorKind.INVALID_ARGUMENT, ErrorKind.INTERNAL):
+        if ev.kind not in (ErrorKind.INVALID_ARGUMENT, ErrorKind.INTERNAL):
             self._ar_batch_failed(batch, f"AR stage failed: {ev.message}", "ar_failed", actions)
             return
         # The fault lies with one of the batch's requests (the AR refused its input, or handling it failed in the
         # gateway itself): not worth a retry as is, and nobody else's fault.
         live = self._waiting_for(batch)
         if len(live) == 1:  # the message is meant for this client (the AR's names the field): relay it unchanged
-            self._fail(live[0], ev.code, ev.message, actions, field=ev.field)
+            self._fail(live[0], ev.kind, ev.message, actions, field=ev.field)
             return
         # One of them is bad and the others must not pay for it: each goes again alone, at the front, with no
         # retry charged. The bad one then fails by itself.
@@ -338,8 +339,8 @@ class Scheduler:
             self._retry_output(req, out, "denoise_failed", ev.message, actions)
         else:
             # Bad input is the client's to fix: relay the worker's message (it names the field) unchanged.
-            message = ev.message if ev.code is ErrorKind.INVALID_ARGUMENT else f"denoise failed: {ev.message}"
-            self._fail(req, ev.code, message, actions, field=ev.field)
+            message = ev.message if ev.kind is ErrorKind.INVALID_ARGUMENT else f"denoise failed: {ev.message}"
+            self._fail(req, ev.kind, message, actions, field=ev.field)
 
     def _on_denoise_refused_busy(self, ev: DenoiseRefusedBusy, actions: list[Action]) -> None:
         self.counters.collisions += 1
@@ -494,11 +495,11 @@ class Scheduler:
         for req in sorted(stranded, key=lambda r: r.seq):
             self._fail(req, ErrorKind.UNAVAILABLE, self._pool.none_ready(DENOISER, "it went away"), actions)
 
-    def _fail(self, req: Request, code: ErrorKind, message: str, actions: list[Action], *,
+    def _fail(self, req: Request, kind: ErrorKind, message: str, actions: list[Action], *,
               field: str | None = None) -> None:
         self._end(req, actions)
-        self.counters.failed[code] += 1
-        actions.append(FailRequest(req.request_id, code, message, field))
+        self.counters.failed[kind] += 1
+        actions.append(FailRequest(req.request_id, RequestError(kind, message, field)))
 
     def _end(self, req: Request, actions: list[Action]) -> None:
         """Remove an active request from every queue and cancel its in-flight denoise jobs."""
