@@ -242,9 +242,9 @@ class Driver:
         self._arm_timer()
 
     def _publish_soon(self) -> None:
-        """Publish the metrics' state once per turn of the event loop, however many events that turn handled:
-        building it walks every worker, and over a large pool shared by several gateways most events are other
-        gateways' jobs starting and ending (a burst of them once cost a full walk each, and lagged the loop)."""
+        """Publish the metrics' state once per turn of the event loop, however many events that turn handled: the
+        scheduler's part is counts it keeps, but the health part looks at every member, and over a large pool shared
+        by several gateways most events are other gateways' jobs starting and ending."""
         if self.observe.metrics is None or self._publish_due:
             return
         try:
@@ -257,8 +257,8 @@ class Driver:
 
     def _publish(self) -> None:
         self._publish_due = False
-        self.observe.publish(self.scheduler, (a for a, w in self._workers.items() if w.health.stuck),
-                             (a for a, w in self._workers.items() if w.health is WorkerHealth.CREDENTIAL_REFUSED))
+        self.observe.publish(self.scheduler, (w.role for w in self._workers.values() if w.health.stuck),
+                             (w.role for w in self._workers.values() if w.health is WorkerHealth.CREDENTIAL_REFUSED))
 
     def _from_watch(self, event: sch.Event, quiet: bool = False) -> None:
         """A worker's health change, from its watch. A draining worker (it said NOT_SERVING) that goes away has

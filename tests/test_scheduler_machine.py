@@ -43,6 +43,7 @@ from gateway.scheduler.types import (
     WorkerHealthy,
     WorkerNotServing,
     WorkerRemoved,
+    WorkerRole,
     WorkerState,
     WorkerUnhealthy,
 )
@@ -345,6 +346,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         s, w = self.s, self.w
         assert s is not None
         snap = s.snapshot()
+        # The counts the metrics publish, kept as workers change, agree with the snapshot's entries; so do the queues.
+        gauges = s.gauges()
+        assert gauges.workers == {(role, state): sum(1 for x in snap.workers if (x.role, x.state) == (role, state))
+                                  for role in WorkerRole for state in WorkerState}
+        assert (gauges.pending_ar_requests, gauges.pending_ar_outputs, gauges.pending_denoise_outputs,
+                gauges.pending_denoise_requests, gauges.active_requests) == (
+            snap.pending_ar_requests, snap.pending_ar_outputs, snap.pending_denoise_outputs,
+            snap.pending_denoise_requests, snap.active_requests)
         # Membership and slots exactly as the model derives them from events and actions: a fenced result
         # never freed another job's slot, and no denoiser holds two jobs.
         assert {x.address for x in snap.workers} == set(w.members)

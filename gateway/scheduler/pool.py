@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from .speed import AR, DENOISER
 from .types import JobId, WorkerDown, WorkerRole, WorkerSnapshot, WorkerState
 
+_AVAILABLE, _BUSY, _DRAINING, _UNHEALTHY = (WorkerState.AVAILABLE, WorkerState.BUSY, WorkerState.DRAINING,
+                                            WorkerState.UNHEALTHY)
+
 
 @dataclass(slots=True, eq=False)
 class Worker:
@@ -37,6 +40,10 @@ class Worker:
     # Why it last stopped taking work (None since it was last healthy, or never checked): what the message of a
     # request that finds no worker of its stage says.
     down: WorkerDown | None = None
+    # The state it is counted under in Pool.standing while it takes no work (DRAINING or UNHEALTHY; None: it is ready,
+    # or not a member), and, for a ready denoiser, whether it is counted in Pool.busy_denoisers.
+    standing: WorkerState | None = None
+    counted_busy: bool = False
 
     def busy(self) -> bool:
         return self.job is not None or bool(self.batches)
@@ -48,8 +55,8 @@ class Worker:
 class Pool:
     """The members (a removed worker stays one until it has drained), and the counts and heap kept over them."""
 
-    __slots__ = ("members", "by_role", "ar_servers", "ready_ar", "ready_denoisers", "idle", "_ar_room", "_added",
-                 "_clock")
+    __slots__ = ("members", "by_role", "ar_servers", "ready_ar", "ready_denoisers", "standing", "busy_denoisers",
+                 "idle", "_ar_room", "_added", "_clock")
 
     def __init__(self, ar_max_inflight_batches: int) -> None:
         self.members: dict[str, Worker] = {}
@@ -60,6 +67,12 @@ class Pool:
         # (asked on every event with fail-fast on) costs O(1), not a scan of the denoiser pool.
         self.ready_ar = 0
         self.ready_denoisers = 0
+        # The rest of the members' states, kept as they change, so that the metrics' counts by role and state cost
+        # no walk of the pool (see state_counts): the members that take no work, by state (from their flags, in
+        # recount), and the ready denoisers that a job holds, this gateway's or another's.
+        self.standing: dict[tuple[WorkerRole, WorkerState], int] = {
+            (r, s): 0 for r in WorkerRole for s in (_DRAINING, _UNHEALTHY)}
+        self.busy_denoisers = 0
         # Heap of denoisers that may be free, by (last_used, added_seq): the LRU choice without scanning the pool.
         # Validated lazily when it reaches the top (see take_free_denoiser).
         self.idle: list[tuple[int, int, Worker]] = []
@@ -88,6 +101,13 @@ class Pool:
         Every such change calls this, so the counts always equal the number of members for which accepts_work()
         holds, and w.ready says whether w is one of them."""
         ready = member and w.accepts_work()
+        standing = None if ready or not member else _DRAINING if w.draining or w.healthy else _UNHEALTHY
+        if standing is not w.standing:
+            if w.standing is not None:
+                self.standing[w.role, w.standing] -= 1
+            if standing is not None:
+                self.standing[w.role, standing] += 1
+            w.standing = standing
         if ready is not w.ready:
             w.ready = ready
             delta = 1 if ready else -1
@@ -95,6 +115,15 @@ class Pool:
                 self.ready_ar += delta
             else:
                 self.ready_denoisers += delta
+                self.rebusy(w)
+
+    def rebusy(self, w: Worker) -> None:
+        """Bring busy_denoisers up to date after a change to a denoiser's ready flag, its job or its elsewhere flag
+        (the two paths of every job, dispatch and end, keep it themselves: take_free_denoiser and Scheduler)."""
+        busy = w.ready and (w.job is not None or w.elsewhere)
+        if busy is not w.counted_busy:
+            w.counted_busy = busy
+            self.busy_denoisers += 1 if busy else -1
 
     def any_ready(self, role: WorkerRole) -> bool:
         """Whether some member of ``role`` accepts work (what a scan of accepts_work() would say)."""
@@ -139,6 +168,8 @@ class Pool:
             w.offered = False
             if self.members.get(w.address) is w and w.ready and w.job is None and not w.elsewhere:
                 w.last_used = next(self._clock)
+                w.counted_busy = True  # the caller gives it a job: ready, and neither busy nor counted till now
+                self.busy_denoisers += 1
                 return w
         return None
 
@@ -156,6 +187,18 @@ class Pool:
         return best
 
     # ---------------------------------------------------------------------------------------------- snapshots
+
+    def state_counts(self) -> dict[tuple[WorkerRole, WorkerState], int]:
+        """How many members of each role are in each state (what snapshots() would count), from the counts kept
+        above and a look at the AR servers, which are few: no walk of the denoisers."""
+        counts = dict(self.standing)
+        room = self._ar_room
+        ar_busy = sum(1 for w in self.ar_servers.values() if w.ready and len(w.batches) >= room)
+        counts[AR, _BUSY] = ar_busy
+        counts[AR, _AVAILABLE] = self.ready_ar - ar_busy
+        counts[DENOISER, _BUSY] = self.busy_denoisers
+        counts[DENOISER, _AVAILABLE] = self.ready_denoisers - self.busy_denoisers
+        return counts
 
     def snapshots(self) -> tuple[WorkerSnapshot, ...]:
         return tuple(self._snapshot(w) for w in self.members.values())

@@ -29,6 +29,7 @@ __all__ = [
     "DispatchDenoise",
     "Event",
     "FailRequest",
+    "Gauges",
     "JobId",
     "RequestArrived",
     "RequestCancelled",
@@ -357,6 +358,19 @@ class Snapshot:
     pending_denoise_requests: int  # requests with at least one output waiting for a denoiser
     active_requests: int
     workers: tuple[WorkerSnapshot, ...]
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """What the metrics publish after every turn of the event loop: the queues, and the workers counted by role and
+    state (every pair present). Unlike Snapshot, nothing in it grows with the pool."""
+
+    pending_ar_requests: int
+    pending_ar_outputs: int
+    pending_denoise_outputs: int
+    pending_denoise_requests: int
+    active_requests: int
+    workers: dict[tuple[WorkerRole, WorkerState], int]
 
 
 REQUEUE_REASONS: tuple[str, ...] = ("worker_unhealthy", "denoise_failed", "ar_failed", "ar_batch_split")
