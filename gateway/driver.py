@@ -56,7 +56,8 @@ class Driver:
     def __init__(self, config: GatewayConfig, scheduler: Scheduler | None = None,
                  metrics: GatewayMetrics | None = None) -> None:
         self.config = config
-        self.scheduler = scheduler or Scheduler(config.scheduler)
+        # Seeded with the gateway's own id: gateways sharing denoisers each take free ones in an order of their own.
+        self.scheduler = scheduler or Scheduler(config.scheduler, pick_seed=config.instance_id)
         self.observe = Observer(metrics)
         self._pending: dict[str, _Pending] = {}
         self._workers: dict[str, Worker] = {}

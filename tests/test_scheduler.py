@@ -655,7 +655,7 @@ def test_a_refusal_for_a_superseded_attempt_is_fenced_and_marks_nothing() -> Non
     assert d0 is not None and not d0.held_elsewhere and s.counters.fenced_results == fenced + 1
 
 
-def test_least_recently_used_denoiser_is_chosen() -> None:
+def test_free_denoisers_are_taken_in_rotation() -> None:
     s = make(ar_batch_delay=0.0)
     up(s, "ar0", AR)
     for i in range(3):
@@ -665,6 +665,37 @@ def test_least_recently_used_denoiser_is_chosen() -> None:
     s.handle(DenoiseSucceeded(1.0, job("a", 1), "d1", "y"))
     # d2 never used, then d0 (used before d1).
     assert [d.worker for d in to_denoise(s, "b", 2, now=2.0)] == ["d2", "d0"]
+
+
+def test_a_denoiser_freed_by_another_gateway_waits_its_turn_in_the_rotation() -> None:
+    # Taken first, it would be the one every gateway sharing the pool reaches for the moment it is free.
+    s = ready()
+    assert [d.worker for d in to_denoise(s, "a", 2)] == ["d0", "d1"]
+    s.handle(DenoiserOccupancy(0.1, "d2", elsewhere=True))
+    assert [d.worker for d in to_denoise(s, "b", 1, now=0.2)] == ["d3"]
+    s.handle(DenoiseSucceeded(1.0, job("a", 0), "d0", "x"))
+    s.handle(DenoiserOccupancy(1.0, "d2", elsewhere=False))
+    s.handle(DenoiseSucceeded(1.0, job("a", 1), "d1", "y"))
+    assert [d.worker for d in to_denoise(s, "c", 3, now=2.0)] == ["d0", "d1", "d2"]
+
+
+def test_each_seed_has_its_own_pick_order_and_keeps_it() -> None:
+    def picks(seed: str | None) -> list[str]:
+        s = Scheduler(SchedulerConfig(ar_batch_delay=0.0), pick_seed=seed)
+        up(s, "ar0", AR)
+        for i in range(8):
+            up(s, f"d{i}", DN)
+        first = [d.worker for d in to_denoise(s, "a", 4)]
+        for i, address in enumerate(first):
+            s.handle(DenoiseSucceeded(1.0, job("a", i), address, "x"))
+        return first + [d.worker for d in to_denoise(s, "b", 8, now=2.0)]
+
+    assert picks(None)[:8] == [f"d{i}" for i in range(8)]  # unseeded: the order they joined in
+    assert picks("gateway-1") == picks("gateway-1")
+    assert picks("gateway-1")[:4] != picks("gateway-2")[:4]
+    for seed in (None, "gateway-1"):  # a rotation: the four used come after the four not used yet
+        order = picks(seed)
+        assert set(order[4:8]) == {f"d{i}" for i in range(8)} - set(order[:4]) and order[8:] == order[:4]
 
 
 def test_completion_in_index_order_regardless_of_arrival_order() -> None:
@@ -786,7 +817,7 @@ def test_duplicate_result_is_fenced() -> None:
     s = ready()
     to_denoise(s, "a", 2)
     s.handle(DenoiseSucceeded(1.0, job("a", 0), "d0", "r0"))
-    to_denoise(s, "b", 1, now=1.5)  # lands on d2 (LRU), not d0
+    to_denoise(s, "b", 1, now=1.5)  # lands on d2 (next in the rotation), not d0
     assert s.handle(DenoiseSucceeded(2.0, job("a", 0), "d0", "again")) == []
     assert s.fenced_results == 1
     (done,) = s.handle(DenoiseSucceeded(3.0, job("a", 1), "d1", "r1"))

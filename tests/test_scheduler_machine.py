@@ -434,10 +434,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------------------------------------ rules
 
-    @initialize(cfg=configs, cluster=st.sets(st.sampled_from(WORKERS)))
-    def setup(self, cfg: SchedulerConfig, cluster: set[str]) -> None:
+    @initialize(cfg=configs, cluster=st.sets(st.sampled_from(WORKERS)), seed=st.sampled_from([None, "gw-a", "gw-b"]))
+    def setup(self, cfg: SchedulerConfig, cluster: set[str], seed: str | None) -> None:
         self.cfg = cfg
-        self.s = Scheduler(cfg)
+        self.s = Scheduler(cfg, pick_seed=seed)  # any pick order keeps every invariant
         for name in sorted(cluster):  # start with some healthy workers so work flows early
             self.send(WorkerAdded(self.now, name, _role(name)))
             self.send(WorkerHealthy(self.now, name))

@@ -86,7 +86,9 @@ _ATTEMPT_MEMORY = 4096
 class Scheduler:
     """Deterministic two-stage scheduler. See the module docstring."""
 
-    def __init__(self, config: SchedulerConfig = SchedulerConfig()) -> None:
+    def __init__(self, config: SchedulerConfig = SchedulerConfig(), pick_seed: str | None = None) -> None:
+        """``pick_seed``: this gateway's own order of the denoisers, for the choice of a free one (see Pool); the
+        choices are deterministic given it. None: the order they joined in."""
         self.config = config
         self.counters = Counters()
         self._now: float = float("-inf")
@@ -100,7 +102,7 @@ class Scheduler:
         self._denoise_q = MinQueue()  # of _QueueKey: the smallest is dispatched next
         self._denoise_requests = 0  # requests with an output in _denoise_q (each keeps its own count, Request.queued)
         self._batches: dict[int, DispatchArBatch] = {}  # in flight, as dispatched
-        self._pool = Pool(config.ar_max_inflight_batches)
+        self._pool = Pool(config.ar_max_inflight_batches, pick_seed)
         self._deadlines = MinQueue()  # of (deadline, seq, request_id), lazily pruned
         self._attempt_floor: OrderedDict[str, int] = OrderedDict()
         self._ended = False  # a request ended during this event (see _prune_deadlines)
