@@ -100,7 +100,6 @@ class Scheduler:
         self._pending_ar: dict[tuple[int, int, int], ArQueue] = {}  # none is empty
         self._pending_ar_outputs = 0
         self._denoise_q = MinQueue()  # of _QueueKey: the smallest is dispatched next
-        self._denoise_requests = 0  # requests with an output in _denoise_q (each keeps its own count, Request.queued)
         self._batches: dict[int, DispatchArBatch] = {}  # in flight, as dispatched
         self._pool = Pool(config.ar_max_inflight_batches, pick_seed)
         self._deadlines = MinQueue()  # of (deadline, seq, request_id), lazily pruned
@@ -207,7 +206,8 @@ class Scheduler:
             pending_ar_requests=sum(len(q.requests) for q in self._pending_ar.values()),
             pending_ar_outputs=self._pending_ar_outputs,
             pending_denoise_outputs=len(self._denoise_q),
-            pending_denoise_requests=self._denoise_requests,
+            # (a walk of the denoise queue: counting them as they come and go would cost every denoise job)
+            pending_denoise_requests=len({k[1] for k in self._denoise_q}),
             active_requests=len(self._active),
             workers=self._pool.state_counts(),
         )
@@ -366,7 +366,6 @@ class Scheduler:
         if held and (ev.sequence is None or ev.sequence >= w.occupancy_seq):
             # Busy until its stream says free; a free state newer than the refusal already came (stale).
             w.elsewhere = True
-            self._pool.rebusy(w)
             if ev.sequence is not None:
                 w.occupancy_seq = ev.sequence
         if found is not None:
@@ -384,7 +383,6 @@ class Scheduler:
                 return  # older than what a refusal or the stream already said
             w.occupancy_seq = ev.sequence
         w.elsewhere = ev.elsewhere
-        self._pool.rebusy(w)
         if not w.elsewhere:
             self._pool.offer(w)
 
@@ -543,8 +541,6 @@ class Scheduler:
             if queued:
                 seq = req.seq
                 self._denoise_q.drop_if(lambda k: k[1] == seq)
-                req.queued = 0
-                self._denoise_requests -= 1
         elif req.stage is AR_INFLIGHT and req.ar_batch is not None:
             # The batch result will drop this request (it is no longer active). If nobody else waits for the
             # batch, it is stopped at the end of this event (unless this event is its result).
@@ -697,9 +693,6 @@ class Scheduler:
     def _enqueue_output(self, req: Request, out: Output, front: bool) -> None:
         out.state = QUEUED
         self._denoise_q.push((_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
-        req.queued += 1
-        if req.queued == 1:
-            self._denoise_requests += 1
 
     def _live_output(self, job: JobId, worker: str) -> tuple[Request, Output] | None:
         """The output ``job`` is the current, in-flight attempt of, on ``worker``; else None (stale)."""
@@ -724,9 +717,6 @@ class Scheduler:
             return None
         found = self._live_output(job, worker)
         w.job = None
-        if w.counted_busy and not w.elsewhere:  # (pool.rebusy(w), inlined: this runs for every denoise job)
-            w.counted_busy = False
-            pool.busy_denoisers -= 1
         if w.draining:
             self._forget(w)
         else:
@@ -757,9 +747,6 @@ class Scheduler:
                 return
             _, _, index, rid = queue.pop()
             req = self._active[rid]
-            req.queued -= 1
-            if not req.queued:
-                self._denoise_requests -= 1
             out = req.outputs[index]
             attempt = out.attempt = out.attempt + 1
             out.state = INFLIGHT

@@ -45,9 +45,8 @@ class Worker:
     # request that finds no worker of its stage says.
     down: WorkerDown | None = None
     # The state it is counted under in Pool.standing while it takes no work (DRAINING or UNHEALTHY; None: it is ready,
-    # or not a member), and, for a ready denoiser, whether it is counted in Pool.busy_denoisers.
+    # or not a member).
     standing: WorkerState | None = None
-    counted_busy: bool = False
 
     def busy(self) -> bool:
         return self.job is not None or bool(self.batches)
@@ -59,8 +58,8 @@ class Worker:
 class Pool:
     """The members (a removed worker stays one until it has drained), and the counts and heap kept over them."""
 
-    __slots__ = ("members", "by_role", "ar_servers", "ready_ar", "ready_denoisers", "standing", "busy_denoisers",
-                 "idle", "_ar_room", "_added", "_clock", "_seed", "_lap", "_at")
+    __slots__ = ("members", "by_role", "ar_servers", "ready_ar", "ready_denoisers", "standing", "idle",
+                  "_ar_room", "_added", "_clock", "_seed", "_lap", "_at")
 
     def __init__(self, ar_max_inflight_batches: int, pick_seed: str | None = None) -> None:
         self.members: dict[str, Worker] = {}
@@ -71,12 +70,10 @@ class Pool:
         # (asked on every event with fail-fast on) costs O(1), not a scan of the denoiser pool.
         self.ready_ar = 0
         self.ready_denoisers = 0
-        # The rest of the members' states, kept as they change, so that the metrics' counts by role and state cost
-        # no walk of the pool (see state_counts): the members that take no work, by state (from their flags, in
-        # recount), and the ready denoisers that a job holds, this gateway's or another's.
+        # The members that take no work, by role and state (from their flags, kept by recount), so that the metrics'
+        # counts by role and state cost no walk of the pool (see state_counts).
         self.standing: dict[tuple[WorkerRole, WorkerState], int] = {
             (r, s): 0 for r in WorkerRole for s in (_DRAINING, _UNHEALTHY)}
-        self.busy_denoisers = 0
         # Heap of denoisers that may be free, by their place in the rotation (lap, rank): the next one after the
         # last taken, without scanning the pool. Validated lazily when it reaches the top (see take_free_denoiser).
         self.idle: list[tuple[int, int, Worker]] = []
@@ -132,15 +129,6 @@ class Pool:
                 self.ready_ar += delta
             else:
                 self.ready_denoisers += delta
-                self.rebusy(w)
-
-    def rebusy(self, w: Worker) -> None:
-        """Bring busy_denoisers up to date after a change to a denoiser's ready flag, its job or its elsewhere flag
-        (the two paths of every job, dispatch and end, keep it themselves: take_free_denoiser and Scheduler)."""
-        busy = w.ready and (w.job is not None or w.elsewhere)
-        if busy is not w.counted_busy:
-            w.counted_busy = busy
-            self.busy_denoisers += 1 if busy else -1
 
     def any_ready(self, role: WorkerRole) -> bool:
         """Whether some member of ``role`` accepts work (what a scan of accepts_work() would say)."""
@@ -187,10 +175,9 @@ class Pool:
         while heap:
             lap, rank, w = heapq.heappop(heap)
             w.offered = False
-            if self.members.get(w.address) is w and w.ready and w.job is None and not w.elsewhere:
+            # (ready also says it is still a member: forget() clears it, and a worker added again is a new object)
+            if w.ready and w.job is None and not w.elsewhere:
                 self._lap, self._at = lap, rank
-                w.counted_busy = True  # the caller gives it a job: ready, and neither busy nor counted till now
-                self.busy_denoisers += 1
                 return w
         return None
 
@@ -210,15 +197,19 @@ class Pool:
     # ---------------------------------------------------------------------------------------------- snapshots
 
     def state_counts(self) -> dict[tuple[WorkerRole, WorkerState], int]:
-        """How many members of each role are in each state (what snapshots() would count), from the counts kept
-        above and a look at the AR servers, which are few: no walk of the denoisers."""
+        """How many members of each role are in each state (what snapshots() would count), without a walk of the
+        denoisers: the counts kept above, a look at the AR servers (few), and the free denoisers, which are those
+        of the idle heap's entries that are still valid (every free denoiser has one, as nothing else would give
+        it work; the heap is short when the pool is busy). Counted here, not kept: keeping them would cost every
+        denoise job a few steps, and the scheduler's speed is counted in those."""
         counts = dict(self.standing)
         room = self._ar_room
         ar_busy = sum(1 for w in self.ar_servers.values() if w.ready and len(w.batches) >= room)
         counts[AR, _BUSY] = ar_busy
         counts[AR, _AVAILABLE] = self.ready_ar - ar_busy
-        counts[DENOISER, _BUSY] = self.busy_denoisers
-        counts[DENOISER, _AVAILABLE] = self.ready_denoisers - self.busy_denoisers
+        free = sum(1 for _, _, w in self.idle if w.ready and w.job is None and not w.elsewhere)
+        counts[DENOISER, _BUSY] = self.ready_denoisers - free
+        counts[DENOISER, _AVAILABLE] = free
         return counts
 
     def snapshots(self) -> tuple[WorkerSnapshot, ...]:

@@ -55,7 +55,6 @@ class Request:
     solo: bool = False
     ar_outputs: tuple[object, ...] = ()
     done: int = 0
-    queued: int = 0  # its outputs in the denoise queue
 
     @property
     def queue_key(self) -> tuple[int, int, int]:
