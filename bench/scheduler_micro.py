@@ -10,7 +10,7 @@ and then replayed, timed, on fresh twins built the same way: the scheduler is de
 very same actions, and the clock measures handle() alone, not this harness. Figures are medians of rounds:
 events/s and ns per event for each pool size, and the cost curve (ns per event at the largest pool over the
 smallest, which logarithmic growth bounds by log(1000)/log(10) = 3). Besides, per pool size: what one publish of the
-metrics costs (Scheduler.gauges(), counts kept as workers change) against the full snapshot() GetStatus builds.
+metrics costs (Scheduler.gauges(): counts, no entry per worker) against the full snapshot() GetStatus builds.
 
 With ``--base REV`` the scheduler of an earlier revision (its gateway/scheduler/ package, or gateway/scheduler.py
 before the package, over this checkout's exchange types) replays the same streams, in rounds alternating with this
