@@ -15,7 +15,8 @@ metrics costs (Scheduler.gauges(): counts, no entry per worker) against the full
 With ``--base REV`` the scheduler of an earlier revision (its gateway/scheduler/ package, or gateway/scheduler.py
 before the package, over this checkout's exchange types) replays the same streams, in rounds alternating with this
 one's, so both see the same machine load; the head/base ratio of the medians is the speed-up, and both must complete
-the same requests.
+the same requests. Both sides' Python bytecodes per event are counted too (on the first 3,000 events): on a shared,
+loaded machine the clock can hide a few percent either way, the count cannot.
 Writes bench/results/scheduler_micro.json.
 """
 from __future__ import annotations
@@ -55,6 +56,7 @@ QUEUED = 10_000  # outputs kept waiting for a denoiser
 BATCH = 8  # AR batch capacity in outputs; a batch leaves when full (the delay is out of reach)
 TICK = 1e-6  # simulated seconds between events
 TARGET_EVENTS_PER_S = 100_000
+BYTECODE_EVENTS = 3_000  # events of each stream whose bytecodes are counted (traced: about 100x slower)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -137,6 +139,28 @@ def _publish_seconds(denoisers: int, rounds: int) -> dict[str, float]:
     return out
 
 
+def bytecodes_per_event(denoisers: int, stream: list[Event], scheduler: type = Scheduler) -> float:
+    """Python bytecodes handle() runs per event of ``stream`` on a fresh twin (sys.settrace's opcode events): a
+    measure of the work, which the load on a shared machine does not blur as it does the clock."""
+    handle = _Harness(denoisers, scheduler).sched.handle
+    count = 0
+
+    def trace(frame: types.FrameType, event: str, arg: object) -> Callable:
+        nonlocal count
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        for ev in stream:
+            handle(ev)
+    finally:
+        sys.settrace(None)
+    return count / len(stream)
+
+
 def scheduler_at(rev: str) -> tuple[type, str]:
     """The Scheduler class as of ``rev``, and the commit ``rev`` names. Its modules are loaded from git as modules of
     their own, over this checkout's exchange types (so that both sides take the very same events): the package
@@ -214,9 +238,13 @@ def run(pools: tuple[int, ...], events: int, rounds: int, base: str | None = Non
                 f"{row['events_per_s_range'][1]}), {row['ns_per_event']} ns/event")
         if "base" in times:
             row["base"] = _figures(times["base"], len(stream))
+            sample = stream[:BYTECODE_EVENTS]
+            row["bytecodes_per_event"] = {side: round(bytecodes_per_event(d, sample, sides[side]), 1)
+                                          for side in ("head", "base")}
             row["speedup_over_base"] = round(row["events_per_s"] / row["base"]["events_per_s"], 3)
             line += (f"; base {row['base']['events_per_s']} events/s, {row['base']['ns_per_event']} ns/event: "
-                     f"{row['speedup_over_base']:.2f}x")
+                     f"{row['speedup_over_base']:.2f}x; bytecodes/event head {row['bytecodes_per_event']['head']}, "
+                     f"base {row['bytecodes_per_event']['base']}")
         publish = _publish_seconds(d, rounds)
         row["publish_us"] = {name: round(v * 1e6, 1) for name, v in publish.items()}
         line += f"; publish: gauges() {publish['gauges'] * 1e6:.1f} us, snapshot() {publish['snapshot'] * 1e6:.1f} us"
