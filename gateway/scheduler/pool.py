@@ -59,7 +59,7 @@ class Pool:
     """The members (a removed worker stays one until it has drained), and the counts and heap kept over them."""
 
     __slots__ = ("members", "by_role", "ar_servers", "ready_ar", "ready_denoisers", "standing", "idle",
-                  "_ar_room", "_added", "_clock", "_seed", "_lap", "_at")
+                 "_ar_room", "_added", "_clock", "_seed", "_lap", "_at")
 
     def __init__(self, ar_max_inflight_batches: int, pick_seed: str | None = None) -> None:
         self.members: dict[str, Worker] = {}
