@@ -14,17 +14,26 @@ denoisers. Bound = min(denoisers / 12.2, AR servers x 28 / T_ar(28)) images per 
 busy collisions and denoise dispatches are read from its Prometheus /metrics at the start and the end of the
 measured window. All times are reported in reference seconds (wall time / scale). Writes
 bench/results/multi_gateway_sim.json and bench/results/multi_gateway_sim.png.
+
+With ``--base REV`` every run is paired with one whose gateways are those of an earlier revision (its gateway/ and
+services/ packages, from git), the two in alternating order, so that both see the same machine load; each
+scenario's summary then has the base's figures and the head/base ratios beside its own (collisions per dispatch
+first: how often two gateways reached for the same free denoiser).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import bisect
+import io
 import json
+import os
 import random
 import socket
 import statistics
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import urllib.request
@@ -153,7 +162,28 @@ async def closed_loop(stubs: list[gateway_service_pb2_grpc.GatewayServiceStub], 
     return done, errors, t0, t1
 
 
-async def run_once(sc: Scenario, workdir: Path, tag: str) -> dict:
+def gateways_at(rev: str, workdir: Path) -> tuple[Path, str]:
+    """A directory holding the gateway/ and services/ packages as of ``rev`` (the SDK stays this checkout's), and
+    the commit ``rev`` names."""
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", *args], cwd=RESULTS.parents[1], capture_output=True, check=True).stdout
+
+    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
+    root = workdir / f"base-{commit[:10]}"
+    with tarfile.open(fileobj=io.BytesIO(git("archive", commit, "gateway", "services"))) as tar:
+        tar.extractall(root, filter="data")
+    return root, commit
+
+
+def _spawn_gateway(argv: list[str], root: Path | None) -> subprocess.Popen:
+    """``python -m gateway`` of this checkout, or (``root``) of the packages under ``root``."""
+    if root is None:
+        return _spawn(["gateway", *argv])
+    return subprocess.Popen([sys.executable, "-m", "gateway", *argv], cwd=root,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(root)})
+
+
+async def run_once(sc: Scenario, workdir: Path, tag: str, root: Path | None = None) -> dict:
     ready, stats_file = workdir / f"{tag}-sim.json", workdir / f"{tag}-stats.json"
     sim = _spawn(["bench.sim_backends", "--ar", str(sc.ar), "--denoisers", str(sc.denoisers), "--scale",
                   str(sc.scale), "--ar-batch-cap", str(AR_BATCH_MAX_OUTPUTS), "--ar-stagger",
@@ -165,12 +195,12 @@ async def run_once(sc: Scenario, workdir: Path, tag: str) -> dict:
         metric_ports = [free_port() for _ in range(sc.gateways)]
         for g, mport in enumerate(metric_ports):
             port_file = workdir / f"{tag}-gateway{g}.port"
-            gateways.append((_spawn([
-                "gateway", "--port", "0", "--port-file", str(port_file), "--metrics-port", str(mport),
+            gateways.append((_spawn_gateway([
+                "--port", "0", "--port-file", str(port_file), "--metrics-port", str(mport),
                 "--log-level", "ERROR", *[f"--ar={a}" for a in addresses["ar"]],
                 *[f"--denoiser={d}" for d in addresses["denoisers"]],
                 "--ar-batch-max-outputs", str(AR_BATCH_MAX_OUTPUTS), "--max-queued-outputs", "8192",
-                "--request-timeout", "600", "--health-probe-interval", str(sc.probe_interval)]), port_file))
+                "--request-timeout", "600", "--health-probe-interval", str(sc.probe_interval)], root), port_file))
         ports = [int(await _wait_file(f, proc)) for proc, f in gateways]
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in ports]
         try:
@@ -354,8 +384,19 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _line(name: str, k: int, r: dict, side: str = "") -> str:
+    cpu = r["cpu_per_wall_s"]
+    return (f"[{name} #{k + 1}{side}] {r['throughput']:.3f} img/s = {r['throughput_vs_bound']:.3f} of bound, "
+            f"latency mean {r['latency_mean']:.1f} s p95 {r['latency_p95']:.1f} s, collisions/dispatch "
+            f"{r['collisions_per_dispatch']:.4f} ({r['collisions']}/{r['dispatches']}), shares "
+            f"{r['per_gateway']['share']}, errors {r['errors']}, AR outputs/batch {r['ar_outputs_per_batch']}, CPU/s "
+            f"gateways {cpu['gateways']} sim {cpu['sim_backends']} client {cpu['load_client']} machine busy "
+            f"{cpu['machine_busy_fraction']}")
+
+
 async def main_async(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="multi-gateway-sim-"))
+    base_root, base_commit = gateways_at(args.base, workdir) if args.base else (None, None)
     scenarios: dict[str, dict] = {}
     used: dict[str, Scenario] = {}
     for name in args.scenarios:
@@ -363,24 +404,29 @@ async def main_async(args: argparse.Namespace) -> dict:
         sc = used[name] = replace(base, window=base.window * args.window_factor,
                                   warmup=base.warmup * args.window_factor, repeats=args.repeats or base.repeats,
                                   clients=args.clients or base.clients, scale=args.scale or base.scale)
-        runs = []
+        runs, base_runs = [], []
         for k in range(sc.repeats):
-            r = await run_once(sc, workdir, f"{name}-{k}")
-            runs.append(r)
-            cpu = r["cpu_per_wall_s"]
-            print(f"[{name} #{k + 1}] {r['throughput']:.3f} img/s = {r['throughput_vs_bound']:.3f} of bound, "
-                  f"latency mean {r['latency_mean']:.1f} s p95 {r['latency_p95']:.1f} s, collisions/dispatch "
-                  f"{r['collisions_per_dispatch']:.4f}, shares {r['per_gateway']['share']}, errors {r['errors']}, "
-                  f"AR outputs/batch {r['ar_outputs_per_batch']}, CPU/s gateways {cpu['gateways']} sim "
-                  f"{cpu['sim_backends']} client {cpu['load_client']} machine busy {cpu['machine_busy_fraction']}",
-                  flush=True)
+            # With a base: head and base in turn, which one first alternating, so load drift favours neither.
+            sides = [("", None)] if base_root is None else [("", None), (" base", base_root)]
+            for side, root in sides if k % 2 == 0 else sides[::-1]:
+                r = await run_once(sc, workdir, f"{name}-{k}{side.strip()}", root)
+                (base_runs if root else runs).append(r)
+                print(_line(name, k, r, side), flush=True)
         scenarios[name] = {"setup": {**asdict(sc), "bound_img_per_s": round(sc.bound, 4),
                                      "clients_per_gateway": sc.clients // sc.gateways}, "runs": runs}
+        if base_runs:
+            scenarios[name]["base"] = {"rev": args.base, "commit": base_commit, "runs": base_runs}
     single = None
     if SINGLE in scenarios:
         single = summary_of(SINGLE, used[SINGLE], scenarios[SINGLE]["runs"], None)
     for name, s in scenarios.items():
         s["summary"] = summary_of(name, used[name], s["runs"], single)
+        if "base" in s:
+            b = s["base"]["summary"] = summary_of(name, used[name], s["base"]["runs"], None)
+            s["summary"]["vs_base"] = {
+                "collisions_per_dispatch": [s["summary"]["collisions_per_dispatch"], b["collisions_per_dispatch"]],
+                "throughput_vs_bound": [s["summary"]["throughput_vs_bound"], b["throughput_vs_bound"]],
+                "latency_mean": [s["summary"]["latency_mean"], b["latency_mean"]]}
     targets = {f"{name}: >= 0.95 of bound": s["summary"]["throughput_vs_bound"] >= 0.95
                for name, s in scenarios.items()}
     targets["no errors"] = all(s["summary"]["errors"] == 0 for s in scenarios.values())
@@ -401,6 +447,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="simulated time / reference time in every scenario (0: each scenario's own); the warm-up "
                         "and window stay in wall seconds")
     p.add_argument("--clients", type=int, default=0, help="total clients (0: each scenario's own)")
+    p.add_argument("--base", metavar="REV", help="pair every run with one whose gateways are those of this git "
+                   "revision, and report both side by side")
     return p.parse_args(argv)
 
 
@@ -411,6 +459,9 @@ def main(argv: list[str] | None = None) -> None:
     png = RESULTS / "multi_gateway_sim.png"
     plot(results, png)
     print(f"wrote {png}")
+    for name, s in results["scenarios"].items():
+        if "vs_base" in s["summary"]:
+            print(f"{name}: [head, base] " + ", ".join(f"{k} {v}" for k, v in s["summary"]["vs_base"].items()))
     print(json.dumps({"summary": {k: s["summary"] for k, s in results["scenarios"].items()},
                       "targets_met": results["targets_met"]}, indent=2))
 

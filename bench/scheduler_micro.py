@@ -9,12 +9,14 @@ The stream is recorded once from a live run (the events depend on the job and ba
 and then replayed, timed, on fresh twins built the same way: the scheduler is deterministic, so a twin produces the
 very same actions, and the clock measures handle() alone, not this harness. Figures are medians of rounds:
 events/s and ns per event for each pool size, and the cost curve (ns per event at the largest pool over the
-smallest, which logarithmic growth bounds by log(1000)/log(10) = 3).
+smallest, which logarithmic growth bounds by log(1000)/log(10) = 3). Besides, per pool size: what one publish of the
+metrics costs (Scheduler.gauges(): counts, no entry per worker) against the full snapshot() GetStatus builds.
 
 With ``--base REV`` the scheduler of an earlier revision (its gateway/scheduler/ package, or gateway/scheduler.py
 before the package, over this checkout's exchange types) replays the same streams, in rounds alternating with this
 one's, so both see the same machine load; the head/base ratio of the medians is the speed-up, and both must complete
-the same requests.
+the same requests. Both sides' Python bytecodes per event are counted too (on the first 3,000 events): on a shared,
+loaded machine the clock can hide a few percent either way, the count cannot.
 Writes bench/results/scheduler_micro.json.
 """
 from __future__ import annotations
@@ -54,6 +56,7 @@ QUEUED = 10_000  # outputs kept waiting for a denoiser
 BATCH = 8  # AR batch capacity in outputs; a batch leaves when full (the delay is out of reach)
 TICK = 1e-6  # simulated seconds between events
 TARGET_EVENTS_PER_S = 100_000
+BYTECODE_EVENTS = 3_000  # events of each stream whose bytecodes are counted (traced: about 100x slower)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -117,6 +120,45 @@ def _replay(denoisers: int, stream: list[Event], scheduler: type = Scheduler) ->
     for ev in stream:
         handle(ev)
     return time.perf_counter() - t0, sched.counters.completed
+
+
+def _publish_seconds(denoisers: int, rounds: int) -> dict[str, float]:
+    """Seconds per call, median of ``rounds``, of what the driver publishes after a turn of its loop (gauges(): the
+    queues and the workers counted by role and state) and of the full snapshot() GetStatus builds (an entry per
+    worker), on a twin in the benchmark's state: every denoiser busy, QUEUED outputs waiting."""
+    sched = _Harness(denoisers).sched
+    out = {}
+    for name, call in (("gauges", sched.gauges), ("snapshot", sched.snapshot)):
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                call()
+            times.append((time.perf_counter() - t0) / 20)
+        out[name] = median(times)
+    return out
+
+
+def bytecodes_per_event(denoisers: int, stream: list[Event], scheduler: type = Scheduler) -> float:
+    """Python bytecodes handle() runs per event of ``stream`` on a fresh twin (sys.settrace's opcode events): a
+    measure of the work, which the load on a shared machine does not blur as it does the clock."""
+    handle = _Harness(denoisers, scheduler).sched.handle
+    count = 0
+
+    def trace(frame: types.FrameType, event: str, arg: object) -> Callable:
+        nonlocal count
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        for ev in stream:
+            handle(ev)
+    finally:
+        sys.settrace(None)
+    return count / len(stream)
 
 
 def scheduler_at(rev: str) -> tuple[type, str]:
@@ -196,9 +238,16 @@ def run(pools: tuple[int, ...], events: int, rounds: int, base: str | None = Non
                 f"{row['events_per_s_range'][1]}), {row['ns_per_event']} ns/event")
         if "base" in times:
             row["base"] = _figures(times["base"], len(stream))
+            sample = stream[:BYTECODE_EVENTS]
+            row["bytecodes_per_event"] = {side: round(bytecodes_per_event(d, sample, sides[side]), 1)
+                                          for side in ("head", "base")}
             row["speedup_over_base"] = round(row["events_per_s"] / row["base"]["events_per_s"], 3)
             line += (f"; base {row['base']['events_per_s']} events/s, {row['base']['ns_per_event']} ns/event: "
-                     f"{row['speedup_over_base']:.2f}x")
+                     f"{row['speedup_over_base']:.2f}x; bytecodes/event head {row['bytecodes_per_event']['head']}, "
+                     f"base {row['bytecodes_per_event']['base']}")
+        publish = _publish_seconds(d, rounds)
+        row["publish_us"] = {name: round(v * 1e6, 1) for name, v in publish.items()}
+        line += f"; publish: gauges() {publish['gauges'] * 1e6:.1f} us, snapshot() {publish['snapshot'] * 1e6:.1f} us"
         print(line, flush=True)
     lo, hi = by_pool[str(pools[0])], by_pool[str(pools[-1])]
     growth = hi["ns_per_event"] / lo["ns_per_event"]
@@ -206,7 +255,8 @@ def run(pools: tuple[int, ...], events: int, rounds: int, base: str | None = Non
     log_bound = math.log(pools[-1]) / math.log(pools[0])
     summary = {"events_per_s_at_max_pool": hi["events_per_s"],
                "ns_per_event_by_pool": {k: v["ns_per_event"] for k, v in by_pool.items()},
-               "cost_growth_max_over_min_pool": round(growth, 3), "log_growth_bound": round(log_bound, 3)}
+               "cost_growth_max_over_min_pool": round(growth, 3), "log_growth_bound": round(log_bound, 3),
+               "publish_us_by_pool": {k: v["publish_us"] for k, v in by_pool.items()}}
     if base:
         summary["base"] = {"rev": base, "commit": base_commit,
                            "events_per_s_at_max_pool": hi["base"]["events_per_s"],

@@ -81,21 +81,23 @@ def refused_field(err: grpc.aio.AioRpcError) -> tuple[str | None, str]:
 class Failure:
     """A failed worker call in the scheduler's terms."""
 
-    code: grpc.StatusCode
-    kind: sch.ErrorKind
+    status_code: grpc.StatusCode  # what the worker answered
+    kind: sch.ErrorKind  # what the request fails with, if it does
     message: str  # what the client is told
     field: str | None = None  # the request field the worker refused
 
     @property
     def retryable(self) -> bool:
-        return self.code in RETRYABLE_CODES
+        return self.status_code in RETRYABLE_CODES
 
     @property
     def sideline(self) -> WorkerHealth | None:
         """The health to sideline the worker with (until a health check answers again); None: leave it be."""
-        if self.code not in SUSPECT_CODES:
+        if self.status_code not in SUSPECT_CODES:
             return None
-        return WorkerHealth.TIMED_OUT if self.code is grpc.StatusCode.DEADLINE_EXCEEDED else WorkerHealth.UNREACHABLE
+        if self.status_code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return WorkerHealth.TIMED_OUT
+        return WorkerHealth.UNREACHABLE
 
 
 def held_elsewhere(err: grpc.aio.AioRpcError, instance_id: str) -> tuple[bool, int | None]:
@@ -216,7 +218,7 @@ class Downstream:
                 worker, err, "AR server", sch.ErrorKind.UNAVAILABLE,
                 lambda: self.ar_costs.observe_overrun(work, time.monotonic() - started))
             return sch.ArBatchFailed(now=time.monotonic(), batch_id=action.batch_id, message=failed.message,
-                                     code=failed.kind, field=failed.field)
+                                     kind=failed.kind, field=failed.field)
         now = time.monotonic()
         self.ar_costs.observe(work, ar_seconds(work, now - started, response.queue_seconds))
         self.observe.ar_done((timing for _, _, timing in members), started, now)
@@ -252,7 +254,7 @@ class Downstream:
 
             failed = await self._failure(worker, err, "denoiser", sch.ErrorKind.INTERNAL, overran)
             return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address, message=failed.message,
-                                     retryable=failed.retryable, code=failed.kind, field=failed.field)
+                                     retryable=failed.retryable, kind=failed.kind, field=failed.field)
         if response is None:
             return sch.DenoiseFailed(now=time.monotonic(), job=job, worker=worker.address,
                                      message="the denoise stream ended without a result", retryable=True)

@@ -35,14 +35,6 @@ from services.runtime.logs import spawn, without_request_id
 
 log = logging.getLogger(__name__)
 
-class RequestFailed(Exception):
-    """A request that ended in failure: its error kind, the client's message and the refused field, if any."""
-
-    def __init__(self, code: sch.ErrorKind, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.field = code, message, field
-
-
 @dataclass
 class Outcome:
     """A finished request: the denoiser responses and the AR outputs, both in output order."""
@@ -54,10 +46,9 @@ class Outcome:
 @dataclass
 class _Pending:
     admitted: Admitted
-    future: asyncio.Future[Outcome]
+    future: asyncio.Future[Outcome | sch.RequestError]
     stream: StreamOptions | None
     timing: Timing
-    expired: bool = False  # cancelled because its deadline passed: it ends as a deadline, not as cancelled
     caller: int | None = None  # which configured key made it (an index; None: none), for GetStatus
 
 
@@ -65,7 +56,8 @@ class Driver:
     def __init__(self, config: GatewayConfig, scheduler: Scheduler | None = None,
                  metrics: GatewayMetrics | None = None) -> None:
         self.config = config
-        self.scheduler = scheduler or Scheduler(config.scheduler)
+        # Seeded with the gateway's own id: gateways sharing denoisers each take free ones in an order of their own.
+        self.scheduler = scheduler or Scheduler(config.scheduler, pick_seed=config.instance_id)
         self.observe = Observer(metrics)
         self._pending: dict[str, _Pending] = {}
         self._workers: dict[str, Worker] = {}
@@ -183,10 +175,11 @@ class Driver:
 
     async def generate(self, request_id: str, admitted: Admitted, timeout: float,
                        stream: StreamOptions | None = None, expired: Callable[[], bool] | None = None,
-                       caller: int | None = None) -> Outcome:
-        """Run an admitted request and wait for it. Cancelling the awaiting task cancels the request downstream; when
-        ``expired()`` says the cancel came from the caller's deadline, the request ends as a deadline. ``caller``:
-        which configured key made it (GetStatus shows a caller its own requests only)."""
+                       caller: int | None = None) -> Outcome | sch.RequestError:
+        """Run an admitted request and wait for its outcome, or the scheduler's error as it made it. Cancelling the
+        awaiting task cancels the request downstream; when ``expired()`` says the cancel came from the caller's
+        deadline, the request ends as a deadline. ``caller``: which configured key made it (GetStatus shows a caller
+        its own requests only)."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         pending = _Pending(admitted=admitted, future=loop.create_future(), stream=stream, timing=Timing(arrived=now),
@@ -203,11 +196,12 @@ class Driver:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
             if not pending.future.done():
-                pending.expired = expired is not None and expired()
-                message = "deadline exceeded" if pending.expired else "cancelled by client"
-                self._feed(sch.RequestCancelled(now=time.monotonic(), request_id=request_id, message=message))
-            if pending.future.done() and not pending.future.cancelled():
-                pending.future.exception()  # the caller is gone: mark the "cancelled" failure as seen
+                if expired is not None and expired():
+                    cancel = sch.RequestCancelled(now=time.monotonic(), request_id=request_id,
+                                                  message="deadline exceeded", kind=sch.ErrorKind.DEADLINE_EXCEEDED)
+                else:
+                    cancel = sch.RequestCancelled(now=time.monotonic(), request_id=request_id)
+                self._feed(cancel)
             raise
         finally:
             self._pending.pop(request_id, None)
@@ -249,9 +243,9 @@ class Driver:
         self._arm_timer()
 
     def _publish_soon(self) -> None:
-        """Publish the metrics' state once per turn of the event loop, however many events that turn handled:
-        building it walks every worker, and over a large pool shared by several gateways most events are other
-        gateways' jobs starting and ending (a burst of them once cost a full walk each, and lagged the loop)."""
+        """Publish the metrics' state once per turn of the event loop, however many events that turn handled: the
+        scheduler's part is counts it keeps, but the health part looks at every member, and over a large pool shared
+        by several gateways most events are other gateways' jobs starting and ending."""
         if self.observe.metrics is None or self._publish_due:
             return
         try:
@@ -264,8 +258,8 @@ class Driver:
 
     def _publish(self) -> None:
         self._publish_due = False
-        self.observe.publish(self.scheduler, (a for a, w in self._workers.items() if w.health.stuck),
-                             (a for a, w in self._workers.items() if w.health is WorkerHealth.CREDENTIAL_REFUSED))
+        self.observe.publish(self.scheduler, (w.role for w in self._workers.values() if w.health.stuck),
+                             (w.role for w in self._workers.values() if w.health is WorkerHealth.CREDENTIAL_REFUSED))
 
     def _from_watch(self, event: sch.Event, quiet: bool = False) -> None:
         """A worker's health change, from its watch. A draining worker (it said NOT_SERVING) that goes away has
@@ -330,15 +324,13 @@ class Driver:
                 if pending and not pending.future.done():
                     pending.future.set_result(Outcome(images=action.results,
                                                                priors=[o.prior for o in action.ar_outputs]))
-            case sch.FailRequest():
+            case sch.FailRequest(error=error):
                 pending = self._pending.get(action.request_id)
-                # A call its deadline cancelled ends as a deadline, as its client sees it, not as "cancelled".
-                kind = sch.ErrorKind.DEADLINE_EXCEEDED if pending and pending.expired else action.code
-                self.observe.failed(kind)
+                self.observe.failed(error.kind)
                 if pending and not pending.future.done():
-                    pending.future.set_exception(RequestFailed(kind, action.message, action.field))
-                note = f" ({action.operator_note})" if action.operator_note else ""
-                log.info("request %s failed: %s: %s%s", action.request_id, kind.name, action.message, note)
+                    pending.future.set_result(error)
+                note = f" ({error.operator_note})" if error.operator_note else ""
+                log.info("request %s failed: %s: %s%s", action.request_id, error.kind.name, error.message, note)
             case _:
                 raise TypeError(f"unknown scheduler action {action!r}")
 
@@ -362,10 +354,10 @@ class Driver:
         # cancelled because its worker went unhealthy was already released and fenced by the scheduler.
         now = time.monotonic()
         cancelled = sch.ArBatchFailed(now=now, batch_id=action.batch_id, message="cancelled: nobody waits for it",
-                                      code=sch.ErrorKind.CANCELLED)
+                                      kind=sch.ErrorKind.CANCELLED)
         self._call_ended(task, f"AR batch {action.batch_id} ({','.join(action.request_ids)})",
                          cancelled if abandoned else None,
-                         sch.ArBatchFailed(now=now, batch_id=action.batch_id, code=sch.ErrorKind.INTERNAL,
+                         sch.ArBatchFailed(now=now, batch_id=action.batch_id, kind=sch.ErrorKind.INTERNAL,
                                            message="internal error in the gateway"))
 
     async def _run_denoise(self, action: sch.DispatchDenoise) -> sch.Event:
@@ -387,7 +379,7 @@ class Driver:
                          sch.DenoiseFailed(now=now, job=job, worker=action.worker, message="cancelled",
                                            retryable=True),
                          sch.DenoiseFailed(now=now, job=job, worker=action.worker, retryable=False,
-                                           message="internal error in the gateway", code=sch.ErrorKind.INTERNAL))
+                                           message="internal error in the gateway", kind=sch.ErrorKind.INTERNAL))
 
     def _call_ended(self, task: asyncio.Task, what: str, cancelled: sch.Event | None, crashed: sch.Event) -> None:
         """Feed the event ending a call's task: its result, ``cancelled`` (None: none) or ``crashed`` (it raised)."""

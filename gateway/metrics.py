@@ -2,7 +2,8 @@
 
 Histograms and outcome counters are observed by the driver (through gateway.observe) on the event-loop thread
 (prometheus-client objects are thread-safe). Queue depths, worker states and the scheduler's own counters are read
-at scrape time from a state the driver publishes after every event: the scrape runs on the HTTP server's thread and
+at scrape time from a state the driver publishes after every turn of its event loop (counts kept by the scheduler,
+never an entry per worker): the scrape runs on the HTTP server's thread and
 must never walk the scheduler's live dicts. The HPA scales denoisers on
 ``glmimage_gateway_queue_outputs{stage="denoise"}``.
 """
@@ -32,13 +33,15 @@ STATES = {s: s.value.lower() for s in sch.WorkerState}
 
 @dataclass(frozen=True)
 class _Published:
-    snapshot: sch.Snapshot
+    gauges: sch.Gauges
     counters: sch.Counters  # a copy: the scheduler's own object keeps changing
-    stuck: frozenset[str] = frozenset()  # members connected but not answering (hung) or whose call timed out
-    refusing: frozenset[str] = frozenset()  # members that refuse the gateway's credential (its internal token)
+    # By role: members connected but not answering (hung) or whose call timed out, and members that refuse the
+    # gateway's credential (its internal token).
+    stuck: dict[sch.WorkerRole, int] = dataclasses.field(default_factory=dict)
+    refusing: dict[sch.WorkerRole, int] = dataclasses.field(default_factory=dict)
 
 
-_EMPTY = _Published(Scheduler().snapshot(), sch.Counters())
+_EMPTY = _Published(Scheduler().gauges(), sch.Counters())
 
 
 class GatewayMetrics(Collector):
@@ -73,15 +76,16 @@ class GatewayMetrics(Collector):
             self.queue_seconds.labels(stage)
         reg.register(self)
 
-    def publish(self, snapshot: sch.Snapshot, counters: sch.Counters, stuck: frozenset[str] = frozenset(),
-                refusing: frozenset[str] = frozenset()) -> None:
+    def publish(self, gauges: sch.Gauges, counters: sch.Counters, stuck: dict[sch.WorkerRole, int] | None = None,
+                refusing: dict[sch.WorkerRole, int] | None = None) -> None:
+        """``stuck`` and ``refusing``: how many members of each role are stuck, refuse the credential."""
         copy = dataclasses.replace(counters, failed=dict(counters.failed), requeues=dict(counters.requeues))
         # One reference swap: a scrape sees one consistent state.
-        self._state = _Published(snapshot, copy, stuck, refusing)
+        self._state = _Published(gauges, copy, stuck or {}, refusing or {})
 
     def collect(self) -> Iterator[Metric]:
         state = self._state
-        snap, c = state.snapshot, state.counters
+        snap, c = state.gauges, state.counters
         q_req = GaugeMetricFamily("glmimage_gateway_queue_requests", "Requests waiting, per stage", labels=["stage"])
         q_req.add_metric(["ar"], snap.pending_ar_requests)
         q_req.add_metric(["denoise"], snap.pending_denoise_requests)
@@ -95,11 +99,9 @@ class GatewayMetrics(Collector):
                                 value=snap.active_requests)
         workers = GaugeMetricFamily("glmimage_gateway_workers", "Workers by role and state",
                                     labels=["role", "state"])
-        counts = {(r, s): 0 for r in ROLES.values() for s in STATES.values()}
-        for w in snap.workers:
-            counts[ROLES[w.role], STATES[w.state]] += 1
-        for (role, st), n in counts.items():
-            workers.add_metric([role, st], n)
+        for role, name in ROLES.items():
+            for st, label in STATES.items():
+                workers.add_metric([name, label], snap.workers.get((role, st), 0))
         yield workers
         stuck = GaugeMetricFamily("glmimage_gateway_workers_stuck",
                                   "Workers connected but not answering health checks (hung) or whose last call "
@@ -108,9 +110,9 @@ class GatewayMetrics(Collector):
                                         "1 when a stage has no ready worker and at least one of its workers is stuck "
                                         "(there but making no progress), as opposed to gone", labels=["stage"])
         for role, stage in ROLES.items():
-            members = [w for w in snap.workers if w.role is role]
-            n_stuck = sum(1 for w in members if w.address in state.stuck)
-            ready = any(w.state in (sch.WorkerState.AVAILABLE, sch.WorkerState.BUSY) for w in members)
+            n_stuck = state.stuck.get(role, 0)
+            ready = snap.workers.get((role, sch.WorkerState.AVAILABLE), 0) + snap.workers.get(
+                (role, sch.WorkerState.BUSY), 0) > 0
             stuck.add_metric([stage], n_stuck)
             stuck_stage.add_metric(["ar" if role is sch.WorkerRole.AR else "denoise"], int(n_stuck > 0 and not ready))
         yield stuck
@@ -119,7 +121,7 @@ class GatewayMetrics(Collector):
                                      "Workers that refuse the gateway's credential (its internal token), by role: "
                                      "they get no work until a check with it passes", labels=["role"])
         for role, name in ROLES.items():
-            refusing.add_metric([name], sum(1 for w in snap.workers if w.role is role and w.address in state.refusing))
+            refusing.add_metric([name], state.refusing.get(role, 0))
         yield refusing
         requeues = CounterMetricFamily("glmimage_gateway_requeues", "Work put back in a queue, by reason",
                                        labels=["reason"])

@@ -6,6 +6,7 @@ loop thread, as the driver's own bookkeeping is.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -74,7 +75,9 @@ class Observer:
         if self.metrics is not None:
             self.metrics.requests.labels(kind.value).inc()
 
-    def publish(self, scheduler: Scheduler, stuck: Iterable[str], refusing: Iterable[str] = ()) -> None:
-        """``stuck``: members there but making no progress; ``refusing``: members refusing the credential."""
+    def publish(self, scheduler: Scheduler, stuck: Iterable[sch.WorkerRole],
+                refusing: Iterable[sch.WorkerRole] = ()) -> None:
+        """The scheduler's gauges and counters; ``stuck``: the role of each member there but making no progress;
+        ``refusing``: of each member refusing the credential."""
         if self.metrics is not None:
-            self.metrics.publish(scheduler.snapshot(), scheduler.counters, frozenset(stuck), frozenset(refusing))
+            self.metrics.publish(scheduler.gauges(), scheduler.counters, dict(Counter(stuck)), dict(Counter(refusing)))

@@ -13,12 +13,13 @@ import grpc
 
 from gateway.auth import ADMIN, gateway_interceptor
 from gateway.config import GatewayConfig
-from gateway.driver import Driver, Outcome, RequestFailed, StreamOptions
+from gateway.driver import Driver, Outcome, StreamOptions
 from gateway.membership import WorkerAddress, allowed, parse_worker_address, split_host_port
 from gateway.scheduler import types as sch
-from glmimage.v1 import common_pb2, denoiser_service_pb2, gateway_service_pb2, gateway_service_pb2_grpc
+from gateway.stream_relay import StreamRelay
+from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.admission import Admitted, check_generate, check_partial_images
-from services.runtime.errors import InvalidArgument, error_for
+from services.runtime.errors import InvalidArgument, ServiceError, error_for
 from services.runtime.limits import Limits
 from services.runtime.logs import request_id_var
 
@@ -51,6 +52,12 @@ def sum_usage(usages) -> common_pb2.Usage:
 
 def job_label(job: sch.JobId | None) -> str:
     return f"{job.request_id}/{job.index}#{job.attempt}" if job else ""
+
+
+def status_error(error: sch.RequestError) -> ServiceError:
+    """The scheduler's error as the call's status (the error interceptor sends it): the one place a failed
+    request becomes gRPC. Its operator_note stays in the gateway's log."""
+    return error_for(error.kind, error.message, error.field)
 
 
 def check_address(address: str) -> str:
@@ -112,11 +119,11 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         try:
             outcome = await self.driver.generate(request_id_var.get(), admitted, self._timeout(context),
                                                  expired=self._expired(context), caller=self._caller(context))
-        except RequestFailed as exc:
-            raise error_for(exc.code, exc.message, exc.field) from None
         except asyncio.CancelledError:
             log.info("client went away; request cancelled downstream")
             raise
+        if isinstance(outcome, sch.RequestError):
+            raise status_error(outcome)
         return self._response(outcome, admitted)
 
     async def GenerateImagesStream(self, request, context: grpc.aio.ServicerContext
@@ -124,50 +131,26 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         limits = self.driver.limits()
         admitted = self._check(request.request, limits)
         check_partial_images(request.partial_images, limits)
-        done = object()
-        events: asyncio.Queue[gateway_service_pb2.GenerateImagesStreamResponse | object] = asyncio.Queue()
-        previews_sent: dict[int, int] = {}  # image index -> previews relayed so far
-        step_sent: dict[int, int] = {}  # image index -> highest step relayed
-
-        def relay(index: int, message: denoiser_service_pb2.DenoiseStreamResponse) -> None:
-            if message.WhichOneof("event") == "progress":
-                # A retried job starts again at step 1: hold its progress back until it passes what was shown,
-                # so a client's progress bar never moves backwards.
-                if message.progress.step <= step_sent.get(index, 0):
-                    return
-                step_sent[index] = message.progress.step
-                events.put_nowait(gateway_service_pb2.GenerateImagesStreamResponse(
-                    progress=gateway_service_pb2.ImageProgress(image_index=index, step=message.progress.step,
-                                                               total_steps=message.progress.total_steps)))
-                return
-            partial = message.partial_image
-            # A retried job (another worker) takes its previews again; the client already has those.
-            if partial.partial_image_index < previews_sent.get(index, 0):
-                return
-            previews_sent[index] = partial.partial_image_index + 1
-            events.put_nowait(gateway_service_pb2.GenerateImagesStreamResponse(
-                partial_image=gateway_service_pb2.ImagePartial(
-                    image_index=index, partial_image_index=partial.partial_image_index, image=partial.image)))
-
+        relay = StreamRelay()
         task = asyncio.ensure_future(self.driver.generate(
             request_id_var.get(), admitted, self._timeout(context),
-            stream=StreamOptions(partial_images=request.partial_images, relay=relay), expired=self._expired(context),
-            caller=self._caller(context)))
-        task.add_done_callback(lambda _: events.put_nowait(done))
+            stream=StreamOptions(partial_images=request.partial_images, relay=relay.relay),
+            expired=self._expired(context), caller=self._caller(context)))
+        task.add_done_callback(lambda _: relay.end())
         # A client that goes away while this generator is parked at a yield does not cancel the generator's
         # frame, so the call's own end cancels the request too.
         context.add_done_callback(lambda _: task.cancel())
         try:
-            while (event := await events.get()) is not done:
+            async for event in relay.events():
                 yield event
             outcome = task.result()
-        except RequestFailed as exc:
-            raise error_for(exc.code, exc.message, exc.field) from None
         except asyncio.CancelledError:
             log.info("client went away; request cancelled downstream")
             raise
         finally:
             task.cancel()  # a no-op once done
+        if isinstance(outcome, sch.RequestError):
+            raise status_error(outcome)
         yield gateway_service_pb2.GenerateImagesStreamResponse(completed=self._response(outcome, admitted))
 
     def _check(self, request: gateway_service_pb2.GenerateImagesRequest, limits: Limits) -> Admitted:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 
 import grpc
 import pytest
@@ -17,6 +18,8 @@ from prometheus_client import CollectorRegistry
 from bench.sim_backends import SimAr, SimCosts, SimDenoiser, serve_sim_ar, serve_sim_denoiser
 from gateway import workers
 from gateway.metrics import GatewayMetrics
+from gateway.scheduler.pool import Pool
+from gateway.scheduler.types import WorkerRole
 from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.runtime.details import ERROR_DOMAIN, error_info
 from services.runtime.errors import DENOISER_BUSY
@@ -101,6 +104,16 @@ class _Unwatched(SimDenoiser):
         yield  # an async generator, like the real one
 
 
+def instance_preferring(first: str, addresses: list[str]) -> str:
+    """A gateway id whose own pick order (its seed) puts denoiser ``first`` before the others of ``addresses``."""
+    for i in itertools.count():
+        seed = f"gateway-{i}"
+        pool = Pool(1, pick_seed=seed)
+        if min(addresses, key=lambda a: pool.add(a, WorkerRole.DENOISER).rank) == first:
+            return seed
+    raise AssertionError("unreachable")
+
+
 async def test_a_collision_goes_elsewhere_at_once_and_is_counted_not_failed() -> None:
     gate = asyncio.Event()
     ar = await serve_sim_ar(SimAr(COSTS))
@@ -111,10 +124,11 @@ async def test_a_collision_goes_elsewhere_at_once_and_is_counted_not_failed() ->
     try:
         async with running_gateway([f"127.0.0.1:{ar.port}"], addresses[:1]) as a, \
                 running_gateway([f"127.0.0.1:{ar.port}"], addresses, metrics=GatewayMetrics(registry),
+                                config_fields={"instance_id": instance_preferring(addresses[0], addresses)},
                                 max_attempts=1) as b:
             first = asyncio.ensure_future(a.stub.GenerateImages(request(num_inference_steps=4)))
             await wait_for(lambda: taken.busy)
-            # b cannot see a's job and tries the least recently used denoiser first, then the other at once.
+            # b cannot see a's job and tries the denoiser first in its order, then the other at once.
             reply = await b.stub.GenerateImages(request(), timeout=30)
             assert len(reply.images) == 1 and taken.refused_busy == 1 and len(other.jobs) == 1
             metrics = scrape(registry)

@@ -27,6 +27,7 @@ from gateway.scheduler.types import (
     JobId,
     RequestArrived,
     RequestCancelled,
+    RequestError,
     SchedulerConfig,
     Tick,
     WorkerAdded,
@@ -150,10 +151,11 @@ def test_admission_bound_counts_output_slots() -> None:
     assert arrive(s, "a", 3) == []
     (rej,) = arrive(s, "b", 2)
     assert isinstance(rej, FailRequest) and rej.request_id == "b"
-    assert rej.code is ErrorKind.RESOURCE_EXHAUSTED
+    assert rej.error.kind is ErrorKind.RESOURCE_EXHAUSTED
     # The client reads what it can do, in its own terms; the server flag is for the gateway's log.
-    assert "retry later" in rej.message and "--" not in rej.message and "max-queued" not in rej.message
-    assert rej.operator_note == "3 queued outputs + n=2 > --max-queued-outputs=4"
+    message = rej.error.message
+    assert "retry later" in message and "--" not in message and "max-queued" not in message
+    assert rej.error.operator_note == "3 queued outputs + n=2 > --max-queued-outputs=4"
     assert arrive(s, "c", 1) == []  # exactly at the bound is fine
     assert s.snapshot().pending_ar_outputs == 4
     assert s.counters.admitted == 2 and s.counters.rejected == 1
@@ -171,7 +173,7 @@ def test_in_flight_ar_work_does_not_count_toward_the_bound() -> None:
 def test_cancelled_request_frees_its_admission_slots() -> None:
     s = make(max_queued_outputs=2)
     arrive(s, "a", 2)
-    assert only(arrive(s, "b", 1), FailRequest)[0].code is ErrorKind.RESOURCE_EXHAUSTED
+    assert only(arrive(s, "b", 1), FailRequest)[0].error.kind is ErrorKind.RESOURCE_EXHAUSTED
     s.handle(RequestCancelled(0.0, "a"))
     assert arrive(s, "b2", 2) == []
 
@@ -180,7 +182,7 @@ def test_cancelled_request_frees_its_admission_slots() -> None:
 def test_invalid_arguments_rejected(n: int, h: int, w: int) -> None:
     s = make()
     (rej,) = s.handle(RequestArrived(0.0, "x", n, h, w, None))
-    assert rej == FailRequest("x", ErrorKind.INVALID_ARGUMENT, rej.message)
+    assert rej == FailRequest("x", RequestError(ErrorKind.INVALID_ARGUMENT, rej.error.message))
     assert s.counters.rejected == 1 and s.counters.admitted == 0
     assert s.snapshot().active_requests == 0
 
@@ -188,15 +190,16 @@ def test_invalid_arguments_rejected(n: int, h: int, w: int) -> None:
 def test_n_that_can_never_fit_the_queue_is_invalid_not_exhausted() -> None:
     s = make(max_queued_outputs=4)
     (rej,) = arrive(s, "x", 5)
-    assert rej.code is ErrorKind.INVALID_ARGUMENT and "at most 4" in rej.message and "--" not in rej.message
-    assert rej.operator_note == "--max-queued-outputs=4"
+    assert rej.error.kind is ErrorKind.INVALID_ARGUMENT
+    assert "at most 4" in rej.error.message and "--" not in rej.error.message
+    assert rej.error.operator_note == "--max-queued-outputs=4"
 
 
 def test_duplicate_active_id_rejected_and_original_unaffected() -> None:
     s = ready()
     to_denoise(s, "a", 1)
     (rej,) = arrive(s, "a", 1)
-    assert rej.code is ErrorKind.INVALID_ARGUMENT and rej.request_id == "a"
+    assert rej.error.kind is ErrorKind.INVALID_ARGUMENT and rej.request_id == "a"
     assert s.snapshot().active_requests == 1
     done = s.handle(DenoiseSucceeded(1.0, job("a"), "d0", "img"))
     assert done == [CompleteRequest("a", ("img",), ("a/ar0",))]
@@ -218,7 +221,7 @@ def test_admitted_without_ar_workers_and_dispatched_when_one_comes() -> None:
 def test_deadline_already_passed_at_arrival() -> None:
     s = make()
     (fail,) = arrive(s, "a", 1, now=5.0, deadline=5.0)
-    assert fail.code is ErrorKind.DEADLINE_EXCEEDED
+    assert fail.error.kind is ErrorKind.DEADLINE_EXCEEDED
     assert s.counters.admitted == 1 and s.counters.failed[ErrorKind.DEADLINE_EXCEEDED] == 1
     assert s.snapshot().active_requests == 0 and s.snapshot().pending_ar_outputs == 0
 
@@ -384,13 +387,13 @@ def test_ar_result_with_wrong_output_count_fails_only_that_request() -> None:
     up(s, "d0", DN)
     acts = s.handle(ArBatchSucceeded(1.0, b.batch_id, {"a": ["only-one"], "b": ["b0"]}))
     (fail,) = only(acts, FailRequest)
-    assert (fail.request_id, fail.code) == ("a", ErrorKind.INTERNAL)
+    assert (fail.request_id, fail.error.kind) == ("a", ErrorKind.INTERNAL)
     (d,) = only(acts, DispatchDenoise)
     assert d == DispatchDenoise(job("b"), "d0", "b0")
     # A request missing from the outputs entirely is also INTERNAL.
     (b2,) = arrive(s, "c", 1, now=2.0)
     (fail,) = only(s.handle(ArBatchSucceeded(2.0, b2.batch_id, {})), FailRequest)
-    assert (fail.request_id, fail.code) == ("c", ErrorKind.INTERNAL)
+    assert (fail.request_id, fail.error.kind) == ("c", ErrorKind.INTERNAL)
 
 
 def test_ar_outputs_enter_denoise_queue_in_admission_then_index_order() -> None:
@@ -418,7 +421,7 @@ def test_ar_retry_then_fail() -> None:
     assert b2.request_ids == ("a",) and b2.batch_id != b1.batch_id
     assert s.counters.requeues["ar_failed"] == 1
     (fail,) = s.handle(ArBatchFailed(2.0, b2.batch_id, "oom again"))
-    assert fail == FailRequest("a", ErrorKind.UNAVAILABLE, "AR stage failed: oom again")
+    assert fail == FailRequest("a", RequestError(ErrorKind.UNAVAILABLE, "AR stage failed: oom again"))
     assert s.counters.failed[ErrorKind.UNAVAILABLE] == 1
 
 
@@ -428,7 +431,7 @@ def test_ar_failure_without_retries_fails_every_request_in_the_batch() -> None:
     arrive(s, "b", 2)
     (b,) = up(s, "ar0", AR)
     fails = s.handle(ArBatchFailed(1.0, b.batch_id, "x"))
-    assert [(f.request_id, f.code) for f in fails] == [
+    assert [(f.request_id, f.error.kind) for f in fails] == [
         ("a", ErrorKind.UNAVAILABLE),
         ("b", ErrorKind.UNAVAILABLE),
     ]
@@ -439,7 +442,7 @@ def test_a_lone_request_refused_as_bad_input_fails_with_the_ars_message_and_no_r
     up(s, "ar0", AR)
     (b,) = arrive(s, "a", 1)
     (fail,) = s.handle(ArBatchFailed(1.0, b.batch_id, "prompt: is 9000 characters", ErrorKind.INVALID_ARGUMENT))
-    assert fail == FailRequest("a", ErrorKind.INVALID_ARGUMENT, "prompt: is 9000 characters")
+    assert fail == FailRequest("a", RequestError(ErrorKind.INVALID_ARGUMENT, "prompt: is 9000 characters"))
     assert s.counters.requeues["ar_failed"] == 0
 
 
@@ -459,7 +462,7 @@ def test_a_shared_batch_refused_as_bad_input_is_split_so_only_the_bad_request_fa
     assert b2.request_ids == ("bad",)
     fail, b3 = s.handle(ArBatchFailed(1.2, b2.batch_id, "sampling.top_p: must be in (0, 1]",
                                       ErrorKind.INVALID_ARGUMENT))
-    assert fail == FailRequest("bad", ErrorKind.INVALID_ARGUMENT, "sampling.top_p: must be in (0, 1]")
+    assert fail == FailRequest("bad", RequestError(ErrorKind.INVALID_ARGUMENT, "sampling.top_p: must be in (0, 1]"))
     assert b3.request_ids == ("good2",)
     (b4,) = ar_ok(s, b3, {"good2": 1}, now=1.3)
     assert b4.request_ids == ("later",)
@@ -478,7 +481,7 @@ def test_a_batch_the_gateway_failed_to_handle_fails_only_the_request_at_fault() 
     (b2,) = ar_ok(s, b1, {"good": 1}, now=1.1)
     assert b2.request_ids == ("bad",)
     (fail,) = s.handle(ArBatchFailed(1.2, b2.batch_id, "internal error", ErrorKind.INTERNAL))
-    assert fail == FailRequest("bad", ErrorKind.INTERNAL, "internal error")
+    assert fail == FailRequest("bad", RequestError(ErrorKind.INTERNAL, "internal error"))
     assert s.snapshot().workers[0].inflight == 0
 
 
@@ -489,7 +492,7 @@ def test_admission_bounds_outputs_waiting_in_both_queues() -> None:
     ar_ok(s, b, {"a": 3})
     assert s.snapshot().pending_denoise_outputs == 3
     (rej,) = only(arrive(s, "b", 2), FailRequest)
-    assert rej.code is ErrorKind.RESOURCE_EXHAUSTED
+    assert rej.error.kind is ErrorKind.RESOURCE_EXHAUSTED
     assert not only(arrive(s, "c", 1), FailRequest)
 
 
@@ -552,7 +555,8 @@ def test_ar_worker_unhealthy_without_retry_budget_fails_requests() -> None:
     assert acts[0] == CancelArBatch(b1.batch_id, "ar0")
     (fail,) = only(acts, FailRequest)
     # The client learns which stage failed, never the worker's address (that goes to the gateway's log).
-    assert fail.code is ErrorKind.UNAVAILABLE and "AR stage failed" in fail.message and "ar0" not in fail.message
+    assert fail.error.kind is ErrorKind.UNAVAILABLE
+    assert "AR stage failed" in fail.error.message and "ar0" not in fail.error.message
 
 
 # ------------------------------------------------------------------------------------------- denoise fan-out
@@ -651,7 +655,7 @@ def test_a_refusal_for_a_superseded_attempt_is_fenced_and_marks_nothing() -> Non
     assert d0 is not None and not d0.held_elsewhere and s.counters.fenced_results == fenced + 1
 
 
-def test_least_recently_used_denoiser_is_chosen() -> None:
+def test_free_denoisers_are_taken_in_rotation() -> None:
     s = make(ar_batch_delay=0.0)
     up(s, "ar0", AR)
     for i in range(3):
@@ -661,6 +665,37 @@ def test_least_recently_used_denoiser_is_chosen() -> None:
     s.handle(DenoiseSucceeded(1.0, job("a", 1), "d1", "y"))
     # d2 never used, then d0 (used before d1).
     assert [d.worker for d in to_denoise(s, "b", 2, now=2.0)] == ["d2", "d0"]
+
+
+def test_a_denoiser_freed_by_another_gateway_waits_its_turn_in_the_rotation() -> None:
+    # Taken first, it would be the one every gateway sharing the pool reaches for the moment it is free.
+    s = ready()
+    assert [d.worker for d in to_denoise(s, "a", 2)] == ["d0", "d1"]
+    s.handle(DenoiserOccupancy(0.1, "d2", elsewhere=True))
+    assert [d.worker for d in to_denoise(s, "b", 1, now=0.2)] == ["d3"]
+    s.handle(DenoiseSucceeded(1.0, job("a", 0), "d0", "x"))
+    s.handle(DenoiserOccupancy(1.0, "d2", elsewhere=False))
+    s.handle(DenoiseSucceeded(1.0, job("a", 1), "d1", "y"))
+    assert [d.worker for d in to_denoise(s, "c", 3, now=2.0)] == ["d0", "d1", "d2"]
+
+
+def test_each_seed_has_its_own_pick_order_and_keeps_it() -> None:
+    def picks(seed: str | None) -> list[str]:
+        s = Scheduler(SchedulerConfig(ar_batch_delay=0.0), pick_seed=seed)
+        up(s, "ar0", AR)
+        for i in range(8):
+            up(s, f"d{i}", DN)
+        first = [d.worker for d in to_denoise(s, "a", 4)]
+        for i, address in enumerate(first):
+            s.handle(DenoiseSucceeded(1.0, job("a", i), address, "x"))
+        return first + [d.worker for d in to_denoise(s, "b", 8, now=2.0)]
+
+    assert picks(None)[:8] == [f"d{i}" for i in range(8)]  # unseeded: the order they joined in
+    assert picks("gateway-1") == picks("gateway-1")
+    assert picks("gateway-1")[:4] != picks("gateway-2")[:4]
+    for seed in (None, "gateway-1"):  # a rotation: the four used come after the four not used yet
+        order = picks(seed)
+        assert set(order[4:8]) == {f"d{i}" for i in range(8)} - set(order[:4]) and order[8:] == order[:4]
 
 
 def test_completion_in_index_order_regardless_of_arrival_order() -> None:
@@ -713,7 +748,7 @@ def test_max_attempts_exhaustion_fails_and_cancels_siblings() -> None:
     acts = s.handle(DenoiseFailed(2.0, job("a", 0, 2), "d2", "oom again", True))
     assert acts == [
         CancelDenoise(job("a", 1), "d1"),
-        FailRequest("a", ErrorKind.UNAVAILABLE, "denoise failed after 2 attempt(s): oom again"),
+        FailRequest("a", RequestError(ErrorKind.UNAVAILABLE, "denoise failed after 2 attempt(s): oom again")),
     ]
     # d1 keeps its slot until its RPC ends: a cancelled RPC may still be computing.
     assert worker(s, "d1").current_job == job("a", 1)
@@ -728,7 +763,7 @@ def test_max_attempts_one_means_no_retry() -> None:
     s = ready(max_attempts=1)
     to_denoise(s, "a", 1)
     (fail,) = s.handle(DenoiseFailed(1.0, job("a"), "d0", "x", True))
-    assert fail.code is ErrorKind.UNAVAILABLE
+    assert fail.error.kind is ErrorKind.UNAVAILABLE
 
 
 def test_non_retryable_failure_is_internal_and_cancels_siblings() -> None:
@@ -737,7 +772,7 @@ def test_non_retryable_failure_is_internal_and_cancels_siblings() -> None:
     acts = s.handle(DenoiseFailed(1.0, job("a", 1), "d1", "bad tokens", False))
     assert only(acts, CancelDenoise) == [CancelDenoise(job("a", 0), "d0"), CancelDenoise(job("a", 2), "d2")]
     (fail,) = only(acts, FailRequest)
-    assert fail == FailRequest("a", ErrorKind.INTERNAL, "denoise failed: bad tokens")
+    assert fail == FailRequest("a", RequestError(ErrorKind.INTERNAL, "denoise failed: bad tokens"))
     assert worker(s, "d1").state is WorkerState.AVAILABLE
 
 
@@ -782,7 +817,7 @@ def test_duplicate_result_is_fenced() -> None:
     s = ready()
     to_denoise(s, "a", 2)
     s.handle(DenoiseSucceeded(1.0, job("a", 0), "d0", "r0"))
-    to_denoise(s, "b", 1, now=1.5)  # lands on d2 (LRU), not d0
+    to_denoise(s, "b", 1, now=1.5)  # lands on d2 (next in the rotation), not d0
     assert s.handle(DenoiseSucceeded(2.0, job("a", 0), "d0", "again")) == []
     assert s.fenced_results == 1
     (done,) = s.handle(DenoiseSucceeded(3.0, job("a", 1), "d1", "r1"))
@@ -825,7 +860,7 @@ def test_cancel_while_queued_for_ar() -> None:
     up(s, "ar0", AR)
     arrive(s, "a", 2)
     (fail,) = s.handle(RequestCancelled(1.0, "a", "client went away"))
-    assert fail == FailRequest("a", ErrorKind.CANCELLED, "client went away")
+    assert fail == FailRequest("a", RequestError(ErrorKind.CANCELLED, "client went away"))
     snap = s.snapshot()
     assert (snap.pending_ar_requests, snap.pending_ar_outputs, snap.active_requests) == (0, 0, 0)
     assert s.next_wakeup() is None
@@ -839,7 +874,7 @@ def test_cancel_while_ar_in_flight_drops_it_when_the_batch_returns() -> None:
     (b,) = up(s, "ar0", AR)
     up(s, "d0", DN)
     (fail,) = s.handle(RequestCancelled(1.0, "a"))
-    assert fail.code is ErrorKind.CANCELLED
+    assert fail.error.kind is ErrorKind.CANCELLED
     acts = ar_ok(s, b, {"a": 1, "b": 1}, now=2.0)
     assert acts == [DispatchDenoise(job("b"), "d0", "b/ar0")]
 
@@ -855,7 +890,7 @@ def test_cancel_while_denoising_cancels_jobs_and_waits_for_rpcs() -> None:
     assert acts == [
         CancelDenoise(job("a", 0), "d0"),
         CancelDenoise(job("a", 1), "d1"),
-        FailRequest("a", ErrorKind.CANCELLED, "cancelled by client"),
+        FailRequest("a", RequestError(ErrorKind.CANCELLED, "cancelled by client")),
     ]
     assert s.snapshot().pending_denoise_outputs == 1  # a/2 removed, b/0 left
     # The cancelled RPC ends: the worker that holds exactly that job is freed and takes b.
@@ -887,7 +922,7 @@ def test_deadline_while_queued_for_ar_fires_on_tick() -> None:
     assert s.next_wakeup() == 2.0
     assert s.handle(Tick(1.999)) == []
     (fail,) = s.handle(Tick(2.0))
-    assert fail == FailRequest("a", ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded")
+    assert fail == FailRequest("a", RequestError(ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded"))
     assert s.handle(Tick(3.0)) == []  # exactly once
     assert s.snapshot().pending_ar_outputs == 0 and s.next_wakeup() is None
 
@@ -898,7 +933,7 @@ def test_deadline_while_ar_in_flight() -> None:
     up(s, "d0", DN)
     (b,) = arrive(s, "a", 1, deadline=1.0)
     fail, cancel = s.handle(Tick(1.5))
-    assert fail.code is ErrorKind.DEADLINE_EXCEEDED
+    assert fail.error.kind is ErrorKind.DEADLINE_EXCEEDED
     # Nobody waits for the batch any more: it is stopped, but holds its AR slot until the call has ended.
     assert cancel == CancelArBatch(b.batch_id, "ar0", abandoned=True)
     assert worker(s, "ar0").inflight == 1
@@ -928,7 +963,7 @@ def test_deadline_while_denoising_cancels_jobs() -> None:
     acts = s.handle(Tick(5.0))
     assert acts == [
         CancelDenoise(job("a", 0), "d0"),
-        FailRequest("a", ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded"),
+        FailRequest("a", RequestError(ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded")),
     ]
     assert s.snapshot().pending_denoise_outputs == 0
 
@@ -940,7 +975,7 @@ def test_result_arriving_at_the_deadline_does_not_complete() -> None:
     acts = s.handle(DenoiseSucceeded(5.0, job("a"), "d0", "img"))
     assert acts == [
         CancelDenoise(job("a"), "d0"),
-        FailRequest("a", ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded"),
+        FailRequest("a", RequestError(ErrorKind.DEADLINE_EXCEEDED, "deadline exceeded")),
     ]
     assert worker(s, "d0").state is WorkerState.AVAILABLE  # it held exactly that job
     assert s.counters.completed == 0
@@ -1019,7 +1054,7 @@ def test_draining_ar_worker_going_unhealthy_fails_its_batch_and_disappears() -> 
     s.handle(WorkerRemoved(1.0, "ar0"))
     acts = s.handle(WorkerUnhealthy(2.0, "ar0"))
     assert acts[0] == CancelArBatch(b.batch_id, "ar0")
-    assert only(acts, FailRequest)[0].code is ErrorKind.UNAVAILABLE
+    assert only(acts, FailRequest)[0].error.kind is ErrorKind.UNAVAILABLE
     assert worker(s, "ar0") is None
 
 
@@ -1079,7 +1114,8 @@ def test_unhealthy_exhausting_attempts_fails_the_request() -> None:
     assert acts[0] == CancelDenoise(job("a", 0), "d0")
     assert CancelDenoise(job("a", 1), "d1") in acts
     (fail,) = only(acts, FailRequest)
-    assert fail.code is ErrorKind.UNAVAILABLE and "d0" not in fail.message and "denoiser" in fail.message
+    assert fail.error.kind is ErrorKind.UNAVAILABLE
+    assert "d0" not in fail.error.message and "denoiser" in fail.error.message
 
 
 def test_snapshot_reports_states_and_queues() -> None:
@@ -1141,7 +1177,7 @@ def test_serial_outputs_cancel_mid_way() -> None:
     s.handle(DenoiseSucceeded(1.0, job("a", 0), d.worker, "r0"))
     acts = s.handle(RequestCancelled(2.0, "a"))
     assert only(acts, CancelDenoise) == [CancelDenoise(job("a", 1), "d1")]
-    assert only(acts, FailRequest)[0].code is ErrorKind.CANCELLED
+    assert only(acts, FailRequest)[0].error.kind is ErrorKind.CANCELLED
     assert s.snapshot().pending_denoise_outputs == 0
 
 
@@ -1163,10 +1199,10 @@ def test_counters_balance() -> None:
 def test_fail_fast_refuses_admission_without_a_ready_worker_per_stage() -> None:
     s = make(fail_fast_without_workers=True)
     (rej,) = arrive(s, "a")
-    assert isinstance(rej, FailRequest) and rej.code is ErrorKind.UNAVAILABLE and "AR" in rej.message
+    assert isinstance(rej, FailRequest) and rej.error.kind is ErrorKind.UNAVAILABLE and "AR" in rej.error.message
     up(s, "ar", WorkerRole.AR)
     (rej,) = arrive(s, "b")
-    assert rej.code is ErrorKind.UNAVAILABLE and "denoiser" in rej.message
+    assert rej.error.kind is ErrorKind.UNAVAILABLE and "denoiser" in rej.error.message
     up(s, "d", WorkerRole.DENOISER)
     assert not only(arrive(s, "c"), FailRequest)
     assert s.counters.rejected == 2 and s.counters.admitted == 1
@@ -1179,7 +1215,7 @@ def test_fail_fast_fails_requests_stranded_in_the_ar_queue_when_the_last_ar_goes
     assert arrive(s, "a") == [] and arrive(s, "b") == []  # waiting for the batch delay
     failed = only(s.handle(WorkerUnhealthy(1.0, "ar")), FailRequest)
     assert sorted(f.request_id for f in failed) == ["a", "b"]
-    assert all(f.code is ErrorKind.UNAVAILABLE and "AR" in f.message for f in failed)
+    assert all(f.error.kind is ErrorKind.UNAVAILABLE and "AR" in f.error.message for f in failed)
     assert s.snapshot().active_requests == 0
 
 
@@ -1191,11 +1227,11 @@ def test_fail_fast_fails_requests_waiting_for_a_denoiser_when_the_last_one_goes(
     (b,) = only(arrive(s, "b", 1, now=0.5), DispatchArBatch)  # b is in the AR stage meanwhile
     acts = s.handle(WorkerNotServing(1.0, "d"))  # draining: it finishes a/0 but takes nothing new
     (fail,) = only(acts, FailRequest)
-    assert fail.request_id == "a" and fail.code is ErrorKind.UNAVAILABLE and "denoiser" in fail.message
+    assert fail.request_id == "a" and fail.error.kind is ErrorKind.UNAVAILABLE and "denoiser" in fail.error.message
     assert only(acts, CancelDenoise) == [CancelDenoise(d.job, "d")]  # nobody is left to want a/0
     # b reaches the denoise stage with no denoiser to take it: it fails then, not at its deadline.
     (fail_b,) = only(ar_ok(s, b, {"b": 1}, now=2.0), FailRequest)
-    assert fail_b.request_id == "b" and fail_b.code is ErrorKind.UNAVAILABLE
+    assert fail_b.request_id == "b" and fail_b.error.kind is ErrorKind.UNAVAILABLE
     assert s.snapshot().active_requests == 0
 
 
@@ -1226,7 +1262,7 @@ def test_a_job_refused_by_every_denoiser_in_turn_still_has_all_its_attempts() ->
     (retry,) = s.handle(DenoiseFailed(5.0, job("a", attempt=4), "d3", "boom", retryable=True))
     assert retry.job == job("a", attempt=5) and retry.worker == "d3"
     (fail,) = s.handle(DenoiseFailed(6.0, job("a", attempt=5), "d3", "boom", retryable=True))
-    assert isinstance(fail, FailRequest) and "after 2 attempt(s)" in fail.message
+    assert isinstance(fail, FailRequest) and "after 2 attempt(s)" in fail.error.message
 
 
 def test_an_ar_refusing_the_credential_sends_its_batch_to_another_ar_without_using_a_retry() -> None:
@@ -1246,12 +1282,12 @@ def test_with_the_only_ar_refusing_the_credential_requests_fail_with_a_503_that_
     up(s, "d0", DN)
     arrive(s, "a", 1)
     (fail,) = only(s.handle(WorkerUnhealthy(1.0, "ar0", WorkerDown.CREDENTIAL_REFUSED)), FailRequest)
-    assert fail.code is ErrorKind.UNAVAILABLE
-    assert fail.message == ("no AR server is available (it refuses the gateway's credential (its internal token)); "
-                            "retry later")
+    assert fail.error.kind is ErrorKind.UNAVAILABLE
+    assert fail.error.message == ("no AR server is available (it refuses the gateway's credential (its internal "
+                                  "token)); retry later")
     # New requests are refused at admission with the same reason.
     (rej,) = arrive(s, "b", now=2.0)
-    assert rej.code is ErrorKind.UNAVAILABLE and "refuses the gateway's credential" in rej.message
+    assert rej.error.kind is ErrorKind.UNAVAILABLE and "refuses the gateway's credential" in rej.error.message
 
 
 def test_workers_refusing_the_credential_from_the_start_are_named_in_the_503() -> None:
@@ -1261,12 +1297,12 @@ def test_workers_refusing_the_credential_from_the_start_are_named_in_the_503() -
     s.handle(WorkerAdded(0.0, "d0", DN))
     assert s.handle(WorkerUnhealthy(0.0, "d0", WorkerDown.CREDENTIAL_REFUSED)) == []
     (rej,) = arrive(s, "a")
-    assert rej.message == ("no denoiser is available (it refuses the gateway's credential (its internal token)); "
+    assert rej.error.message == ("no denoiser is available (it refuses the gateway's credential (its internal token)); "
                            "retry later")
     s.handle(WorkerAdded(0.0, "d1", DN))
     s.handle(WorkerUnhealthy(0.0, "d1", WorkerDown.HUNG))
     (rej,) = arrive(s, "b")
-    assert rej.message == ("no denoiser is available (one is not answering (hung); one refuses the gateway's "
+    assert rej.error.message == ("no denoiser is available (one is not answering (hung); one refuses the gateway's "
                            "credential (its internal token)); retry later")
     assert not only(s.handle(WorkerHealthy(1.0, "d1")), FailRequest)
     assert not only(arrive(s, "c", now=1.0), FailRequest)
@@ -1278,17 +1314,17 @@ def test_a_hung_ar_is_reported_as_not_answering_not_as_gone() -> None:
     up(s, "d0", DN)
     arrive(s, "a", 1)
     (fail,) = only(s.handle(WorkerUnhealthy(1.0, "ar0", WorkerDown.HUNG)), FailRequest)
-    assert fail.message == "no AR server is available (it is not answering (hung)); retry later"
+    assert fail.error.message == "no AR server is available (it is not answering (hung)); retry later"
     up(s, "ar0", AR, now=2.0)  # back, then gone for good
     arrive(s, "b", 1, now=2.0)
     (fail,) = only(s.handle(WorkerUnhealthy(3.0, "ar0")), FailRequest)
-    assert fail.message == "no AR server is available (it went away); retry later"
+    assert fail.error.message == "no AR server is available (it went away); retry later"
     # Without retries left, the batch's own failure says the same.
     s = make(ar_batch_delay=0.0, ar_retries=0)
     up(s, "ar0", AR)
     arrive(s, "c", 1)
     (fail,) = only(s.handle(WorkerUnhealthy(1.0, "ar0", WorkerDown.HUNG)), FailRequest)
-    assert fail.message == "AR stage failed: the AR server running it is not answering (hung)"
+    assert fail.error.message == "AR stage failed: the AR server running it is not answering (hung)"
 
 
 def test_without_fail_fast_requests_wait_for_workers() -> None:

@@ -51,9 +51,11 @@ from .types import (
     DispatchDenoise,
     Event,
     FailRequest,
+    Gauges,
     JobId,
     RequestArrived,
     RequestCancelled,
+    RequestError,
     SchedulerConfig,
     Snapshot,
     Tick,
@@ -84,7 +86,9 @@ _ATTEMPT_MEMORY = 4096
 class Scheduler:
     """Deterministic two-stage scheduler. See the module docstring."""
 
-    def __init__(self, config: SchedulerConfig = SchedulerConfig()) -> None:
+    def __init__(self, config: SchedulerConfig = SchedulerConfig(), pick_seed: str | None = None) -> None:
+        """``pick_seed``: this gateway's own order of the denoisers, for the choice of a free one (see Pool); the
+        choices are deterministic given it. None: the order they joined in."""
         self.config = config
         self.counters = Counters()
         self._now: float = float("-inf")
@@ -97,7 +101,7 @@ class Scheduler:
         self._pending_ar_outputs = 0
         self._denoise_q = MinQueue()  # of _QueueKey: the smallest is dispatched next
         self._batches: dict[int, DispatchArBatch] = {}  # in flight, as dispatched
-        self._pool = Pool(config.ar_max_inflight_batches)
+        self._pool = Pool(config.ar_max_inflight_batches, pick_seed)
         self._deadlines = MinQueue()  # of (deadline, seq, request_id), lazily pruned
         self._attempt_floor: OrderedDict[str, int] = OrderedDict()
         self._ended = False  # a request ended during this event (see _prune_deadlines)
@@ -195,6 +199,19 @@ class Scheduler:
             workers=self._pool.snapshots(),
         )
 
+    def gauges(self) -> Gauges:
+        """What the metrics publish: the queues and the workers counted by role and state, from figures kept as
+        they change (snapshot() builds an entry per worker, for GetStatus)."""
+        return Gauges(
+            pending_ar_requests=sum(len(q.requests) for q in self._pending_ar.values()),
+            pending_ar_outputs=self._pending_ar_outputs,
+            pending_denoise_outputs=len(self._denoise_q),
+            # (a walk of the denoise queue: counting them as they come and go would cost every denoise job)
+            pending_denoise_requests=len({k[1] for k in self._denoise_q}),
+            active_requests=len(self._active),
+            workers=self._pool.state_counts(),
+        )
+
     def queued_outputs(self) -> int:
         """Outputs waiting in either queue (for an AR batch or for a denoiser): what admission bounds."""
         return self._pending_ar_outputs + len(self._denoise_q)
@@ -240,7 +257,7 @@ class Scheduler:
             note = f"{queued} queued outputs + n={ev.n} > --max-queued-outputs={cfg.max_queued_outputs}"
         if reject is not None:
             self.counters.rejected += 1
-            actions.append(FailRequest(rid, *reject, operator_note=note))
+            actions.append(FailRequest(rid, RequestError(*reject, operator_note=note)))
             return
 
         base = self._attempt_floor.pop(rid, 0)
@@ -268,7 +285,7 @@ class Scheduler:
     def _on_cancelled(self, ev: RequestCancelled, actions: list[Action]) -> None:
         req = self._active.get(ev.request_id)
         if req is not None:
-            self._fail(req, ErrorKind.CANCELLED, ev.message, actions)
+            self._fail(req, ev.kind, ev.message, actions)
 
     def _on_ar_succeeded(self, ev: ArBatchSucceeded, actions: list[Action]) -> None:
         batch = self._take_batch(ev.batch_id)
@@ -292,14 +309,14 @@ class Scheduler:
         batch = self._take_batch(ev.batch_id)
         if batch is None:
             return
-        if ev.code not in (ErrorKind.INVALID_ARGUMENT, ErrorKind.INTERNAL):
+        if ev.kind not in (ErrorKind.INVALID_ARGUMENT, ErrorKind.INTERNAL):
             self._ar_batch_failed(batch, f"AR stage failed: {ev.message}", "ar_failed", actions)
             return
         # The fault lies with one of the batch's requests (the AR refused its input, or handling it failed in the
         # gateway itself): not worth a retry as is, and nobody else's fault.
         live = self._waiting_for(batch)
         if len(live) == 1:  # the message is meant for this client (the AR's names the field): relay it unchanged
-            self._fail(live[0], ev.code, ev.message, actions, field=ev.field)
+            self._fail(live[0], ev.kind, ev.message, actions, field=ev.field)
             return
         # One of them is bad and the others must not pay for it: each goes again alone, at the front, with no
         # retry charged. The bad one then fails by itself.
@@ -338,8 +355,8 @@ class Scheduler:
             self._retry_output(req, out, "denoise_failed", ev.message, actions)
         else:
             # Bad input is the client's to fix: relay the worker's message (it names the field) unchanged.
-            message = ev.message if ev.code is ErrorKind.INVALID_ARGUMENT else f"denoise failed: {ev.message}"
-            self._fail(req, ev.code, message, actions, field=ev.field)
+            message = ev.message if ev.kind is ErrorKind.INVALID_ARGUMENT else f"denoise failed: {ev.message}"
+            self._fail(req, ev.kind, message, actions, field=ev.field)
 
     def _on_denoise_refused_busy(self, ev: DenoiseRefusedBusy, actions: list[Action]) -> None:
         self.counters.collisions += 1
@@ -494,11 +511,11 @@ class Scheduler:
         for req in sorted(stranded, key=lambda r: r.seq):
             self._fail(req, ErrorKind.UNAVAILABLE, self._pool.none_ready(DENOISER, "it went away"), actions)
 
-    def _fail(self, req: Request, code: ErrorKind, message: str, actions: list[Action], *,
+    def _fail(self, req: Request, kind: ErrorKind, message: str, actions: list[Action], *,
               field: str | None = None) -> None:
         self._end(req, actions)
-        self.counters.failed[code] += 1
-        actions.append(FailRequest(req.request_id, code, message, field))
+        self.counters.failed[kind] += 1
+        actions.append(FailRequest(req.request_id, RequestError(kind, message, field)))
 
     def _end(self, req: Request, actions: list[Action]) -> None:
         """Remove an active request from every queue and cancel its in-flight denoise jobs."""

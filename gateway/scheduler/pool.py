@@ -1,5 +1,6 @@
 """The scheduler's pool bookkeeping: the workers it knows, by address and by role; how many of each role take work;
-and the choice of a free one (the least recently used free denoiser off a heap, the least loaded AR server).
+and the choice of a free one (the next free denoiser in this gateway's own rotation, off a heap; the least loaded AR
+server).
 
 What a worker's state means for the work it holds (requeue, fence, drain) is policy: core.Scheduler decides it and
 calls in here to change the books.
@@ -7,6 +8,7 @@ calls in here to change the books.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -14,16 +16,21 @@ from dataclasses import dataclass, field
 from .speed import AR, DENOISER
 from .types import JobId, WorkerDown, WorkerRole, WorkerSnapshot, WorkerState
 
+_AVAILABLE, _BUSY, _DRAINING, _UNHEALTHY = (WorkerState.AVAILABLE, WorkerState.BUSY, WorkerState.DRAINING,
+                                            WorkerState.UNHEALTHY)
+
 
 @dataclass(slots=True, eq=False)
 class Worker:
     address: str
     role: WorkerRole
-    added_seq: int  # tie-break for LRU so choices are deterministic
+    added_seq: int  # the last tie-break of every choice, so that choices are deterministic
+    # Denoisers: its place in this gateway's rotation (see Pool.offer); unique, as it ends in added_seq.
+    rank: int = 0
     healthy: bool = False  # a new worker is unhealthy until its first health check passes
     draining: bool = False
     not_serving: bool = False  # healthy but said NOT_SERVING: finishing what it holds, takes nothing new
-    last_used: int = 0
+    last_used: int = 0  # AR servers: for the least recently used choice
     job: JobId | None = None  # denoisers: the one job whose slot this worker holds
     offered: bool = False  # denoisers: has its one entry in Pool.idle
     batches: set[int] = field(default_factory=set)  # AR: batch ids in flight
@@ -37,6 +44,9 @@ class Worker:
     # Why it last stopped taking work (None since it was last healthy, or never checked): what the message of a
     # request that finds no worker of its stage says.
     down: WorkerDown | None = None
+    # The state it is counted under in Pool.standing while it takes no work (DRAINING or UNHEALTHY; None: it is ready,
+    # or not a member).
+    standing: WorkerState | None = None
 
     def busy(self) -> bool:
         return self.job is not None or bool(self.batches)
@@ -48,10 +58,10 @@ class Worker:
 class Pool:
     """The members (a removed worker stays one until it has drained), and the counts and heap kept over them."""
 
-    __slots__ = ("members", "by_role", "ar_servers", "ready_ar", "ready_denoisers", "idle", "_ar_room", "_added",
-                 "_clock")
+    __slots__ = ("members", "by_role", "ar_servers", "ready_ar", "ready_denoisers", "standing", "idle",
+                 "_ar_room", "_added", "_clock", "_seed", "_lap", "_at")
 
-    def __init__(self, ar_max_inflight_batches: int) -> None:
+    def __init__(self, ar_max_inflight_batches: int, pick_seed: str | None = None) -> None:
         self.members: dict[str, Worker] = {}
         # The same workers by role, so a choice among the few AR servers does not scan every denoiser.
         self.by_role: dict[WorkerRole, dict[str, Worker]] = {r: {} for r in WorkerRole}
@@ -60,20 +70,37 @@ class Pool:
         # (asked on every event with fail-fast on) costs O(1), not a scan of the denoiser pool.
         self.ready_ar = 0
         self.ready_denoisers = 0
-        # Heap of denoisers that may be free, by (last_used, added_seq): the LRU choice without scanning the pool.
-        # Validated lazily when it reaches the top (see take_free_denoiser).
+        # The members that take no work, by role and state (from their flags, kept by recount), so that the metrics'
+        # counts by role and state cost no walk of the pool (see state_counts).
+        self.standing: dict[tuple[WorkerRole, WorkerState], int] = {
+            (r, s): 0 for r in WorkerRole for s in (_DRAINING, _UNHEALTHY)}
+        # Heap of denoisers that may be free, by their place in the rotation (lap, rank): the next one after the
+        # last taken, without scanning the pool. Validated lazily when it reaches the top (see take_free_denoiser).
         self.idle: list[tuple[int, int, Worker]] = []
         self._ar_room = ar_max_inflight_batches
         self._added = itertools.count(1)
-        self._clock = itertools.count(1)  # logical clock for least-recently-used choices
+        self._clock = itertools.count(1)  # logical clock for least-recently-used choices (AR servers)
+        # The rotation's order: the denoisers by rank, which with a seed is a permutation of its own (a hash of the
+        # seed and the address), so that gateways sharing a pool, each seeded with its own id, do not reach for the
+        # same free denoisers in the same order; without one, the order they joined in. The cursor: the lap and the
+        # rank of the denoiser taken last.
+        self._seed = pick_seed
+        self._lap, self._at = 0, 0
 
     # ------------------------------------------------------------------------------------------------ membership
 
     def add(self, address: str, role: WorkerRole) -> Worker:
         """A new member, unhealthy until its first health check passes (the caller recounts it)."""
-        w = self.members[address] = Worker(address, role, added_seq=next(self._added))
+        seq = next(self._added)
+        w = self.members[address] = Worker(address, role, added_seq=seq, rank=self._rank(address, seq))
         self.by_role[role][address] = w
         return w
+
+    def _rank(self, address: str, seq: int) -> int:
+        if self._seed is None:
+            return seq
+        digest = hashlib.blake2b(f"{self._seed}\n{address}".encode(), digest_size=8).digest()
+        return (int.from_bytes(digest, "big") << 32) + seq
 
     def forget(self, w: Worker) -> None:
         """Drop a worker from membership (its heap entry, if any, is discarded when it reaches the top)."""
@@ -88,6 +115,13 @@ class Pool:
         Every such change calls this, so the counts always equal the number of members for which accepts_work()
         holds, and w.ready says whether w is one of them."""
         ready = member and w.accepts_work()
+        standing = None if ready or not member else _DRAINING if w.draining or w.healthy else _UNHEALTHY
+        if standing is not w.standing:
+            if w.standing is not None:
+                self.standing[w.role, w.standing] -= 1
+            if standing is not None:
+                self.standing[w.role, standing] += 1
+            w.standing = standing
         if ready is not w.ready:
             w.ready = ready
             delta = 1 if ready else -1
@@ -116,29 +150,34 @@ class Pool:
     # ------------------------------------------------------------------------------------------ free-worker choice
 
     def used(self, w: Worker) -> None:
-        """``w`` was just given work: it is now the most recently used of its role (see take_free_denoiser)."""
+        """AR server ``w`` was just given a batch: it is now the most recently used (see free_ar_server)."""
         w.last_used = next(self._clock)
 
     def offer(self, w: Worker) -> None:
-        """Give a denoiser that may have become free its entry in the idle heap (one at most: its key only changes
-        when it is dispatched, which takes the entry out first)."""
+        """Give a denoiser that may have become free its entry in the idle heap (one at most: the entry leaves the
+        heap before the worker is offered again), at its place in the rotation after the cursor: in this lap if its
+        rank comes after the last taken, else in the next. So a denoiser back from another gateway's job, or from
+        being down, waits its turn instead of going first (as it would by least recent use here), which is what
+        makes every gateway reach for a denoiser the moment it is free."""
         if w.role is DENOISER and not w.offered and w.ready and w.job is None \
                 and not w.elsewhere:
             w.offered = True
-            heapq.heappush(self.idle, (w.last_used, w.added_seq, w))
+            lap = self._lap if w.rank > self._at else self._lap + 1
+            heapq.heappush(self.idle, (lap, w.rank, w))
 
     def take_free_denoiser(self) -> Worker | None:
-        """The free denoiser used least recently, taken out of the idle heap and marked used: the caller dispatches
-        to it (the mark is made here, not by a call to ``used``: this runs for every denoise job).
+        """The next free denoiser in the rotation, taken out of the idle heap, the cursor moved to it: the caller
+        dispatches to it.
 
         An entry whose worker is gone, unhealthy, not serving or busy is dropped: each of those ways back to free
         passes through offer, which pushes it again."""
         heap = self.idle
         while heap:
-            w = heapq.heappop(heap)[2]
+            lap, rank, w = heapq.heappop(heap)
             w.offered = False
-            if self.members.get(w.address) is w and w.ready and w.job is None and not w.elsewhere:
-                w.last_used = next(self._clock)
+            # (ready also says it is still a member: forget() clears it, and a worker added again is a new object)
+            if w.ready and w.job is None and not w.elsewhere:
+                self._lap, self._at = lap, rank
                 return w
         return None
 
@@ -156,6 +195,22 @@ class Pool:
         return best
 
     # ---------------------------------------------------------------------------------------------- snapshots
+
+    def state_counts(self) -> dict[tuple[WorkerRole, WorkerState], int]:
+        """How many members of each role are in each state (what snapshots() would count), without a walk of the
+        denoisers: the counts kept above, a look at the AR servers (few), and the free denoisers, which are those
+        of the idle heap's entries that are still valid (every free denoiser has one, as nothing else would give
+        it work; the heap is short when the pool is busy). Counted here, not kept: keeping them would cost every
+        denoise job a few steps, and the scheduler's speed is counted in those."""
+        counts = dict(self.standing)
+        room = self._ar_room
+        ar_busy = sum(1 for w in self.ar_servers.values() if w.ready and len(w.batches) >= room)
+        counts[AR, _BUSY] = ar_busy
+        counts[AR, _AVAILABLE] = self.ready_ar - ar_busy
+        free = sum(1 for _, _, w in self.idle if w.ready and w.job is None and not w.elsewhere)
+        counts[DENOISER, _BUSY] = self.ready_denoisers - free
+        counts[DENOISER, _AVAILABLE] = free
+        return counts
 
     def snapshots(self) -> tuple[WorkerSnapshot, ...]:
         return tuple(self._snapshot(w) for w in self.members.values())

@@ -29,9 +29,11 @@ __all__ = [
     "DispatchDenoise",
     "Event",
     "FailRequest",
+    "Gauges",
     "JobId",
     "RequestArrived",
     "RequestCancelled",
+    "RequestError",
     "SchedulerConfig",
     "Snapshot",
     "Tick",
@@ -135,7 +137,7 @@ class ArBatchFailed:
     # INVALID_ARGUMENT: the AR refused the batch's input; INTERNAL: the gateway itself failed handling it. Neither
     # is the worker's fault nor worth a retry as is: a lone request fails with the message; a shared batch is split
     # so only the request at fault fails.
-    code: ErrorKind = ErrorKind.UNAVAILABLE
+    kind: ErrorKind = ErrorKind.UNAVAILABLE
     # For INVALID_ARGUMENT: the request field the AR refused (as the client names it, no batch index), if it said.
     field: str | None = None
 
@@ -156,7 +158,7 @@ class DenoiseFailed:
     message: str
     retryable: bool
     # For a non-retryable failure: the status the request fails with (the worker's own verdict, e.g. bad input).
-    code: ErrorKind = ErrorKind.INTERNAL
+    kind: ErrorKind = ErrorKind.INTERNAL
     # For INVALID_ARGUMENT: the request field the denoiser refused, if it said.
     field: str | None = None
 
@@ -240,6 +242,8 @@ class RequestCancelled:
     now: float
     request_id: str
     message: str = "cancelled by client"
+    # DEADLINE_EXCEEDED when the caller's own deadline ended the call: its client reads that, and so does the outcome.
+    kind: ErrorKind = ErrorKind.CANCELLED
 
 
 @dataclass(frozen=True)
@@ -312,14 +316,22 @@ class CompleteRequest:
 
 
 @dataclass(frozen=True)
-class FailRequest:
-    request_id: str
-    code: ErrorKind
-    message: str
+class RequestError:
+    """Why a request failed: made here and carried unchanged to the gRPC edge (gateway.servicer), which turns it
+    into the call's status, once."""
+
+    kind: ErrorKind
+    message: str  # what the client reads
     # For INVALID_ARGUMENT relayed from a worker: the request field at fault (the message names it too).
     field: str | None = None
-    # For the gateway's log only (the server setting behind a refusal); ``message`` is what the client reads.
+    # For the gateway's log only (the server setting behind a refusal); never sent to the client.
     operator_note: str = ""
+
+
+@dataclass(frozen=True)
+class FailRequest:
+    request_id: str
+    error: RequestError
 
 
 Action = DispatchArBatch | CancelArBatch | DispatchDenoise | CancelDenoise | CompleteRequest | FailRequest
@@ -346,6 +358,19 @@ class Snapshot:
     pending_denoise_requests: int  # requests with at least one output waiting for a denoiser
     active_requests: int
     workers: tuple[WorkerSnapshot, ...]
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """What the metrics publish after every turn of the event loop: the queues, and the workers counted by role and
+    state (every pair present). Unlike Snapshot, nothing in it grows with the pool."""
+
+    pending_ar_requests: int
+    pending_ar_outputs: int
+    pending_denoise_outputs: int
+    pending_denoise_requests: int
+    active_requests: int
+    workers: dict[tuple[WorkerRole, WorkerState], int]
 
 
 REQUEUE_REASONS: tuple[str, ...] = ("worker_unhealthy", "denoise_failed", "ar_failed", "ar_batch_split")
