@@ -108,8 +108,9 @@ def _multi_gateway_notes(d: dict) -> str:
             "so a collision means that mirror was behind. With one AR server the gateways' batches return one at a "
             "time and at most one gateway is dispatching at once: collisions stay near zero. With 8 AR servers "
             "several gateways dispatch bursts of up to 28 outputs (an AR batch's) at overlapping times into a pool "
-            "with about a quarter of its denoisers free, each in its own least-recently-used order (it counts only "
-            "its own dispatches, so denoisers the others use look unused to it).")
+            "with about a quarter of its denoisers free. Each gateway takes free denoisers in a rotation of its own "
+            "(ordered by a hash of its instance id and the address), so bursts from several gateways start at "
+            "different denoisers instead of all at the one every gateway's same order puts first.")
     r, lag = w.get("refused_after_ms"), w.get("sim_loop_lag_ms")
     if r and lag and "busy_already_sent_to_the_refused" in r:
         text += (f" In {worst_name} a refused call reached the denoiser a median {_f(r['p50'], 0)} ms (p90 "
@@ -129,13 +130,10 @@ def _multi_gateway_notes(d: dict) -> str:
         "Where a gateway's time goes with 120 workers (cProfile of one gateway in the 112-denoiser scenario): the "
         "driver publishes the metrics' state once per turn of the event loop, not after every event, because "
         "with several gateways most events are other gateways' jobs starting and ending on the occupancy streams: "
-        "publishing per event (Observer.publish builds Scheduler.snapshot() over all 120 workers, and the "
-        "stuck-worker scan walks them again) took about four fifths of Driver._feed, a cost that grows with pool "
-        "size times pool throughput and under load lags the loop, which is what makes views stale. Once per turn "
-        "walks the pool 3x less often in the profiled run, and less still when the loop falls behind and more "
-        "events share a turn. The scheduler's decisions (Scheduler.handle) take under a tenth; about a quarter of "
-        "the gateway's loop time is Scheduler.snapshot() building a WorkerSnapshot per worker where the metrics "
-        "only need counts by role and state.\n\n"
+        "a cost that grows with pool size times pool throughput and under load lags the loop, which is what makes "
+        "views stale. A publish reads Scheduler.gauges(), the workers counted by role and state, which the "
+        "scheduler keeps as health changes (free denoisers are counted from the idle heap): no object per worker "
+        "is built for it. Scheduler.snapshot(), one WorkerSnapshot per worker, is built only for GetStatus.\n\n"
         "Noise (2026-12-01, other engineers' jobs on the same 2 cores): the 14-denoiser runs repeat within about "
         "1.5% (throughput / bound 0.968-1.003 over 12 runs of each scenario); the 112-denoiser run moves with the "
         "machine's load: 0.985-1.011 of the bound and 0-0.37 collisions per dispatch over 9 runs publishing once "
