@@ -3,8 +3,8 @@
 The files become the request's reference images; everything else takes the generation's path: the same one-pass
 admission (translate.admit: the references' count, bytes and headers included, each header read once, and
 `size: auto` from the first one's) and the same call and answer (dispatch.answer), with `image_edit.*` events
-when streaming. The body is
-bounded before it is read (middleware.py, limits.edit_body_bytes); nothing here fetches a URL or decodes an image.
+when streaming. The body is bounded before it is read (middleware.py, limits.edit_body_bytes); nothing here
+fetches a URL or decodes an image.
 """
 
 from __future__ import annotations
