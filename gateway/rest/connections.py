@@ -1,5 +1,5 @@
 """Slow clients and open connections: uvicorn's h11 protocol with deadlines on each request's head and body, a bound
-on open connections, and one framing per request.
+on open connections, one framing per request, and a response's head sent with its body.
 
 uvicorn itself bounds only the idle gap between two requests on a kept-alive connection (``timeout_keep_alive``): a
 client that sends its head or its body a byte at a time holds its connection, and its buffers, as long as it likes.
@@ -105,6 +105,40 @@ class _Refusals:
 _refusals = _Refusals()
 
 
+class _HeadWithBody:
+    """A connection's transport that sends a response's head together with what follows it in the same turn of
+    the event loop: uvicorn writes the head and the body apart, which costs a system call and a segment more per
+    response, and the client a wake-up more. A write is held only until the next one or the end of the turn."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if self._held is None:
+            self._held = data
+            self._loop.call_soon(self.flush)
+            return
+        data, self._held = self._held + data, None
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._held is not None:
+            data, self._held = self._held, None
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class GuardedH11Protocol(H11Protocol):
     """One client connection: uvicorn's h11 protocol with the clocks and the bound of ``guards``."""
 
@@ -128,7 +162,7 @@ class GuardedH11Protocol(H11Protocol):
             _refusals.note(self.guards.max_connections)
             transport.close()
             return
-        super().connection_made(transport)
+        super().connection_made(_HeadWithBody(transport, self.loop))  # type: ignore[arg-type]
         self._arm_head()
 
     def connection_lost(self, exc: Exception | None) -> None:

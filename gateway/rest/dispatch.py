@@ -1,5 +1,6 @@
-"""What every image route does once it holds a checked GenerateImagesRequest: the gateway call's metadata (request
-id, and the client's or this front's key), the call itself, and the answer as JSON or as server-sent events."""
+"""What every image route does with an admitted request (translate.Generation): the gateway call's metadata
+(request id, and the client's or this front's key), the call itself, and the answer as JSON or as server-sent
+events."""
 
 from __future__ import annotations
 
@@ -34,13 +35,12 @@ def gateway_metadata(request: Request, settings: RestSettings, rid: str) -> tupl
     return metadata
 
 
-async def answer(gen: translate.Generation, stream: bool, partial_images: int, request: Request,
-                 settings: RestSettings, metrics: RestMetrics, gateway: upstream.Gateways) -> Response:
-    """Run the gateway call for ``gen``: events when ``stream``, else one ImagesResponse JSON (499 when the
+async def answer(gen: translate.Generation, request: Request, settings: RestSettings, metrics: RestMetrics,
+                 gateway: upstream.Gateways) -> Response:
+    """Run the gateway call for ``gen``: events when it streams, else one ImagesResponse JSON (499 when the
     client went away first)."""
-    if stream:
-        return await streaming.stream(gateway, gen, partial_images, settings, metrics, request.receive,
-                                      request.scope["state"])
+    if gen.stream:
+        return await streaming.stream(gateway, gen, settings, metrics, request.receive, request.scope["state"])
     resp = await upstream.generate(gateway, gen, settings.request_timeout, request.receive)
     if resp is None:
         log.info("%s client disconnected; gateway call cancelled", gen.rid)

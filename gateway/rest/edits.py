@@ -1,15 +1,15 @@
 """`POST /v1/images/edits`: OpenAI's image edit, multipart as the openai SDK sends it.
 
-The files become the request's reference images; everything else takes the generation's path: the same
-translation (translate.to_grpc), the same admission checks (limits.check, the references' count, bytes and headers
-included) and the same call and answer (dispatch.answer), with `image_edit.*` events when streaming. The body is
-bounded before it is read (middleware.py, limits.edit_body_bytes); nothing here fetches a URL or decodes an image.
+The files become the request's reference images; everything else takes the generation's path: the same one-pass
+admission (translate.admit: the references' count, bytes and headers included, each header read once, and
+`size: auto` from the first one's) and the same call and answer (dispatch.answer), with `image_edit.*` events
+when streaming. The body is bounded before it is read (middleware.py, limits.edit_body_bytes); nothing here
+fetches a URL or decodes an image.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,11 +18,9 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from glmimage.v1 import common_pb2
-from services.runtime.limits import MAX_ASPECT, SIZE_MULTIPLE, Limits
+from services.runtime.limits import Limits
 
 from . import dispatch, translate
-from . import limits as rest_limits
 from .deps import GatewayDep, Metrics, Settings, image_responses
 from .errors import APIError, from_validation_errors
 from .middleware import request_id
@@ -37,27 +35,6 @@ IMAGE_FIELDS = ("image", "image[]")
 _MAX_FIELDS = 64
 
 router = APIRouter()
-
-
-def auto_size(width: int, height: int, max_pixels: int) -> tuple[int, int]:
-    """`size: auto`: the first reference's aspect ratio at its own pixel count, scaled down to ``max_pixels`` when
-    larger, each side rounded to the nearest multiple of 32 (at least 32). A 96x64 reference gives 96x64."""
-    scale = min(1.0, math.sqrt(max_pixels / (width * height)))
-    # Half up (not round()'s half to even), so that the same aspect always rounds the same way.
-    w, h = (max(1, math.floor(side * scale / SIZE_MULTIPLE + 0.5)) * SIZE_MULTIPLE for side in (width, height))
-    while w * h > max_pixels and max(w, h) > SIZE_MULTIPLE:  # rounding up passed the budget: trim the longer side
-        if w >= h:
-            w -= SIZE_MULTIPLE
-        else:
-            h -= SIZE_MULTIPLE
-    # Rounding a 4:1 reference can pass the aspect bound the target is held to (188x47 -> 192x32): widen the short
-    # side while the budget allows, else shorten the long one.
-    while max(w, h) > MAX_ASPECT * min(w, h):
-        if (min(w, h) + SIZE_MULTIPLE) * max(w, h) <= max_pixels:
-            w, h = (w + SIZE_MULTIPLE, h) if w < h else (w, h + SIZE_MULTIPLE)
-        else:
-            w, h = (w, h - SIZE_MULTIPLE) if w < h else (w - SIZE_MULTIPLE, h)
-    return w, h
 
 
 async def _parse_form(request: Request, limits: Limits, max_part_bytes: int) -> FormData:
@@ -118,19 +95,12 @@ async def edit_images(request: Request, settings: Settings, metrics: Metrics, ga
         body = _validate(form, images)
     finally:
         await form.close()  # the spooled upload files
-    if body.size in (None, "auto"):  # the first reference's header only; check() below checks them all
-        [(width, height)] = rest_limits.reference_sizes(images[:1], limits)
-        width, height = auto_size(width, height, limits.max_pixels)
-        body = body.model_copy(update={"size": f"{width}x{height}"})
-    req, quality = translate.to_grpc(body, settings, rid)
-    req.reference_images.extend(common_pb2.ReferenceImage(data=data) for data in images)
-    rest_limits.check(req, body.partial_images or 0, limits)
-    gen = translate.Generation(request=req, quality=quality, metadata=dispatch.gateway_metadata(request, settings, rid),
-                               rid=rid, events="image_edit")
+    gen = translate.admit(body, settings, limits, rid=rid, metadata=dispatch.gateway_metadata(request, settings, rid),
+                          references=body.image, events="image_edit")
+    admitted = gen.admitted
     log.info(
         "%s edit images=%d (%d bytes) n=%d size=%dx%d steps=%d format=%s stream=%s user=%r",
-        rid, len(images), sum(map(len, images)), req.n, req.width, req.height, req.num_inference_steps,
-        gen.output_format, bool(body.stream), body.user,
+        rid, len(body.image), sum(map(len, body.image)), admitted.n, admitted.width, admitted.height,
+        gen.request.num_inference_steps, gen.output_format, gen.stream, body.user,
     )
-    return await dispatch.answer(gen, bool(body.stream), body.partial_images or 0, request, settings, metrics,
-                                 gateway)
+    return await dispatch.answer(gen, request, settings, metrics, gateway)

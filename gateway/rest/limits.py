@@ -19,13 +19,11 @@ from typing import Any
 import grpc
 
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.admission import check_generate, check_partial_images
 from services.runtime.errors import InvalidArgument
 from services.runtime.limits import (
     MAX_ASPECT,
     SEED_SPACE,
     Limits,
-    check_reference_images,
     float_text,
     from_proto,
 )
@@ -67,7 +65,7 @@ class LimitsCache:
 
 
 @contextmanager
-def _as_api_error() -> Iterator[None]:
+def as_api_error() -> Iterator[None]:
     """InvalidArgument -> OpenAI's 400 naming the REST ``param``."""
     try:
         yield
@@ -76,22 +74,6 @@ def _as_api_error() -> Iterator[None]:
         # height and width are one REST parameter: the message names it, `size` (the size itself is written WxH).
         message = f"size: {exc.description}" if param == "size" else str(exc)
         raise APIError(400, message, param=param, code="invalid_value") from None
-
-
-def check(req: gateway_service_pb2.GenerateImagesRequest, partial_images: int, limits: Limits) -> None:
-    """The gateway's own admission checks, an edit's reference images included (count, bytes, each header),
-    answered as OpenAI's 400 with the REST ``param``."""
-    with _as_api_error():
-        # REST always sends a size, so the defaults are never used.
-        check_generate(req, limits, default_height=req.height, default_width=req.width)
-        check_partial_images(partial_images, limits)
-
-
-def reference_sizes(images: Sequence[bytes], limits: Limits) -> list[tuple[int, int]]:
-    """Each reference's (width, height), read from its header only (what `size: auto` needs before the request
-    is built), or the 400 naming `image` that check() would give."""
-    with _as_api_error():
-        return check_reference_images(images, limits)
 
 
 def edit_body_bytes(limits: Limits, form_bytes: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 
 class RestMetrics:
@@ -26,3 +27,15 @@ class RestMetrics:
         self.images = Counter(
             "glmimage_rest_images", "Images returned to HTTP clients.", registry=self.registry
         )
+        # The labelled children by their labels: prometheus_client's labels() validates and locks on every call.
+        self._children: dict[tuple[str, ...], MetricWrapperBase] = {}
+
+    def answered(self, route: str, status: int, seconds: float) -> None:
+        """One HTTP request answered: counted by route and status, its duration by route."""
+        key = (route, str(status))
+        if (count := self._children.get(key)) is None:
+            count = self._children[key] = self.requests.labels(route=route, status=key[1])
+        if (duration := self._children.get((route,))) is None:
+            duration = self._children[(route,)] = self.duration.labels(route=route)
+        count.inc()  # type: ignore[attr-defined]
+        duration.observe(seconds)  # type: ignore[attr-defined]

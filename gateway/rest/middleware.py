@@ -145,8 +145,7 @@ class FrontMiddleware:
         finally:
             label = self._route_label(scope)
             status = scope["state"].get(OUTCOME_STATUS_KEY, status)
-            self.metrics.requests.labels(route=label, status=str(status)).inc()
-            self.metrics.duration.labels(route=label).observe(time.perf_counter() - t0)
+            self.metrics.answered(label, status, time.perf_counter() - t0)
 
     def _route_label(self, scope: Scope) -> str:
         # The matched route template keeps label cardinality bounded; requests rejected

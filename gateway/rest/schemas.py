@@ -36,11 +36,12 @@ def wire_range(name: str) -> tuple[float, float]:
     return _WIRE_RANGES[WIRE_FIELDS[name].type]
 
 
-def _number(name: str, description: str, *, ge: float | None = None, le: float | None = None) -> Any:
+def _number(name: str, description: str, *, ge: float | None = None, le: float | None = None,
+            default: int | None = None) -> Any:
     """An optional numeric field bounded by its proto field's type, and by ``ge``/``le`` where tighter: a value the
     message cannot carry is a 400 naming the field, like any other bad value, never a failure building it."""
     low, high = wire_range(name)
-    return Field(None, ge=low if ge is None else max(low, ge), le=high if le is None else min(high, le),
+    return Field(default, ge=low if ge is None else max(low, ge), le=high if le is None else min(high, le),
                  description=description)
 
 
@@ -65,7 +66,7 @@ class ImageRequest(BaseModel):
     model: str | None = Field(
         None, description="Served model name or one of its aliases (e.g. `gpt-image-1`). Defaults to it."
     )
-    n: int | None = _number("n", "Number of images to generate (1 to 10 by default).", ge=1)
+    n: int | None = _number("n", "Number of images to generate (1 to 10 by default).", ge=1, default=1)
     size: str | None = Field(
         None,
         description="`WIDTHxHEIGHT` in pixels, or `auto` for the server default. "

@@ -32,8 +32,7 @@ def _completed_events(
     resp: gateway_service_pb2.GenerateImagesResponse, gen: Generation, settings: RestSettings
 ) -> list[bytes]:
     """One completed event per image, each with that image's usage, so the events add up to the request's."""
-    size = f"{resp.width or gen.request.width}x{resp.height or gen.request.height}"
-    echo = gen.echo(size, FORMAT_NAMES.get(resp.output_format, gen.output_format))
+    echo = gen.echo(gen.size(resp.width, resp.height), FORMAT_NAMES.get(resp.output_format, gen.output_format))
     per_image = all(img.HasField("usage") for img in resp.images)
     completed = f"{gen.events}.completed"
     events = []
@@ -76,7 +75,7 @@ async def _stream_events(
     (OpenAI has no progress event; comments are ignored by clients and keep proxies from timing out)."""
     call: grpc.aio.UnaryStreamCall = guard.call  # type: ignore[assignment]
     partial = f"{gen.events}.partial_image"
-    partial_echo = gen.echo(f"{gen.request.width}x{gen.request.height}", gen.output_format)
+    partial_echo = gen.echo(gen.size(), gen.output_format)
     msg: Any = first
     try:
         while msg is not None and msg is not grpc.aio.EOF:
@@ -120,10 +119,10 @@ async def _stream_events(
 
 
 async def stream(
-    gateways: Gateways, gen: Generation, partial_images: int, settings: RestSettings, metrics: RestMetrics,
-    receive: Receive, state: dict[str, Any],
+    gateways: Gateways, gen: Generation, settings: RestSettings, metrics: RestMetrics, receive: Receive,
+    state: dict[str, Any],
 ) -> Response:
-    req = gateway_service_pb2.GenerateImagesStreamRequest(request=gen.request, partial_images=partial_images)
+    req = gateway_service_pb2.GenerateImagesStreamRequest(request=gen.request, partial_images=gen.partial_images)
     # Resubmitted to the next gateway only while nothing was relayed: a failure after the first event is the
     # client's (an error event), as a second run would send its events again.
     gone: GatewayGone | None = None

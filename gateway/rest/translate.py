@@ -1,18 +1,23 @@
-"""Translation between OpenAI JSON and the gRPC messages: an images request -> GenerateImagesRequest (sizes and
-formats read with the suite's one parser and map, glmimage.wire.sizes and glmimage.wire.formats), a response's
-images and usage -> JSON, GetStatus -> per-stage health."""
+"""Translation between OpenAI JSON and the gRPC messages: an images request, admitted once (admit), -> one
+GenerateImagesRequest (sizes and formats read with the suite's one parser and map, glmimage.wire.sizes and
+glmimage.wire.formats), a response's images and usage -> JSON, GetStatus -> per-stage health."""
 
 from __future__ import annotations
 
 import base64
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from glmimage.v1 import common_pb2, gateway_service_pb2
 from glmimage.wire import formats, sizes
+from services.runtime.admission import Admitted, check_generate, check_partial_images
+from services.runtime.limits import MAX_ASPECT, SIZE_MULTIPLE, Limits, check_reference_images
 
 from .errors import APIError
+from .limits import as_api_error
 from .schemas import ImageRequest
 from .settings import RestSettings
 
@@ -60,16 +65,67 @@ def parse_size(size: str | None, settings: RestSettings) -> tuple[int, int]:
     return width, height  # the pixel budget is a limit in force (gateway/rest/limits.py)
 
 
-def to_grpc(
-    body: ImageRequest, settings: RestSettings, rid: str
-) -> tuple[gateway_service_pb2.GenerateImagesRequest, str]:
-    """Checks that need the settings, then the gRPC request and the effective quality name."""
+def auto_size(width: int, height: int, max_pixels: int) -> tuple[int, int]:
+    """An edit's `size: auto`: the first reference's aspect ratio at its own pixel count, scaled down to
+    ``max_pixels`` when larger, each side rounded to the nearest multiple of 32 (at least 32). A 96x64 reference
+    gives 96x64."""
+    scale = min(1.0, math.sqrt(max_pixels / (width * height)))
+    # Half up (not round()'s half to even), so that the same aspect always rounds the same way.
+    w, h = (max(1, math.floor(side * scale / SIZE_MULTIPLE + 0.5)) * SIZE_MULTIPLE for side in (width, height))
+    while w * h > max_pixels and max(w, h) > SIZE_MULTIPLE:  # rounding up passed the budget: trim the longer side
+        if w >= h:
+            w -= SIZE_MULTIPLE
+        else:
+            h -= SIZE_MULTIPLE
+    # Rounding a 4:1 reference can pass the aspect bound the target is held to (188x47 -> 192x32): widen the short
+    # side while the budget allows, else shorten the long one.
+    while max(w, h) > MAX_ASPECT * min(w, h):
+        if (min(w, h) + SIZE_MULTIPLE) * max(w, h) <= max_pixels:
+            w, h = (w + SIZE_MULTIPLE, h) if w < h else (w, h + SIZE_MULTIPLE)
+        else:
+            w, h = (w, h - SIZE_MULTIPLE) if w < h else (w - SIZE_MULTIPLE, h)
+    return w, h
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One admitted generation or edit (admit): everything the gateway call and the answer read, settled once.
+    The gateway request inside is built once and never written to; n and the size are the admission's."""
+
+    admitted: Admitted
+    quality: str  # the effective quality name, echoed
+    stream: bool
+    partial_images: int
+    metadata: tuple[tuple[str, str], ...]
+    rid: str
+    events: str = "image_generation"  # the stream's event names: "<events>.partial_image", "<events>.completed"
+
+    @property
+    def request(self) -> gateway_service_pb2.GenerateImagesRequest:
+        return self.admitted.request
+
+    @property
+    def output_format(self) -> str:
+        return formats.name_of(self.admitted.request.output_format)
+
+    def size(self, width: int = 0, height: int = 0) -> str:
+        """`WxH` as the gateway answered it, else as admitted."""
+        return f"{width or self.admitted.width}x{height or self.admitted.height}"
+
+    def echo(self, size: str, output_format: str) -> dict[str, Any]:
+        return {"size": size, "quality": self.quality, "background": "opaque", "output_format": output_format}
+
+
+def admit(body: ImageRequest, settings: RestSettings, limits: Limits, *, rid: str,
+          metadata: tuple[tuple[str, str], ...], references: Sequence[bytes] = (),
+          events: str = "image_generation") -> Generation:
+    """The request checked once, in one pass, or APIError: this front's own rules (model names, what it does not
+    support), then the gateway's admission under the limits in force on the one request built here (an edit's
+    ``references`` included, each header read once)."""
     if body.model is not None and body.model not in settings.model_names:
         available = ", ".join(settings.model_names)
         raise APIError(404, f"model {body.model!a} does not exist; available: {available}",
                        param="model", code="model_not_found")
-    if not body.prompt.strip():
-        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     try:
         body.prompt.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates from JSON \ud800 escapes; protobuf would reject them
@@ -80,27 +136,35 @@ def to_grpc(
     if body.background == "transparent":
         raise APIError(400, "transparent backgrounds are not supported", param="background",
                        code="unsupported_value")
-    width, height = parse_size(body.size, settings)
     quality = _QUALITY_ALIASES.get(body.quality or "auto", body.quality or "auto")
     steps = body.num_inference_steps
     if steps is None:
         steps = settings.quality_steps.get(quality, 0)
-    req = gateway_service_pb2.GenerateImagesRequest(
-        prompt=body.prompt,
-        n=body.n or 1,
-        width=width,
-        height=height,
-        output_format=formats.by_name(body.output_format or formats.DEFAULT.name).proto,
-        num_inference_steps=steps,
-        request_id=rid,
-    )
-    if body.output_compression is not None:
-        req.output_compression = body.output_compression
-    if body.guidance_scale is not None:
-        req.guidance_scale = body.guidance_scale
-    if body.seed is not None:
-        req.seed = body.seed
-    return req, quality
+    partial_images = body.partial_images or 0
+    with as_api_error():
+        reference_sizes = check_reference_images(references, limits) if references else None
+        if reference_sizes and body.size in (None, "auto"):
+            width, height = auto_size(*reference_sizes[0], limits.max_pixels)
+        else:
+            width, height = parse_size(body.size, settings)
+        request = gateway_service_pb2.GenerateImagesRequest(
+            prompt=body.prompt,
+            n=body.n,  # null: the admission's default
+            width=width,
+            height=height,
+            output_format=formats.by_name(body.output_format or formats.DEFAULT.name).proto,
+            num_inference_steps=steps,
+            request_id=rid,
+            output_compression=body.output_compression,
+            guidance_scale=body.guidance_scale,
+            seed=body.seed,
+            reference_images=[common_pb2.ReferenceImage(data=data) for data in references],
+        )
+        admitted = check_generate(request, limits, default_height=height, default_width=width,
+                                  reference_sizes=reference_sizes)
+        check_partial_images(partial_images, limits)
+    return Generation(admitted, quality=quality, stream=bool(body.stream), partial_images=partial_images,
+                      metadata=metadata, rid=rid, events=events)
 
 
 def usage_json(u: common_pb2.Usage, image_count: int, settings: RestSettings) -> dict[str, Any]:
@@ -122,32 +186,12 @@ def usage_json(u: common_pb2.Usage, image_count: int, settings: RestSettings) ->
     return usage
 
 
-@dataclass
-class Generation:
-    """What one generation or edit call needs to answer: the gRPC request and the echoed settings."""
-
-    request: gateway_service_pb2.GenerateImagesRequest
-    quality: str
-    metadata: tuple[tuple[str, str], ...]
-    rid: str
-    events: str = "image_generation"  # the stream's event names: "<events>.partial_image", "<events>.completed"
-
-    @property
-    def output_format(self) -> str:
-        return formats.name_of(self.request.output_format)
-
-    def echo(self, size: str, output_format: str) -> dict[str, Any]:
-        return {"size": size, "quality": self.quality, "background": "opaque", "output_format": output_format}
-
-
 def images_json(resp: gateway_service_pb2.GenerateImagesResponse, gen: Generation,
                 settings: RestSettings) -> dict[str, Any]:
     """A GenerateImagesResponse as the OpenAI ImagesResponse JSON."""
-    req = gen.request
     return {
         "created": int(time.time()),
         "data": [{"b64_json": base64.b64encode(img.image).decode("ascii")} for img in resp.images],
-        **gen.echo(f"{resp.width or req.width}x{resp.height or req.height}",
-                   formats.name_of(resp.output_format, gen.output_format)),
+        **gen.echo(gen.size(resp.width, resp.height), formats.name_of(resp.output_format, gen.output_format)),
         "usage": usage_json(resp.usage, len(resp.images), settings),
     }

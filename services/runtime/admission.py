@@ -8,6 +8,7 @@ themselves are the workers' own, from services.runtime.limits.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from glmimage.v1 import common_pb2, gateway_service_pb2
@@ -46,8 +47,10 @@ class Admitted:
 
 
 def check_generate(r: gateway_service_pb2.GenerateImagesRequest, limits: Limits, *, default_height: int,
-                   default_width: int) -> Admitted:
-    """The request admitted, or InvalidArgument naming the first field past ``limits``."""
+                   default_width: int, reference_sizes: Sequence[tuple[int, int]] | None = None) -> Admitted:
+    """The request admitted, or InvalidArgument naming the first field past ``limits``. ``reference_sizes``: what
+    check_reference_images answered for these very images, when the caller needed their sizes first (REST's
+    `size: auto`), so that no header is read twice."""
     check_prompt(r.prompt, limits)
     n = check_n(r.n, limits)
     if (r.height == 0) != (r.width == 0):
@@ -68,6 +71,7 @@ def check_generate(r: gateway_service_pb2.GenerateImagesRequest, limits: Limits,
                        sp.top_k if sp.HasField("top_k") else None)
     reference_pixels = 0
     if r.reference_images:  # an edit: count, bytes and each header's format and pixels, before anything decodes
-        sizes = check_reference_images([image.data for image in r.reference_images], limits)
+        sizes = (check_reference_images([image.data for image in r.reference_images], limits)
+                 if reference_sizes is None else reference_sizes)
         reference_pixels = sum(w * h for w, h in sizes)
     return Admitted(r, n=n, height=height, width=width, reference_pixels=reference_pixels)
