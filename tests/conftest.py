@@ -27,7 +27,11 @@ NODE_DIR = REPO / "clients" / "node"
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from services.model.tiny import TINY_VERSION, ensure_tiny_checkpoint
 
-    cache = tmp_path_factory.mktemp("glmimage-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # One build for all xdist workers: their temporary directories share a parent, and the build is locked.
+        cache = tmp_path_factory.getbasetemp().parent / "glmimage-cache"
+    else:
+        cache = tmp_path_factory.mktemp("glmimage-cache")
     # Subprocesses started by tests find the same checkpoint through the environment.
     os.environ["GLMIMAGE_CACHE"] = str(cache)
     return ensure_tiny_checkpoint(cache / TINY_VERSION)
