@@ -112,3 +112,33 @@ async def second_denoiser_server(tiny_checkpoint: Path):
     server = await serve_denoiser(DenoiseEngine.load(tiny_checkpoint, device="cpu"), SerialExecutor("test-denoiser-2"))
     yield server
     await server.stop(None)
+
+
+# The chart rendered with the documented values sets (tests/test_k8s*.py). tests.support.chart is imported in the
+# fixtures: it skips the test module that uses it where the dev extra's Helm SDK is missing.
+@pytest.fixture(scope="session")
+def documented_docs() -> dict[str, list[dict]]:
+    from tests.support.chart import documented_values, render
+
+    return {name: render(values) for name, values in documented_values().items()}
+
+
+@pytest.fixture(scope="session")
+def default_docs() -> list[dict]:
+    from tests.support.chart import render
+
+    return render()
+
+
+@pytest.fixture(scope="session")
+def gpu_docs() -> list[dict]:
+    from tests.support.chart import gpu_values, render
+
+    return render(gpu_values())
+
+
+@pytest.fixture(scope="session")
+def tls_docs() -> list[dict]:
+    from tests.support.chart import TLS_VALUES, render
+
+    return render(TLS_VALUES)
