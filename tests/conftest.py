@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from services.runtime.executor import SerialExecutor
 from tests.support.certs import Pki, make_pki
 from tests.support.fake_gateway import FakeServer, serve_fake
 from tests.support.servers import serve_ar, serve_denoiser
+from tests.support.sim_gateway import SimCluster, sim_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_DIR = REPO / "clients" / "node"
@@ -54,6 +55,29 @@ def fake(fake_server: FakeServer) -> FakeServer:
     """The module's scripted gateway, its calls and injected failures cleared."""
     fake_server.servicer.reset()
     return fake_server
+
+
+@pytest.fixture
+async def sims() -> AsyncIterator[SimCluster]:
+    """Simulated workers (real gRPC servers with health): one AR, three denoisers."""
+    async with sim_cluster() as c:
+        yield c
+
+
+@pytest.fixture
+def dialled(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every address the gateway creates a worker channel for, from now on (the real make_channel still runs)."""
+    import gateway.workers as workers_module
+
+    seen: list[str] = []
+    real = workers_module.make_channel
+
+    def recording(address, *args, **kwargs):
+        seen.append(address)
+        return real(address, *args, **kwargs)
+
+    monkeypatch.setattr(workers_module, "make_channel", recording)
+    return seen
 
 
 @pytest.fixture(scope="session")
