@@ -85,6 +85,8 @@ tools:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
 	  else echo "promtool missing: sudo apt-get install prometheus (needed by tests/test_promtool.py)" >&2; fi; }
 
+# One process by default: on a shared 2-core machine three xdist workers starting server clusters at once ran past
+# the clusters' start-up deadlines. Where cores are free, PYTEST_ARGS="-n 3 --dist loadfile" runs whole files apart.
 test: $(DEV_STAMP) tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from services.runtime.executor import SerialExecutor
 from tests.support.certs import Pki, make_pki
 from tests.support.fake_gateway import FakeServer, serve_fake
 from tests.support.servers import serve_ar, serve_denoiser
+from tests.support.sim_gateway import SimCluster, sim_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_DIR = REPO / "clients" / "node"
@@ -27,7 +28,11 @@ NODE_DIR = REPO / "clients" / "node"
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from services.model.tiny import TINY_VERSION, ensure_tiny_checkpoint
 
-    cache = tmp_path_factory.mktemp("glmimage-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # One build for all xdist workers: their temporary directories share a parent, and the build is locked.
+        cache = tmp_path_factory.getbasetemp().parent / "glmimage-cache"
+    else:
+        cache = tmp_path_factory.mktemp("glmimage-cache")
     # Subprocesses started by tests find the same checkpoint through the environment.
     os.environ["GLMIMAGE_CACHE"] = str(cache)
     return ensure_tiny_checkpoint(cache / TINY_VERSION)
@@ -50,6 +55,29 @@ def fake(fake_server: FakeServer) -> FakeServer:
     """The module's scripted gateway, its calls and injected failures cleared."""
     fake_server.servicer.reset()
     return fake_server
+
+
+@pytest.fixture
+async def sims() -> AsyncIterator[SimCluster]:
+    """Simulated workers (real gRPC servers with health): one AR, three denoisers."""
+    async with sim_cluster() as c:
+        yield c
+
+
+@pytest.fixture
+def dialled(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every address the gateway creates a worker channel for, from now on (the real make_channel still runs)."""
+    import gateway.workers as workers_module
+
+    seen: list[str] = []
+    real = workers_module.make_channel
+
+    def recording(address, *args, **kwargs):
+        seen.append(address)
+        return real(address, *args, **kwargs)
+
+    monkeypatch.setattr(workers_module, "make_channel", recording)
+    return seen
 
 
 @pytest.fixture(scope="session")
@@ -108,3 +136,33 @@ async def second_denoiser_server(tiny_checkpoint: Path):
     server = await serve_denoiser(DenoiseEngine.load(tiny_checkpoint, device="cpu"), SerialExecutor("test-denoiser-2"))
     yield server
     await server.stop(None)
+
+
+# The chart rendered with the documented values sets (tests/test_k8s*.py). tests.support.chart is imported in the
+# fixtures: it skips the test module that uses it where the dev extra's Helm SDK is missing.
+@pytest.fixture(scope="session")
+def documented_docs() -> dict[str, list[dict]]:
+    from tests.support.chart import documented_values, render
+
+    return {name: render(values) for name, values in documented_values().items()}
+
+
+@pytest.fixture(scope="session")
+def default_docs() -> list[dict]:
+    from tests.support.chart import render
+
+    return render()
+
+
+@pytest.fixture(scope="session")
+def gpu_docs() -> list[dict]:
+    from tests.support.chart import gpu_values, render
+
+    return render(gpu_values())
+
+
+@pytest.fixture(scope="session")
+def tls_docs() -> list[dict]:
+    from tests.support.chart import TLS_VALUES, render
+
+    return render(TLS_VALUES)

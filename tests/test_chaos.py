@@ -67,17 +67,20 @@ def _generate(cluster: Cluster, seed: int, n: int, timeout: float = 60) -> list[
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     c = Cluster(tmp_path_factory.mktemp("chaos"))
-    c.start("ar", "ar", ["--max-batch-outputs", "16"], wait=False)
-    for i in range(3):
-        c.start(f"d{i}", "denoiser", metrics=True, wait=False)
-    for name in ("ar", "d0", "d1", "d2"):
-        c.wait_ready(name)
-    c.start("gateway", "gateway", ["--ar", c.procs["ar"].address,
-                                    *[f"--denoiser={c.procs[f'd{i}'].address}" for i in range(3)],
-                                    "--request-timeout", "60", "--ar-batch-max-outputs", "16"], metrics=True)
-    _until(lambda: all(w.state == pb.WORKER_STATE_AVAILABLE for w in _status(c).workers), 30, "workers available")
-    yield c
-    c.close()
+    try:  # a start-up that runs past its deadline must not leave the servers already started running
+        c.start("ar", "ar", ["--max-batch-outputs", "16"], wait=False)
+        for i in range(3):
+            c.start(f"d{i}", "denoiser", metrics=True, wait=False)
+        for name in ("ar", "d0", "d1", "d2"):
+            c.wait_ready(name)
+        c.start("gateway", "gateway", ["--ar", c.procs["ar"].address,
+                                        *[f"--denoiser={c.procs[f'd{i}'].address}" for i in range(3)],
+                                        "--request-timeout", "60", "--ar-batch-max-outputs", "16"], metrics=True)
+        _until(lambda: all(w.state == pb.WORKER_STATE_AVAILABLE for w in _status(c).workers), 30,
+               "workers available")
+        yield c
+    finally:
+        c.close()
 
 
 def test_sigkill_a_denoiser_mid_burst(cluster: Cluster) -> None:

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -41,7 +40,6 @@ from tests.support.sim_gateway import (
     request,
     rpc_error,
     running_gateway,
-    sim_cluster,
     wait_for,
 )
 
@@ -182,12 +180,6 @@ async def _refusing(add, servicer, service: str, methods: tuple[str, ...], token
     server.servicer = servicer  # type: ignore[attr-defined]
     await server.set_serving(True)
     return server
-
-
-@pytest.fixture
-async def sims() -> AsyncIterator[SimCluster]:
-    async with sim_cluster() as c:
-        yield c
 
 
 async def test_a_denoiser_refusing_the_call_gives_its_jobs_to_the_others_without_using_their_one_attempt(

@@ -9,7 +9,7 @@ Pipeline: admitted requests wait in a pending-AR queue grouped by resolution; AR
 output slots) are formed just in time when an AR worker has room; each request's n AR outputs then enter the
 pending-denoise queue and fan out to n batch-1 denoisers at once.
 
-Invariants (checked by tests/test_scheduler.py and tests/test_scheduler_machine.py):
+Invariants (checked by the tests/test_scheduler_*.py files):
 - every admitted request ends exactly once (CompleteRequest or FailRequest);
 - a denoiser never holds more than one job;
 - a result from a superseded attempt, a finished request or the wrong worker is fenced: it completes nothing and
