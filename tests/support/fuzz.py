@@ -32,7 +32,9 @@ OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
 # Refusals the admin RPCs may also answer with (auth, or a conflict with the current membership).
 ADMIN_REFUSALS = frozenset({OK, INVALID, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
                             grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND})
-CALL_TIMEOUT = 10.0  # every call's deadline: a call that runs into it has hung
+# Every call's deadline, a hang guard: a call that runs into it has hung. A normal tiny-model request took over 10 s
+# with both cores busy and three xdist workers, so the guard is 60 s.
+CALL_TIMEOUT = 60.0
 PROMPT_REFUSAL = 3.0  # a refusal must come well inside that
 SETTLE_TIMEOUT = 5.0  # a cancelled job may still finish its step; a slot held past this is leaked
 
