@@ -1,10 +1,10 @@
 """Connection settings of every gRPC hop (services.runtime.keepalive), and what they are for, with real processes:
 
 - idle, then a burst: bursts separated by idle gaps longer than every keepalive interval all succeed, and no server
-  ever counts a ping strike (the old servers' misspelt ping interval left grpc's 5-minute default in force, so the
-  gateway's keepalive pings earned strikes until a worker answered GOAWAY "too_many_pings" under the next burst);
+  ever counts a ping strike (a server left at grpc's 5-minute minimum ping interval counts every keepalive ping
+  as a strike and answers GOAWAY "too_many_pings" under the next burst);
 - after a gateway restart the REST front and the SDK are served again, and no request meanwhile is answered
-  "connection refused" (with gRPC's default reconnect backoff they kept answering that for 8-13 s). How soon after
+  "connection refused" (gRPC's default reconnect backoff leaves that answer standing for 8-13 s). How soon after
   the gateway's SERVING is a figure for bench/reconnect.py (medians over restarts); here the bound only has to
   fail a client that never comes back, and the reconnect backoff itself is pinned by the settings checks below.
 """
@@ -34,7 +34,7 @@ SIZE = "64x64"
 BURST = 8  # concurrent requests per burst, half through REST, half through the SDK
 KEEPALIVE_S = keepalive.KEEPALIVE_TIME_MS / 1000
 # Idle gaps between the bursts, each longer than every keepalive interval in play. The first is also longer than
-# three client pings: with the old settings the third ping since a worker last sent data was answered with GOAWAY.
+# three client pings: a server at grpc's default ping policy answers the third ping since it last sent data GOAWAY.
 IDLE_GAPS_S = (3 * KEEPALIVE_S + 2, KEEPALIVE_S + 2)
 # Longest silence allowed between two pings on a connection: a keepalive period plus its timeout.
 MAX_PING_SILENCE_MS = keepalive.KEEPALIVE_TIME_MS + keepalive.KEEPALIVE_TIMEOUT_MS
@@ -42,9 +42,9 @@ MAX_PING_SILENCE_MS = keepalive.KEEPALIVE_TIME_MS + keepalive.KEEPALIVE_TIMEOUT_
 TRACE_ENV = {"GRPC_TRACE": "http_keepalive", "GRPC_VERBOSITY": "debug"}
 _PING = re.compile(r"SERVER\[(\w+)\]: received ping \d+: now=@(\d+)ms transport_idle=\d "
                    r"next_allowed_ping=@(\S+?)(?:ms)? ping_strikes=(\d+)")
-# A gateway down for some seconds, as a rescheduled pod is. With gRPC's default reconnect backoff (1 s, x1.6, +-20%)
-# the attempts came about 1, 2.6, 5.2, 9.3 (+-1.9) and 15.8 (+-2.5) s after the first failure, so a gateway back
-# after ~11-12 s was reached only 2-6 s after it was serving.
+# A gateway down for some seconds, as a rescheduled pod is. gRPC's default reconnect backoff (1 s, x1.6, +-20%)
+# makes its attempts about 1, 2.6, 5.2, 9.3 (+-1.9) and 15.8 (+-2.5) s after the first failure, so a gateway back
+# after ~11-12 s would be reached only 2-6 s after it is serving.
 OUTAGE_S = 10.8
 # Served again within this of SERVING: 3x and more the slowest seen with both cores of a 2-core machine busy
 # (7.2 s over 10 restarts, one 64x64 generation of about 2 s included); how soon they are back: bench/reconnect.py.

@@ -24,6 +24,7 @@ from tests.support.rest_gateway import (
     asgi_client,
     assert_error,
     generate,
+    image_usage,
     rest_client,
 )
 
@@ -44,16 +45,7 @@ async def test_generate_shape_and_usage(client: httpx.AsyncClient, backend: Back
     assert body["output_format"] == "png"
     assert body["quality"] == "low"
     assert body["background"] == "opaque"
-    assert body["usage"] == {
-        "input_tokens": PROMPT_TOKENS * n,
-        "output_tokens": COMPLETION_TOKENS_PER_IMAGE * n,
-        "total_tokens": (PROMPT_TOKENS + COMPLETION_TOKENS_PER_IMAGE) * n,
-        "input_tokens_details": {"text_tokens": PROMPT_TOKENS * n, "image_tokens": 0},
-        "prompt_tokens": PROMPT_TOKENS * n,
-        "completion_tokens": COMPLETION_TOKENS_PER_IMAGE * n,
-        "reasoning_tokens": 0,
-        "image_count": n,
-    }
+    assert body["usage"] == image_usage(n)
     assert resp.headers["x-request-id"] == "my-req-42"
     [(req, metadata)] = backend.servicer.calls
     assert metadata["x-request-id"] == "my-req-42"

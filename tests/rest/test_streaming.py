@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import base64
-from typing import Any
 
 import grpc
 import httpx
@@ -26,25 +25,10 @@ from tests.support.rest_gateway import (
     asgi_client,
     assert_error,
     generate,
+    image_usage,
     parse_sse,
     rest_client,
 )
-
-
-def _image_usage(n_images: int = 1, cached: int | None = None) -> dict[str, Any]:
-    usage: dict[str, Any] = {
-        "input_tokens": PROMPT_TOKENS * n_images,
-        "output_tokens": COMPLETION_TOKENS_PER_IMAGE * n_images,
-        "total_tokens": (PROMPT_TOKENS + COMPLETION_TOKENS_PER_IMAGE) * n_images,
-        "input_tokens_details": {"text_tokens": PROMPT_TOKENS * n_images, "image_tokens": 0},
-        "prompt_tokens": PROMPT_TOKENS * n_images,
-        "completion_tokens": COMPLETION_TOKENS_PER_IMAGE * n_images,
-        "reasoning_tokens": 0,
-        "image_count": n_images,
-    }
-    if cached is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return usage
 
 
 async def test_stream_events(client: httpx.AsyncClient, backend: Backend) -> None:
@@ -66,7 +50,7 @@ async def test_stream_events(client: httpx.AsyncClient, backend: Backend) -> Non
         assert isinstance(data["created_at"], int)
         assert base64.b64decode(data["b64_json"]).startswith(PNG_MAGIC)
     # Each completed event bills its own image, so the events add up to the request's usage.
-    assert [d["usage"] for name, d in events if name == COMPLETED] == [_image_usage(), _image_usage()]
+    assert [d["usage"] for name, d in events if name == COMPLETED] == [image_usage(), image_usage()]
     # quality=low is 10 steps; progress is sent as SSE comments, which clients ignore.
     assert comments == [f"progress image={i} step={k}/10" for i in range(2) for k in range(1, 11)]
     [(sreq, metadata)] = backend.servicer.stream_calls
@@ -83,7 +67,7 @@ async def test_stream_without_partials(client: httpx.AsyncClient, backend: Backe
     resp = await generate(client, {"prompt": "x", "stream": True})
     events, _ = parse_sse(resp.text)
     assert [name for name, _ in events] == [COMPLETED]
-    assert events[0][1]["usage"] == _image_usage()
+    assert events[0][1]["usage"] == image_usage()
     assert backend.servicer.stream_calls[0][0].partial_images == 0
 
 
@@ -169,4 +153,4 @@ async def test_stream_cache_report(backend: Backend) -> None:
     backend.servicer.cached_tokens = 5
     async with rest_client(RestSettings(gateway_address=backend.address, enable_cache_report=True)) as c:
         events, _ = parse_sse((await generate(c, {"prompt": "x", "n": 2, "stream": True})).text)
-    assert [d["usage"] for _, d in events] == [_image_usage(cached=5)] * 2
+    assert [d["usage"] for _, d in events] == [image_usage(cached=5)] * 2

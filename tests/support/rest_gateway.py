@@ -35,6 +35,23 @@ def png(index: int) -> bytes:
     return buf.getvalue()
 
 
+def image_usage(n_images: int = 1, cached: int | None = None) -> dict[str, Any]:
+    """The usage object the front reports for `n_images` images of the scripted gateway's answer."""
+    usage: dict[str, Any] = {
+        "input_tokens": PROMPT_TOKENS * n_images,
+        "output_tokens": COMPLETION_TOKENS_PER_IMAGE * n_images,
+        "total_tokens": (PROMPT_TOKENS + COMPLETION_TOKENS_PER_IMAGE) * n_images,
+        "input_tokens_details": {"text_tokens": PROMPT_TOKENS * n_images, "image_tokens": 0},
+        "prompt_tokens": PROMPT_TOKENS * n_images,
+        "completion_tokens": COMPLETION_TOKENS_PER_IMAGE * n_images,
+        "reasoning_tokens": 0,
+        "image_count": n_images,
+    }
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
 STREAM_STEPS = 4  # denoising steps the fake reports per image when the request leaves it to the server
 
 
