@@ -1,22 +1,17 @@
 """The generation, model and health routes, on one APIRouter (edits: edits.py); the settings, the gateway connection
-and the metrics come in as FastAPI dependencies (deps.py)."""
+and the metrics come in as FastAPI dependencies (deps.py), except on the generation route, the hot path, which
+reads the same objects from app.state."""
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
 from grpc_health.v1 import health_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.auth import bearer_metadata
@@ -33,40 +28,7 @@ log = logging.getLogger("glmimage.rest")
 router = APIRouter()
 
 
-class _GenerationRoute(APIRoute):
-    """The generation route without FastAPI's generic request handler, whose dependency machinery costs more per
-    request than everything this front does with one: the body is read, parsed and validated in one step, and
-    refused exactly as FastAPI refuses a JSON body (the same validation errors, the same 400 for undecodable
-    bytes). The endpoint's signature still makes the route's OpenAPI entry."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        endpoint = self.endpoint
-
-        async def handler(request: Request) -> Response:
-            return await endpoint(await _generation_body(request), request)
-
-        return handler
-
-
-async def _generation_body(request: Request) -> ImageGenerationRequest:
-    raw = await request.body()  # the front layer has refused any body that is neither JSON nor empty
-    if not raw:
-        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
-                                       "input": {}, "ctx": {"error": exc.msg}}]) from exc
-    except UnicodeDecodeError as exc:  # answered invalid_json by the app's handler, which looks at the cause
-        raise StarletteHTTPException(400, "There was an error parsing the body") from exc
-    try:
-        return ImageGenerationRequest.model_validate(data)
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-
-
 async def generate_images(body: ImageGenerationRequest, request: Request) -> Response:
-    # The app's parts straight from app.state: this route's handler solves no dependencies (_GenerationRoute).
     state = request.app.state
     settings: RestSettings = state.settings
     rid = request_id(request)
@@ -80,7 +42,7 @@ async def generate_images(body: ImageGenerationRequest, request: Request) -> Res
 
 router.add_api_route("/v1/images/generations", generate_images, methods=["POST"], response_class=JSONResponse,
                      responses=image_responses("ImageGenPartialImageEvent", "ImageGenCompletedEvent"),
-                     summary="Create images from a prompt", route_class_override=_GenerationRoute)
+                     summary="Create images from a prompt")
 
 
 @router.get("/v1/models", response_model=ModelList, summary="List the served model and its aliases")
