@@ -16,7 +16,7 @@ from gateway.timeouts import TimeoutPolicy
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from glmimage.wire.sizes import size_arg
 from services.runtime.auth import add_internal_token_args, bearer_metadata, internal_token_from_args
-from services.runtime.limits import FIELDS, Limits, add_limit_args, limits_from_args, max_request_bytes
+from services.runtime.limits import BOUNDS, Limits, add_limit_args, limits_from_args, max_request_bytes
 from services.runtime.logs import configure_logging
 from services.runtime.metrics import serve_metrics
 from services.runtime.server import (
@@ -131,7 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds between checks of a worker that refused the gateway's internal token (a GetLimits "
                         "with it): it serves nothing until one passes")
     # Admission refuses past the tightest of these and of what every worker advertises over GetLimits.
-    add_limit_args(p, FIELDS, follow_workers=True)
+    add_limit_args(p, BOUNDS, follow_workers=True)
     p.add_argument("--queue-without-workers", action="store_true",
                    help="hold requests until their deadline when a stage has no ready worker, instead of failing "
                         "them at once with UNAVAILABLE (503)")
@@ -187,7 +187,7 @@ RECEIVE_BOUND_FIELDS = ("max_prompt_chars", "max_reference_total_bytes")
 
 def own_limits(args: argparse.Namespace) -> dict[str, float]:
     """The gateway's ``--max-*`` flags, with the fields bounding what it receives always set."""
-    own = limits_from_args(args, FIELDS)
+    own = limits_from_args(args, BOUNDS)
     for name in RECEIVE_BOUND_FIELDS:
         own.setdefault(name, getattr(Limits, name))
     return own

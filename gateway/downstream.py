@@ -159,7 +159,7 @@ def denoise_request(action: sch.DispatchDenoise, admitted: Admitted, owner: str 
         seed=prior.seed, output_format=p.output_format,
         output_compression=p.output_compression if p.HasField("output_compression") else None,
         request_id=action.job.request_id, reference_images=p.reference_images, references=out.references,
-        owner=owner)
+        owner=owner, step_cache=p.step_cache)
 
 
 class Downstream:
@@ -235,7 +235,7 @@ class Downstream:
         job_request = denoise_request(action, admitted, self.instance_id)
         metadata = (("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"), *self.metadata)
         timeouts = self.denoise_timeouts
-        work = timeouts.work(job_request.num_inference_steps, height, width, reference_pixels)
+        work = timeouts.work(job_request.num_inference_steps, height, width, reference_pixels, job_request.step_cache)
         timeout = timeouts.timeout(work)
         started = time.monotonic()
         try:
@@ -261,6 +261,7 @@ class Downstream:
         now = time.monotonic()
         timings = response.timings
         timeouts.observe(job_request.num_inference_steps, response.steps_completed, height, width, reference_pixels,
+                         step_cache=job_request.step_cache,
                          denoise_seconds=timings.denoise_seconds, prepare_seconds=timings.prepare_seconds,
                          post_seconds=timings.decode_seconds + timings.encode_seconds)
         self.observe.denoise_done(now - started)

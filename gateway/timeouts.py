@@ -3,7 +3,9 @@
 A fixed timeout is either far too long (a hung worker holds a request for minutes) or too short for the largest
 job. Instead a call's work is split into parts, each measured in the units its time grows with:
 
-- a denoise job: ``steps`` (steps x megapixels of the target), ``post`` (decode and encode, per target
+- a denoise job: ``steps`` (steps x megapixels of the target; with a cached StepCache level, a part of that
+  level's own, ``steps/balanced`` or ``steps/aggressive``, since a cached step costs a fraction of a full one and
+  the fraction is the schedule's), ``post`` (decode and encode, per target
   megapixel) and ``references`` (decoding and VAE-encoding an edit's references, per megapixel their headers
   declare); the denoiser reports the seconds of each part, so each rate is learned on its own;
 - an AR batch: ``text`` (megapixels of the batch's resolution) for a batch of prompts, or ``edit`` (the target's
@@ -26,6 +28,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from glmimage.v1 import common_pb2
 
 MEGAPIXEL = 1_000_000
 
@@ -121,10 +125,19 @@ def megapixels(height: int, width: int) -> float:
     return max(height * width / MEGAPIXEL, 1e-6)
 
 
-def denoise_work(steps: int, height: int, width: int, reference_pixels: int) -> dict[str, float]:
+def steps_part(step_cache: int = 0) -> str:
+    """The part a job's steps are learned under: one per cached StepCache level (0 and 1, unspecified and off,
+    are the plain steps)."""
+    if step_cache in (common_pb2.STEP_CACHE_UNSPECIFIED, common_pb2.STEP_CACHE_OFF):
+        return STEPS
+    return f"{STEPS}/{common_pb2.StepCache.Name(step_cache).removeprefix('STEP_CACHE_').lower()}"
+
+
+def denoise_work(steps: int, height: int, width: int, reference_pixels: int, step_cache: int = 0
+                 ) -> dict[str, float]:
     """A denoise job's parts; ``steps`` as the job runs them (the request's, else the denoisers' default)."""
     mp = megapixels(height, width)
-    return {STEPS: steps * mp, POST: mp, REFERENCES: reference_pixels / MEGAPIXEL}
+    return {steps_part(step_cache): steps * mp, POST: mp, REFERENCES: reference_pixels / MEGAPIXEL}
 
 
 def ar_work(height: int, width: int, reference_pixels: int) -> dict[str, float]:
@@ -146,20 +159,22 @@ class DenoiseTimeouts:
         self.model = CostModel(policy)
         self._default_steps: int | None = None
 
-    def work(self, requested_steps: int, height: int, width: int, reference_pixels: int) -> dict[str, float] | None:
+    def work(self, requested_steps: int, height: int, width: int, reference_pixels: int, step_cache: int = 0
+             ) -> dict[str, float] | None:
         """The job's work; None while the default step count it would run is unknown."""
         steps = requested_steps or self._default_steps
-        return None if not steps else denoise_work(steps, height, width, reference_pixels)
+        return None if not steps else denoise_work(steps, height, width, reference_pixels, step_cache)
 
     def timeout(self, work: Work | None) -> float:
         p = self.model.policy
         return p.fixed if p.fixed is not None else (p.cap if work is None else self.model.timeout(work))
 
     def observe(self, requested_steps: int, steps_completed: int, height: int, width: int, reference_pixels: int,
-                *, denoise_seconds: float, prepare_seconds: float, post_seconds: float) -> None:
+                *, denoise_seconds: float, prepare_seconds: float, post_seconds: float, step_cache: int = 0) -> None:
         """A job that ended: ``denoise_seconds`` includes ``prepare_seconds``, the references' preparation."""
         if steps_completed > 0 and requested_steps == 0:
             self._default_steps = steps_completed
-        work = denoise_work(steps_completed, height, width, reference_pixels)
+        work = denoise_work(steps_completed, height, width, reference_pixels, step_cache)
         steps_seconds = denoise_seconds - prepare_seconds if reference_pixels else denoise_seconds
-        self.model.observe(work, {STEPS: steps_seconds, POST: post_seconds, REFERENCES: prepare_seconds})
+        self.model.observe(work, {steps_part(step_cache): steps_seconds, POST: post_seconds,
+                                  REFERENCES: prepare_seconds})

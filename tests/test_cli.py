@@ -147,9 +147,10 @@ def test_limits_print_integers_in_full() -> None:
     limits = Limits(max_prompt_chars=8192, max_n=10, max_pixels=4194304, max_steps=200,
                     max_guidance=30.010000228881836, max_batch_outputs=32, max_partial_images=3,
                     max_reference_images=16, max_reference_bytes=8388608, max_reference_total_bytes=33554432,
-                    max_reference_pixels=16777216)
+                    max_reference_pixels=16777216, step_cache=True)
     rows = dict(line.split() for line in format_limits(limits).splitlines()[1:])
     assert rows["max_reference_bytes"] == "8388608" and rows["max_pixels"] == "4194304"
+    assert rows["step_cache"] == "yes"
     assert rows["max_guidance"] == "30.01"  # a float32 on the wire, shown as it was set
 
 

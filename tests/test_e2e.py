@@ -13,9 +13,11 @@ from pathlib import Path
 
 import grpc
 import httpx
+import openai
 import psutil
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc
 from tests.support.cluster import running_stack
@@ -98,6 +100,35 @@ def test_banner_prints_every_metrics_endpoint(stack) -> None:
         assert f"# TYPE {family[name]}" in text, (name, url)
         others = set(family.values()) - {family[name]}
         assert not any(f"# TYPE {f}" in text for f in others), (name, url)
+
+
+def _denoiser_steps(addr: dict[str, str]) -> dict[str, float]:
+    """glmimage_denoiser_steps_total by kind, summed over both denoisers."""
+    steps = {"full": 0.0, "cached": 0.0}
+    for name in ("denoiser-0", "denoiser-1"):
+        for family in text_string_to_metric_families(httpx.get(addr[f"{name}-metrics"], timeout=10).text):
+            for sample in family.samples:
+                if sample.name == "glmimage_denoiser_steps_total":
+                    steps[sample.labels["kind"]] += sample.value
+    return steps
+
+
+def test_openai_sdk_step_cache_is_reproducible_counted_and_leaves_off_untouched(stack) -> None:
+    addr = stack["addresses"]
+    with openai.OpenAI(base_url=f"http://{addr['rest']}/v1", api_key="x", max_retries=0, timeout=120) as sdk:
+        def image(step_cache: str) -> bytes:
+            result = sdk.images.generate(prompt=PROMPT, size="256x256", extra_body={
+                "seed": 21, "num_inference_steps": 16, "step_cache": step_cache})
+            return base64.b64decode(result.data[0].b64_json)
+
+        off = image("off")
+        before = _denoiser_steps(addr)
+        cached = image("aggressive")
+        after = _denoiser_steps(addr)
+        assert after["cached"] > before["cached"]
+        assert after["full"] - before["full"] < 16
+        assert image("aggressive") == cached  # reproducible by seed
+        assert image("off") == off != cached  # the cached job left nothing behind
 
 
 def test_sigterm_stops_every_process(stack) -> None:

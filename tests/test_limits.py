@@ -31,6 +31,8 @@ from glmimage.v1 import gateway_service_pb2 as pb
 from services.runtime.errors import InvalidArgument
 from services.runtime.limits import (
     AR_FIELDS,
+    BOUNDS,
+    DENOISER_CAPABILITIES,
     DENOISER_FIELDS,
     FIELDS,
     MAX_ASPECT,
@@ -54,7 +56,7 @@ AR_FLAGS = ["--max-prompt-chars", "300", "--max-n", "4", "--max-pixels", str(512
 DENOISER_FLAGS = ["--max-prompt-chars", "400", "--max-pixels", str(256 * 256), "--max-steps", "7",
                   "--max-guidance", "9", "--max-partial-images", "2"]
 EXPECTED = Limits(max_prompt_chars=300, max_n=4, max_pixels=256 * 256, max_steps=7, max_guidance=9.0,
-                  max_batch_outputs=32, max_partial_images=2)
+                  max_batch_outputs=32, max_partial_images=2, step_cache=True)
 PROMPT = "a red cube"
 REFERENCE_DEFAULTS = {name: getattr(Limits, name) for name in REFERENCE_FIELDS}
 
@@ -113,7 +115,8 @@ def test_wire_form_round_trips_and_sends_only_the_fields_a_worker_applies() -> N
     assert from_proto(limits.to_proto()) == limits
     assert set(advertised(limits.to_proto(AR_FIELDS))) == set(AR_FIELDS)
     assert set(advertised(limits.to_proto(DENOISER_FIELDS))) == set(DENOISER_FIELDS)
-    assert set(AR_FIELDS) | set(DENOISER_FIELDS) == set(FIELDS)  # every limit is applied by some worker
+    assert set(AR_FIELDS) | set(DENOISER_FIELDS) == set(BOUNDS)  # every limit is applied by some worker
+    assert set(BOUNDS) | set(DENOISER_CAPABILITIES) == set(FIELDS)
 
 
 @pytest.mark.parametrize("flag, value", [("--max-steps", "0"), ("--max-n", "-1"), ("--max-guidance", "nan"),
@@ -121,9 +124,9 @@ def test_wire_form_round_trips_and_sends_only_the_fields_a_worker_applies() -> N
                                          ("--max-steps", str(2**32)), ("--max-pixels", str(2**64))])
 def test_a_limit_that_would_refuse_everything_is_refused_at_start(flag: str, value: str) -> None:
     p = argparse.ArgumentParser()
-    add_limit_args(p, FIELDS)
+    add_limit_args(p, BOUNDS)
     with pytest.raises(SystemExit, match=flag):
-        limits_from_args(p.parse_args([flag, value]), FIELDS)
+        limits_from_args(p.parse_args([flag, value]), BOUNDS)
 
 
 # ---- real processes --------------------------------------------------------------------------------------------
@@ -177,7 +180,8 @@ async def test_workers_and_gateway_advertise_their_limits(stack: Cluster) -> Non
         den = await denoiser_service_pb2_grpc.DenoiserServiceStub(ch).GetLimits(
             denoiser_service_pb2.DenoiserServiceGetLimitsRequest())
     assert advertised(den.limits) == {"max_prompt_chars": 400, "max_pixels": 256 * 256, "max_steps": 7,
-                                      "max_guidance": 9.0, "max_partial_images": 2, **REFERENCE_DEFAULTS}
+                                      "max_guidance": 9.0, "max_partial_images": 2, "step_cache": True,
+                                      **REFERENCE_DEFAULTS}
     async with grpc.aio.insecure_channel(stack.procs["gateway"].address) as ch:
         gw = await gateway_service_pb2_grpc.GatewayServiceStub(ch).GetLimits(pb.GetLimitsRequest())
     assert from_proto(gw.limits) == EXPECTED

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.timeouts import CostModel, DenoiseTimeouts, TimeoutPolicy, ar_seconds, ar_work, denoise_work
+from glmimage.v1 import common_pb2
 
 POLICY = TimeoutPolicy(margin=3.0, floor=5.0, cap=600.0, window=4)
 MP = 1000 * 1000
@@ -49,6 +50,23 @@ def test_the_first_edit_after_plain_jobs_gets_the_cap_then_its_references_are_pr
     # The edit's preparation did not make plain jobs' steps look slower.
     assert t.timeout(t.work(10, 64, 64, 0)) == pytest.approx(5 + 3 * 0.06, rel=1e-3)
     assert ar.timeout(ar_work(64, 64, 0)) == pytest.approx(5 + 3 * 0.3)
+
+
+def test_each_step_cache_level_is_learned_apart_and_a_cold_one_gets_the_cap() -> None:
+    """A cached level's step costs a fraction of a full one that only its own jobs show: learned per level, so
+    cached jobs neither shrink the plain jobs' timeout nor borrow it before one of them has run."""
+    t = DenoiseTimeouts(POLICY)
+    _denoised(t)  # plain: 0.2 s per step at 1 MP
+    assert t.timeout(t.work(10, 1000, 1000, 0, common_pb2.STEP_CACHE_OFF)) == pytest.approx(5 + 3 * 2.5)
+    assert t.timeout(t.work(10, 1000, 1000, 0, common_pb2.STEP_CACHE_UNSPECIFIED)) == pytest.approx(5 + 3 * 2.5)
+    aggressive = common_pb2.STEP_CACHE_AGGRESSIVE
+    assert t.timeout(t.work(10, 1000, 1000, 0, aggressive)) == 600.0  # never seen: the cap
+    t.observe(10, 10, 1000, 1000, 0, denoise_seconds=0.5, prepare_seconds=0.0, post_seconds=0.5,
+              step_cache=aggressive)
+    assert t.timeout(t.work(10, 1000, 1000, 0, aggressive)) == pytest.approx(5 + 3 * 1.0)
+    assert t.timeout(t.work(10, 1000, 1000, 0)) == pytest.approx(5 + 3 * 2.5)  # plain jobs unchanged
+    assert t.timeout(t.work(10, 1000, 1000, 0, common_pb2.STEP_CACHE_BALANCED)) == 600.0
+    assert set(denoise_work(10, 1000, 1000, 0, aggressive)) == {"steps/aggressive", "post", "references"}
 
 
 def test_a_request_without_steps_uses_what_the_denoisers_run_by_default() -> None:

@@ -21,10 +21,14 @@ const protoLoader = require('@grpc/proto-loader');
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', 'protos');
 const PROTO_DIR = path.join(PROTO_ROOT, 'glmimage', 'v1');
 
+// Denoising steps extrapolated instead of computed (glmimage.v1.StepCache); unset means off.
+const STEP_CACHE_LEVELS = ['off', 'balanced', 'aggressive'];
+
 function usage(message) {
   if (message) console.error(`generate.js: ${message}`);
   (message ? console.error : console.log)('usage: node generate.js --prompt TEXT [--address HOST:PORT[,HOST:PORT...]] [--size WxH] [-n N] [--seed S]\n' +
-    '                   [--steps K] [--image REF.png ...] [--out FILE.png] [--api-key KEY] [--timeout SECONDS]\n' +
+    '                   [--steps K] [--step-cache off|balanced|aggressive] [--image REF.png ...] [--out FILE.png]\n' +
+    '                   [--api-key KEY] [--timeout SECONDS]\n' +
     '                   [--tls-ca CA.pem [--tls-cert CERT.pem --tls-key KEY.pem]]');
   process.exit(message ? 2 : 0);
 }
@@ -41,6 +45,7 @@ function parse() {
         n: { type: 'string', short: 'n', default: '1' },
         seed: { type: 'string' },
         steps: { type: 'string' },
+        'step-cache': { type: 'string' },
         image: { type: 'string', short: 'i', multiple: true },
         out: { type: 'string', short: 'o', default: 'out.png' },
         'api-key': { type: 'string', default: process.env.GLMIMAGE_API_KEY },
@@ -60,6 +65,9 @@ function parse() {
   if (!prompt) usage('a prompt is required');
   const size = /^(\d+)x(\d+)$/i.exec(v.size);
   if (!size) usage(`--size must look like 256x256, got ${v.size}`);
+  if (v['step-cache'] !== undefined && !STEP_CACHE_LEVELS.includes(v['step-cache'])) {
+    usage(`--step-cache must be one of ${STEP_CACHE_LEVELS.join(', ')}, got ${v['step-cache']}`);
+  }
   return { ...v, prompt, width: Number(size[1]), height: Number(size[2]), n: Number(v.n), images: readImages(v.image ?? []) };
 }
 
@@ -152,6 +160,7 @@ function main() {
   };
   if (args.seed !== undefined) request.seed = Number(args.seed);
   if (args.steps !== undefined) request.num_inference_steps = Number(args.steps);
+  if (args['step-cache'] !== undefined) request.step_cache = `STEP_CACHE_${args['step-cache'].toUpperCase()}`;
   // Reference images make it an edit (bytes fields take Buffers); the gateway checks their headers.
   request.reference_images = args.images.map((data) => ({ data }));
   const metadata = new grpc.Metadata();

@@ -17,10 +17,17 @@ from glmimage.wire.sizes import size_arg
 
 from .app import create_app
 from .connections import GUARD_HELP, ConnectionGuards, protocol_class
-from .settings import GATEWAY_AUTH_MODES, RestSettings
+from .settings import GATEWAY_AUTH_MODES, RestSettings, quality_profile_arg
 
 _DEFAULTS = RestSettings()
 _GUARDS = ConnectionGuards()
+
+
+def _quality(text: str) -> tuple:
+    try:
+        return quality_profile_arg(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own text
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -38,6 +45,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="accepted alias of the served model "
                    f"(repeatable; default {list(_DEFAULTS.model_aliases)})")
     p.add_argument("--default-size", type=size_arg, default=_DEFAULTS.default_size, help="size used for 'auto'")
+    p.add_argument("--quality", type=_quality, action="append", default=[], metavar="NAME=STEPS[:STEP_CACHE]",
+                   help="what a request's quality means: denoising steps (0: the denoiser's default) and a step "
+                   "cache (off, balanced, aggressive), e.g. low=10:aggressive (repeatable; default " +
+                   ", ".join(f"{name}={profile.spec()}" for name, profile in _DEFAULTS.quality_profiles.items()) + ")")
     p.add_argument("--api-key", action="append", default=[],
                    help="accepted Bearer key (repeatable; also GLMIMAGE_API_KEYS, comma-separated)")
     p.add_argument("--gateway-auth", choices=GATEWAY_AUTH_MODES, default="forward",
@@ -92,6 +103,7 @@ def settings_from_args(args: argparse.Namespace) -> RestSettings:
         served_model=args.served_model,
         model_aliases=tuple(args.model_alias) if args.model_alias is not None else _DEFAULTS.model_aliases,
         default_size=args.default_size,
+        quality_profiles={**_DEFAULTS.quality_profiles, **dict(args.quality)},
         api_keys=api_keys,
         request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,

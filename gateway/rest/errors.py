@@ -70,7 +70,7 @@ def client_text(err: grpc.aio.AioRpcError) -> str:
 _REST_PARAM = {"height": "size", "width": "size", "prompt": "prompt", "n": "n", "seed": "seed",
                "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale",
                "output_format": "output_format", "output_compression": "output_compression",
-               "partial_images": "partial_images"}
+               "partial_images": "partial_images", "step_cache": "step_cache"}
 
 
 def rest_param(err: grpc.aio.AioRpcError) -> str | None:

@@ -15,6 +15,7 @@ from glmimage.v1 import gateway_service_pb2
 
 Quality = Literal["low", "medium", "high", "auto", "standard", "hd"]
 OutputFormat = Literal["png", "jpeg", "webp"]
+StepCache = Literal["off", "balanced", "aggressive"]
 
 FLOAT32_MAX = 3.4028234663852886e38
 # What each protobuf scalar type can hold: a REST number outside it could not even be put in the request message.
@@ -74,8 +75,9 @@ class ImageRequest(BaseModel):
     )
     quality: Quality | None = Field(
         None,
-        description="Maps to a number of denoising steps (configurable). `auto` uses the denoiser "
-        "default; `standard` and `hd` are accepted as aliases of `medium` and `high`.",
+        description="Maps to a number of denoising steps and a step-cache level (configurable: the REST front's "
+        "--quality flag). `auto` uses the denoiser default; `standard` and `hd` are accepted as aliases of "
+        "`medium` and `high`.",
     )
     response_format: Literal["b64_json", "url"] | None = Field(
         None, description="Only `b64_json` is supported: this server has no image store for `url`."
@@ -105,6 +107,12 @@ class ImageRequest(BaseModel):
         "step count (what `quality: auto` gives), whatever `quality` says.")
     guidance_scale: float | None = _number(
         "guidance_scale", "Extension: classifier-free guidance scale, from 0.", ge=0.0)
+    step_cache: StepCache | None = Field(
+        None,
+        description="Extension: denoising steps cached (extrapolated instead of computed): `off`, `balanced` or "
+        "`aggressive`; faster, further from the uncached image. Overrides `quality`, whose profile picks one "
+        "otherwise (by default `low`: aggressive, `medium`: balanced, `high` and `auto`: off).",
+    )
 
 
 class ImageGenerationRequest(ImageRequest):

@@ -8,10 +8,39 @@ from pathlib import Path
 
 from glmimage.wire.channels import split_addresses
 
+# The REST names of the StepCache levels (glmimage.v1.common): STEP_CACHE_<NAME upper>.
+STEP_CACHE_LEVELS = ("off", "balanced", "aggressive")
+QUALITIES = ("low", "medium", "high", "auto")
 
-def _default_quality_steps() -> dict[str, int]:
-    # 0 means "let the denoiser pick its default".
-    return {"low": 10, "medium": 30, "high": 50, "auto": 0}
+
+@dataclass(frozen=True)
+class QualityProfile:
+    """What a `quality` name means: denoising steps (0: the denoiser's default) and a step-cache level."""
+
+    steps: int
+    step_cache: str = "off"
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.step_cache not in STEP_CACHE_LEVELS:
+            raise ValueError(f"a quality profile needs steps >= 0 and a step cache among {STEP_CACHE_LEVELS}")
+
+    def spec(self) -> str:
+        return f"{self.steps}:{self.step_cache}"
+
+
+def quality_profile_arg(text: str) -> tuple[str, QualityProfile]:
+    """``NAME=STEPS[:STEP_CACHE]``, the --quality flag's form, e.g. ``low=10:aggressive``."""
+    name, sep, value = text.partition("=")
+    steps, _, cache = value.partition(":")
+    if not sep or name not in QUALITIES or not steps.isdigit():
+        raise ValueError(f"{text!r}: expected NAME=STEPS[:STEP_CACHE] with NAME one of {', '.join(QUALITIES)}")
+    return name, QualityProfile(int(steps), cache or "off")
+
+
+def _default_quality_profiles() -> dict[str, QualityProfile]:
+    # Steps 0: the denoiser's default. `high` and `auto` never cache, so their images are the uncached ones.
+    return {"low": QualityProfile(10, "aggressive"), "medium": QualityProfile(30, "balanced"),
+            "high": QualityProfile(50), "auto": QualityProfile(0)}
 
 
 # How generation calls authenticate to the gateway. forward: with the client's own Authorization header (the
@@ -29,7 +58,8 @@ class RestSettings:
     served_model: str = "glm-image"
     model_aliases: tuple[str, ...] = ("gpt-image-1", "dall-e-3")
     default_size: tuple[int, int] = (256, 256)  # (width, height)
-    quality_steps: Mapping[str, int] = field(default_factory=_default_quality_steps)
+    # `quality` -> steps and step cache; a request's num_inference_steps and step_cache override either.
+    quality_profiles: Mapping[str, QualityProfile] = field(default_factory=_default_quality_profiles)
     api_keys: tuple[str, ...] = ()  # empty: auth off
     request_timeout: float = 300.0
     enable_cache_report: bool = False

@@ -137,9 +137,11 @@ def admit(body: ImageRequest, settings: RestSettings, limits: Limits, *, rid: st
         raise APIError(400, "transparent backgrounds are not supported", param="background",
                        code="unsupported_value")
     quality = _QUALITY_ALIASES.get(body.quality or "auto", body.quality or "auto")
-    steps = body.num_inference_steps
-    if steps is None:
-        steps = settings.quality_steps.get(quality, 0)
+    profile = settings.quality_profiles[quality]
+    steps = profile.steps if body.num_inference_steps is None else body.num_inference_steps
+    # A profile's level is the deployment's choice: where the denoisers cannot cache, that quality runs uncached. A
+    # level the caller names is refused there (admission), as any value the servers cannot honour.
+    step_cache = body.step_cache or (profile.step_cache if limits.step_cache else "off")
     partial_images = body.partial_images or 0
     with as_api_error():
         reference_sizes = check_reference_images(references, limits) if references else None
@@ -159,6 +161,7 @@ def admit(body: ImageRequest, settings: RestSettings, limits: Limits, *, rid: st
             guidance_scale=body.guidance_scale,
             seed=body.seed,
             reference_images=[common_pb2.ReferenceImage(data=data) for data in references],
+            step_cache=common_pb2.StepCache.Value(f"STEP_CACHE_{step_cache.upper()}"),
         )
         admitted = check_generate(request, limits, default_height=height, default_width=width,
                                   reference_sizes=reference_sizes)

@@ -9,12 +9,20 @@ from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.denoiser.encoding import PNG_LEVELS
 from services.denoiser.engine import DenoiseEngine, DenoiseSettings
 from services.denoiser.servicer import DenoiserServicer
+from services.denoiser.step_cache import DEFAULT_SCHEDULES, Schedule
 from services.model.serving import model_args, serve_model
 from services.runtime.limits import DENOISER_FIELDS, Limits, add_limit_args, limits_from_args, max_request_bytes
 from services.runtime.logs import configure_logging
 from services.runtime.server import common_server_args
 
 SERVICE_NAME = denoiser_service_pb2.DESCRIPTOR.services_by_name["DenoiserService"].full_name
+
+
+def _schedule(spec: str) -> Schedule:
+    try:
+        return Schedule.parse(spec)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own text
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -27,6 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--png-compress-level", type=int, default=DenoiseSettings.png_compress_level, choices=PNG_LEVELS,
                    metavar="0-9",
                    help="zlib level for PNG when the request gives no output_compression: lower is faster and larger")
+    for level, schedule in DEFAULT_SCHEDULES.items():
+        p.add_argument(f"--step-cache-{level.value}", type=_schedule, default=schedule, metavar="SPEC",
+                       help=f"the {level.value} step-cache level's schedule: the first `warmup` steps computed, then "
+                            f"one in every `interval`, the rest extrapolated (Taylor `order`; `lite`=1 skips every "
+                            f"block and extrapolates only the output) (default {schedule.spec()})")
     args = p.parse_args(argv)
     try:
         args.limits = Limits(**limits_from_args(args, DENOISER_FIELDS))
@@ -41,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level)
     settings = DenoiseSettings(limits=args.limits, default_steps=args.default_steps,
-                               default_guidance=args.default_guidance, png_compress_level=args.png_compress_level)
+                               default_guidance=args.default_guidance, png_compress_level=args.png_compress_level,
+                               step_cache={level: getattr(args, f"step_cache_{level.value}")
+                                           for level in DEFAULT_SCHEDULES})
     asyncio.run(serve_model(
         args, name="denoise-engine", service_name=SERVICE_NAME,
         load=functools.partial(DenoiseEngine.load, args.model_path, args.device, args.dtype, settings),

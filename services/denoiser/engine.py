@@ -12,7 +12,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from services.denoiser.conditioning import (
     prepare_images,
 )
 from services.denoiser.encoding import DEFAULT_PNG_LEVEL, ImageFormat, encode
+from services.denoiser.step_cache import DEFAULT_SCHEDULES, Schedule, StepCacheLevel, StepCacheRun, supported
 from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.references import TOKEN_PATCH, ReferenceTokens
@@ -55,6 +56,8 @@ class DenoiseSettings:
     default_steps: int = 2  # the tiny model's sensible default; set --default-steps 50 for real weights
     default_guidance: float = 1.5
     png_compress_level: int = DEFAULT_PNG_LEVEL  # zlib level when a PNG request gives no output_compression
+    # The schedule of each cached StepCache level (services.denoiser.step_cache).
+    step_cache: Mapping[StepCacheLevel, Schedule] = field(default_factory=lambda: dict(DEFAULT_SCHEDULES))
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class DenoiseJob:
     # wire: validate() refuses mismatched counts). Both empty: text-to-image.
     reference_images: Sequence[bytes] = ()
     references: Sequence[ReferenceTokens] = ()
+    step_cache: StepCacheLevel = StepCacheLevel.OFF
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class DenoiseResult:
     decode_seconds: float
     encode_seconds: float
     prepare_seconds: float = 0.0  # of denoise_seconds: before the first step (glyphs, an edit's references)
+    steps_cached: int = 0  # of steps_completed, those extrapolated (step_cache)
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ class JobControl:
     deadline: float | None = None  # time.monotonic() value after which the job stops at the next step
     on_event: Callable[[JobEvent], None] | None = None
     steps_done: int = 0
+    steps_cached: int = 0  # of steps_done, those the step cache extrapolated
     step_seconds: list[float] = field(default_factory=list)
     prepare_seconds: float | None = None  # from the start of denoise() to its first step
 
@@ -146,7 +152,8 @@ class DenoiseEngine:
         self.pipe = pipe
         self.device = device
         self.settings = settings
-        self.limits = settings.limits
+        # The step cache is advertised (Limits.step_cache) only where this transformer and diffusers support it.
+        self.limits = replace(settings.limits, step_cache=supported(pipe.transformer))
         self.codebook_size = int(pipe.transformer.config.prior_vq_quantizer_codebook_size)
 
     @classmethod
@@ -184,6 +191,9 @@ class DenoiseEngine:
         check_seed(job.seed)
         check_output_compression(job.output_compression)
         check_partial_images(job.partial_images, lim)
+        if job.step_cache is not StepCacheLevel.OFF and not lim.step_cache:
+            raise InvalidArgument("step_cache", f"this denoiser cannot cache steps ({job.step_cache.value}); "
+                                                "use off")
         seed = job.seed if job.seed is not None else secrets.randbelow(SEED_SPACE)
         return replace(job, steps=steps, guidance_scale=guidance, seed=seed)
 
@@ -203,7 +213,7 @@ class DenoiseEngine:
         return DenoiseResult(image=data, output_format=job.output_format, height=job.height, width=job.width,
                              steps_completed=control.steps_done, seed=job.seed, denoise_seconds=t1 - t0,
                              decode_seconds=t2 - t1, encode_seconds=t3 - t2,
-                             prepare_seconds=control.prepare_seconds or 0.0)
+                             prepare_seconds=control.prepare_seconds or 0.0, steps_cached=control.steps_cached)
 
     @torch.inference_mode()
     def denoise(self, job: DenoiseJob, control: JobControl | None = None) -> torch.Tensor:
@@ -219,12 +229,16 @@ class DenoiseEngine:
         # A step is timed from its first transformer call to its callback, so neither the glyph encoding nor an
         # edit's reference passes before the loop, nor preview decoding inside a callback, counts as step time.
         step_start: list[float | None] = [None]
+        schedule = None if job.step_cache is StepCacheLevel.OFF else self.settings.step_cache[job.step_cache]
+        cache = StepCacheRun(self.pipe.transformer, schedule)
 
         def on_transformer_call(module, args, kwargs) -> None:
             if is_reference_pass(kwargs):
                 # Before the loop: neither step time nor a place to wait, so many references still stop promptly.
                 control.check("while encoding the references")
-            elif step_start[0] is None:
+                return
+            cache.before_call(kwargs)
+            if step_start[0] is None:
                 step_start[0] = time.perf_counter()
                 if control.prepare_seconds is None:  # the first step begins: what came before was preparation
                     control.prepare_seconds = step_start[0] - begun
@@ -233,7 +247,8 @@ class DenoiseEngine:
             now, step = time.perf_counter(), index + 1
             control.step_seconds.append(now - (step_start[0] or now))
             step_start[0] = None
-            control.steps_done = step
+            cache.step_done()
+            control.steps_done, control.steps_cached = step, cache.cached
             control.emit(StepProgress(step=step, total_steps=job.steps))
             control.check(f"after {step} of {job.steps} steps")
             if step in previews:
@@ -253,6 +268,7 @@ class DenoiseEngine:
             ).images
         finally:
             hook.remove()
+            cache.close()  # however the job ended: the next one starts from a clean cache state
 
     def _image(self, latents: torch.Tensor, job: DenoiseJob) -> Image.Image:
         image = self.decode(latents)

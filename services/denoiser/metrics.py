@@ -14,6 +14,11 @@ class Outcome(enum.StrEnum):
     INVALID = "invalid"
 
 
+class StepKind(enum.StrEnum):
+    FULL = "full"  # the DiT's blocks ran
+    CACHED = "cached"  # extrapolated by the step cache
+
+
 class CancelReason(enum.StrEnum):
     CLIENT = "client"
     DEADLINE = "deadline"
@@ -27,6 +32,8 @@ CANCELLED_JOBS = Counter("glmimage_denoiser_cancelled_jobs_total",
 STEPS_AFTER_CANCEL = Histogram("glmimage_denoiser_steps_after_cancel",
                                "Steps that finished after a cancel reached the worker, per cancelled job",
                                buckets=(0, 1, 2, 5, 10))
+STEPS = Counter("glmimage_denoiser_steps_total", "Denoising steps run, computed in full or cached (extrapolated)",
+                ["kind"])
 BUSY = Gauge("glmimage_denoiser_busy", "Jobs holding the slot (0 or 1 per denoiser)")
 # The proof a scrape can miss in BUSY: the most jobs that ever held the slot at once since start (1 = never two,
 # whichever gateways sent them).
@@ -46,3 +53,5 @@ for _outcome in Outcome:
     JOBS.labels(_outcome)
 for _reason in CancelReason:
     CANCELLED_JOBS.labels(_reason)
+for _kind in StepKind:
+    STEPS.labels(_kind)

@@ -27,19 +27,23 @@ from services.denoiser.engine import (
     PartialPreview,
     StepProgress,
 )
-from services.denoiser.metrics import CancelReason, Outcome
+from services.denoiser.metrics import CancelReason, Outcome, StepKind
 from services.denoiser.occupancy import OccupancyBoard
+from services.denoiser.step_cache import StepCacheLevel
 from services.model.references import ReferenceTokens
 from services.runtime.deadlines import rpc_deadline
 from services.runtime.errors import DENOISER_BUSY, Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from services.runtime.executor import SerialExecutor
-from services.runtime.limits import DENOISER_FIELDS, check_id
+from services.runtime.limits import DENOISER_CAPABILITIES, DENOISER_FIELDS, check_id
 
 log = logging.getLogger(__name__)
 
 # The one format map (glmimage.wire.formats); IMAGE_FORMAT_UNSPECIFIED means its default, PNG.
 FORMAT_FROM_PROTO = {**{f.proto: ImageFormat(f.name) for f in formats.BY_NAME.values()},
                      common_pb2.IMAGE_FORMAT_UNSPECIFIED: ImageFormat(formats.DEFAULT.name)}
+# STEP_CACHE_UNSPECIFIED means off, so a caller that says nothing gets the uncached image.
+STEP_CACHE_FROM_PROTO = {common_pb2.STEP_CACHE_UNSPECIFIED: StepCacheLevel.OFF,
+                         **{common_pb2.StepCache.Value(f"STEP_CACHE_{level.name}"): level for level in StepCacheLevel}}
 
 
 def job_from_proto(msg: denoiser_service_pb2.DenoiseRequest, partial_images: int = 0) -> DenoiseJob:
@@ -48,6 +52,9 @@ def job_from_proto(msg: denoiser_service_pb2.DenoiseRequest, partial_images: int
     if msg.output_format not in FORMAT_FROM_PROTO:
         raise InvalidArgument("output_format", f"unknown format {msg.output_format}; expected one of "
                                                f"{', '.join(common_pb2.ImageFormat.keys())}")
+    if msg.step_cache not in STEP_CACHE_FROM_PROTO:
+        raise InvalidArgument("step_cache", f"unknown level {msg.step_cache}; expected one of "
+                                            f"{', '.join(common_pb2.StepCache.keys())}")
     return DenoiseJob(
         prompt=msg.prompt, token_ids=list(msg.prior_tokens.token_ids), height=msg.height, width=msg.width,
         steps=msg.num_inference_steps,
@@ -58,13 +65,14 @@ def job_from_proto(msg: denoiser_service_pb2.DenoiseRequest, partial_images: int
         partial_images=partial_images,
         reference_images=[image.data for image in msg.reference_images],
         references=[ReferenceTokens(token_ids=list(r.tokens.token_ids), grid_height=r.grid_height,
-                                    grid_width=r.grid_width) for r in msg.references])
+                                    grid_width=r.grid_width) for r in msg.references],
+        step_cache=STEP_CACHE_FROM_PROTO[msg.step_cache])
 
 
 def result_to_proto(r: DenoiseResult) -> denoiser_service_pb2.DenoiseResponse:
     return denoiser_service_pb2.DenoiseResponse(
         image=r.image, output_format=r.output_format.spec.proto, height=r.height, width=r.width,
-        steps_completed=r.steps_completed, seed=r.seed,
+        steps_completed=r.steps_completed, seed=r.seed, steps_cached=r.steps_cached,
         timings=denoiser_service_pb2.DenoiseTimings(denoise_seconds=r.denoise_seconds,
                                                    decode_seconds=r.decode_seconds,
                                                    encode_seconds=r.encode_seconds,
@@ -128,7 +136,7 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
 
     async def GetLimits(self, request, context: grpc.aio.ServicerContext):
         return denoiser_service_pb2.DenoiserServiceGetLimitsResponse(
-            limits=self.engine.limits.to_proto(DENOISER_FIELDS))
+            limits=self.engine.limits.to_proto(DENOISER_FIELDS + DENOISER_CAPABILITIES))
 
     async def WatchOccupancy(self, request, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[denoiser_service_pb2.WatchOccupancyResponse]:
@@ -253,6 +261,9 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         metrics.JOBS.labels(record.outcome).inc()
         for seconds in record.control.step_seconds:
             metrics.STEP_SECONDS.observe(seconds)
+        # Every step that ran, whatever the job's outcome: computed in full, or extrapolated by the step cache.
+        metrics.STEPS.labels(StepKind.CACHED).inc(record.control.steps_cached)
+        metrics.STEPS.labels(StepKind.FULL).inc(record.control.steps_done - record.control.steps_cached)
         self.current_job = None
         self.last_job = record
         self._busy = False

@@ -23,6 +23,7 @@ from services.runtime.limits import (
     check_reference_images,
     check_sampling,
     check_seed,
+    check_step_cache,
     check_steps,
     model_size,
 )
@@ -62,6 +63,7 @@ def check_generate(r: gateway_service_pb2.GenerateImagesRequest, limits: Limits,
         raise InvalidArgument("output_format", f"unknown format {r.output_format}")
     check_output_compression(r.output_compression if r.HasField("output_compression") else None)
     check_steps(r.num_inference_steps, limits)
+    check_step_cache(r.step_cache, limits)
     check_guidance(r.guidance_scale if r.HasField("guidance_scale") else None, limits)
     check_seed(r.seed if r.HasField("seed") else None, n)
     if r.HasField("sampling"):  # a bad value reaching the AR would stall a shared batch

@@ -63,6 +63,9 @@ class Limits:
     max_reference_bytes: int = 8 << 20
     max_reference_total_bytes: int = 32 << 20
     max_reference_pixels: int = 4096 * 4096
+    # Not a bound but a capability, merged the same way (the tightest: every denoiser must have it): whether the
+    # cached StepCache levels are served. A denoiser sets it from what its model and diffusers support.
+    step_cache: bool = False
 
     @property
     def max_request_outputs(self) -> int:
@@ -75,7 +78,10 @@ class Limits:
         return common_pb2.Limits(**{name: getattr(self, name) for name in names})
 
 
-FIELDS = tuple(f.name for f in dataclasses.fields(Limits))
+FIELDS = tuple(f.name for f in dataclasses.fields(Limits))  # every field on the wire
+# Capabilities: advertised and merged like bounds, but set by the server itself, never by a --max-* flag.
+DENOISER_CAPABILITIES = ("step_cache",)
+BOUNDS = tuple(name for name in FIELDS if name not in DENOISER_CAPABILITIES)  # what the --max-* flags set
 
 # ---- the largest legitimate request message ---------------------------------------------------------------------
 
@@ -122,7 +128,7 @@ def limits_in_force(own: Mapping[str, float], ar: Iterable[Mapping[str, float]],
     ever lower the result.
     """
     bounds: dict[str, float] = {}
-    for fields, advertisements in ((AR_FIELDS, list(ar)), (DENOISER_FIELDS, list(denoisers))):
+    for fields, advertisements in ((AR_FIELDS, list(ar)), (DENOISER_FIELDS + DENOISER_CAPABILITIES, list(denoisers))):
         for name in fields:
             values = [a[name] for a in advertisements if name in a] or [getattr(Limits, name)]
             bounds[name] = min(bounds.get(name, values[0]), *values)
@@ -239,6 +245,16 @@ def check_sampling(temperature: float | None, top_p: float | None, top_k: int | 
         raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
     if top_k is not None and not 0 <= top_k <= MAX_TOP_K:
         raise InvalidArgument("sampling.top_k", f"must be in [0, {MAX_TOP_K}] (0 disables it), got {top_k}")
+
+
+def check_step_cache(level: int, limits: Limits) -> None:
+    """A StepCache value on the wire (proto3 enums are open): a declared level, and a cached one only where the
+    denoisers can cache (``limits.step_cache``)."""
+    if level not in common_pb2.StepCache.values():
+        raise InvalidArgument("step_cache", f"unknown level {level}; expected off, balanced or aggressive")
+    if level not in (common_pb2.STEP_CACHE_UNSPECIFIED, common_pb2.STEP_CACHE_OFF) and not limits.step_cache:
+        name = common_pb2.StepCache.Name(level).removeprefix("STEP_CACHE_").lower()
+        raise InvalidArgument("step_cache", f"{name} is not served here: the denoisers cannot cache steps; use off")
 
 
 def check_partial_images(count: int, limits: Limits) -> None:

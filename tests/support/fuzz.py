@@ -61,7 +61,8 @@ FUZZ = settings(deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.genera
 # fit uint32 once rounded up to a multiple of 32 (2**32 - 31 and above).
 SIZES = [0, 1, 31, 32, 33, 2049, 2**31, 2**32 - 32, 2**32 - 31, U32]
 SEEDS = [0, 1, U32 - 1, U32]
-ENUM_VALUES = [0, 1, 2, 3, 4, -1, I32_MAX, I32_MIN]  # 0-3 are declared in ImageFormat; proto3 enums are open
+# 0-3 are declared in ImageFormat and in StepCache; proto3 enums are open.
+ENUM_VALUES = [0, 1, 2, 3, 4, -1, I32_MAX, I32_MIN]
 COMPRESSIONS = [0, 1, 100, 101, U32]
 STEPS = [0, 1, 2, 201, U32]  # 0: the server default; 200 is the maximum (too slow to fuzz: see the denoiser tests)
 PARTIAL_IMAGES = [0, 1, 3, 4, U32]
@@ -99,6 +100,7 @@ IMAGE_FIELDS = {
     "output_format": st.sampled_from(ENUM_VALUES), "output_compression": st.sampled_from(COMPRESSIONS),
     "num_inference_steps": st.sampled_from(STEPS), "guidance_scale": st.sampled_from(GUIDANCES),
     "seed": st.sampled_from(SEEDS), "sampling": sampling_params(), "request_id": REQUEST_IDS,
+    "step_cache": st.sampled_from(ENUM_VALUES),
 }
 IMAGE_REQUESTS = mutated(gw_pb.GenerateImagesRequest, IMAGE_BASE, IMAGE_FIELDS)
 STREAM_REQUESTS = st.one_of(
@@ -125,6 +127,7 @@ DENOISE_FIELDS = {
     "num_inference_steps": st.sampled_from(STEPS), "guidance_scale": st.sampled_from(GUIDANCES),
     "seed": st.sampled_from(SEEDS), "output_format": st.sampled_from(ENUM_VALUES),
     "output_compression": st.sampled_from(COMPRESSIONS), "request_id": REQUEST_IDS,
+    "step_cache": st.sampled_from(ENUM_VALUES),
     "prior_tokens": st.just(common_pb2.TokenRow()),  # only marks the field as chosen: filled in below
 }
 

@@ -24,6 +24,7 @@ from glmimage.client import (
     DEFAULT_ADDRESS,
     FORMATS,
     NO_RETRY,
+    STEP_CACHE_LEVELS,
     Client,
     Completed,
     GenerationResult,
@@ -117,6 +118,9 @@ def _image_args(parser: argparse.ArgumentParser) -> None:
                         help="output i uses seed + i (default: the gateway picks one)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the gateway's)")
     parser.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the gateway's)")
+    parser.add_argument("--step-cache", choices=STEP_CACHE_LEVELS, default=None,
+                        help="denoising steps extrapolated instead of computed: faster, further from the uncached "
+                        "image (default off)")
     parser.add_argument("--stream", action="store_true", help="stream progress (a progress bar on stderr)")
     parser.add_argument("--partial-images", type=int, default=0, choices=range(4), metavar="{0-3}",
                         help="with --stream: previews per image, written as <name>-<i>.partial-<k>.<ext> "
@@ -165,7 +169,7 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
     else:
         run, stream = client.generate, client.generate_stream
     kwargs = dict(n=args.n, size=args.size, output_format=args.format, output_compression=args.compression,
-                  seed=args.seed, steps=args.steps, guidance=args.guidance)
+                  seed=args.seed, steps=args.steps, guidance=args.guidance, step_cache=args.step_cache)
     ext = {"jpeg": "jpg"}.get(args.format or "png", args.format or "png")
     planned = [args.output_dir / f"{args.name}-{i}.{ext}" for i in range(args.n)]
     if args.stream:
@@ -266,6 +270,8 @@ def _status(args: argparse.Namespace, client: Client) -> int:
 def format_limits(limits: Limits) -> str:
     """One row per limit; integers in full (a byte count as 8388608, not 8.38861e+06)."""
     def number(value: float) -> str:
+        if isinstance(value, bool):  # a capability (step_cache), not a bound
+            return "yes" if value else "no"
         return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
     return _table(["LIMIT", "VALUE"], [[name, number(value)] for name, value in asdict(limits).items()])

@@ -137,6 +137,7 @@ class ImageOptions(TypedDict, total=False):
     seed: int | None
     steps: int | None
     guidance: float | None
+    step_cache: str | None
 
 
 def read_images(images: ImageInput | Sequence[ImageInput]) -> list[bytes]:
@@ -164,13 +165,16 @@ def _read_image(image: ImageInput) -> bytes:
 def build_request(prompt: str, *, n: int = 1, size: str | Sequence[int] | None = None,
                   output_format: str | None = None, output_compression: int | None = None,
                   seed: int | None = None, steps: int | None = None, guidance: float | None = None,
-                  request_id: str = "", images: Sequence[bytes] = ()) -> gateway_service_pb2.GenerateImagesRequest:
-    """A GenerateImagesRequest; ``images`` (encoded files, see `read_images`) make it an edit."""
+                  request_id: str = "", images: Sequence[bytes] = (), step_cache: str | None = None
+                  ) -> gateway_service_pb2.GenerateImagesRequest:
+    """A GenerateImagesRequest; ``images`` (encoded files, see `read_images`) make it an edit. ``step_cache``:
+    ``off``, ``balanced`` or ``aggressive`` (None: off)."""
     width, height = parse_size(size)
     fmt = common_pb2.IMAGE_FORMAT_UNSPECIFIED if output_format is None else formats.by_name(output_format).proto
     req = gateway_service_pb2.GenerateImagesRequest(
         prompt=prompt, n=n, height=height, width=width, output_format=fmt, num_inference_steps=steps or 0,
-        request_id=request_id, reference_images=[common_pb2.ReferenceImage(data=data) for data in images])
+        request_id=request_id, reference_images=[common_pb2.ReferenceImage(data=data) for data in images],
+        step_cache=step_cache_value(step_cache))
     if output_compression is not None:
         req.output_compression = output_compression
     if seed is not None:
@@ -178,6 +182,18 @@ def build_request(prompt: str, *, n: int = 1, size: str | Sequence[int] | None =
     if guidance is not None:
         req.guidance_scale = guidance
     return req
+
+
+STEP_CACHE_LEVELS = ("off", "balanced", "aggressive")
+
+
+def step_cache_value(level: str | None) -> int:
+    """The StepCache enum value of a level name (None: unspecified, which the servers take as off)."""
+    if level is None:
+        return common_pb2.STEP_CACHE_UNSPECIFIED
+    if level not in STEP_CACHE_LEVELS:
+        raise ValueError(f"step_cache must be one of {', '.join(STEP_CACHE_LEVELS)}, got {level!r}")
+    return common_pb2.StepCache.Value(f"STEP_CACHE_{level.upper()}")
 
 
 def build_stream_request(prompt: str, *, partial_images: int = 0, **fields: Any
@@ -281,11 +297,12 @@ class Client(_Base):
 
     def generate(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
                  output_format: str | None = None, output_compression: int | None = None, seed: int | None = None,
-                 steps: int | None = None, guidance: float | None = None, timeout: float | None = None,
-                 request_id: str | None = None) -> GenerationResult:
+                 steps: int | None = None, guidance: float | None = None, step_cache: str | None = None,
+                 timeout: float | None = None, request_id: str | None = None) -> GenerationResult:
         """Generate ``n`` images; ``size`` is ``"WxH"`` or ``(w, h)`` (None: the gateway default)."""
         req = build_request(prompt, n=n, size=size, output_format=output_format,
-                            output_compression=output_compression, seed=seed, steps=steps, guidance=guidance)
+                            output_compression=output_compression, seed=seed, steps=steps, guidance=guidance,
+                                   step_cache=step_cache)
         return self._generate(req, timeout, request_id)
 
     def edit(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, timeout: float | None = None,
@@ -303,7 +320,7 @@ class Client(_Base):
     def generate_stream(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
                         partial_images: int = 0, output_format: str | None = None,
                         output_compression: int | None = None, seed: int | None = None, steps: int | None = None,
-                        guidance: float | None = None, timeout: float | None = None,
+                        guidance: float | None = None, step_cache: str | None = None, timeout: float | None = None,
                         request_id: str | None = None) -> Iterator[StreamEvent]:
         """Yield Progress and PartialImage events, then one Completed. Stopping the iteration cancels the call.
 
@@ -311,7 +328,8 @@ class Client(_Base):
         stream and a silent restart would replay it.
         """
         req = build_stream_request(prompt, partial_images=partial_images, n=n, size=size, output_format=output_format,
-                                   output_compression=output_compression, seed=seed, steps=steps, guidance=guidance)
+                                   output_compression=output_compression, seed=seed, steps=steps, guidance=guidance,
+                                   step_cache=step_cache)
         return self._stream(req, timeout, request_id)
 
     def edit_stream(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, partial_images: int = 0,
@@ -396,9 +414,11 @@ class AsyncClient(_Base):
     async def generate(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
                        output_format: str | None = None, output_compression: int | None = None,
                        seed: int | None = None, steps: int | None = None, guidance: float | None = None,
-                       timeout: float | None = None, request_id: str | None = None) -> GenerationResult:
+                       step_cache: str | None = None, timeout: float | None = None,
+                       request_id: str | None = None) -> GenerationResult:
         req = build_request(prompt, n=n, size=size, output_format=output_format,
-                            output_compression=output_compression, seed=seed, steps=steps, guidance=guidance)
+                            output_compression=output_compression, seed=seed, steps=steps, guidance=guidance,
+                                   step_cache=step_cache)
         return await self._generate(req, timeout, request_id)
 
     async def edit(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, timeout: float | None = None,
@@ -415,11 +435,12 @@ class AsyncClient(_Base):
     def generate_stream(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
                         partial_images: int = 0, output_format: str | None = None,
                         output_compression: int | None = None, seed: int | None = None, steps: int | None = None,
-                        guidance: float | None = None, timeout: float | None = None,
+                        guidance: float | None = None, step_cache: str | None = None, timeout: float | None = None,
                         request_id: str | None = None) -> AsyncIterator[StreamEvent]:
         """As `Client.generate_stream`, as an async iterator."""
         req = build_stream_request(prompt, partial_images=partial_images, n=n, size=size, output_format=output_format,
-                                   output_compression=output_compression, seed=seed, steps=steps, guidance=guidance)
+                                   output_compression=output_compression, seed=seed, steps=steps, guidance=guidance,
+                                   step_cache=step_cache)
         return self._stream(req, timeout, request_id)
 
     def edit_stream(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, partial_images: int = 0,

@@ -153,6 +153,8 @@ class Limits:
     max_reference_bytes: int
     max_reference_total_bytes: int
     max_reference_pixels: int
+    # Whether step_cache balanced and aggressive are served (every denoiser can cache steps).
+    step_cache: bool = False
 
     @classmethod
     def from_proto(cls, m: common_pb2.Limits) -> Limits:

@@ -13,10 +13,21 @@ class ImageFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     IMAGE_FORMAT_PNG: _ClassVar[ImageFormat]
     IMAGE_FORMAT_JPEG: _ClassVar[ImageFormat]
     IMAGE_FORMAT_WEBP: _ClassVar[ImageFormat]
+
+class StepCache(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_CACHE_UNSPECIFIED: _ClassVar[StepCache]
+    STEP_CACHE_OFF: _ClassVar[StepCache]
+    STEP_CACHE_BALANCED: _ClassVar[StepCache]
+    STEP_CACHE_AGGRESSIVE: _ClassVar[StepCache]
 IMAGE_FORMAT_UNSPECIFIED: ImageFormat
 IMAGE_FORMAT_PNG: ImageFormat
 IMAGE_FORMAT_JPEG: ImageFormat
 IMAGE_FORMAT_WEBP: ImageFormat
+STEP_CACHE_UNSPECIFIED: StepCache
+STEP_CACHE_OFF: StepCache
+STEP_CACHE_BALANCED: StepCache
+STEP_CACHE_AGGRESSIVE: StepCache
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "reasoning_tokens", "cached_tokens", "image_tokens")
@@ -67,7 +78,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_prompt_chars", "max_n", "max_pixels", "max_steps", "max_guidance", "max_batch_outputs", "max_partial_images", "max_reference_images", "max_reference_bytes", "max_reference_pixels", "max_reference_total_bytes")
+    __slots__ = ("max_prompt_chars", "max_n", "max_pixels", "max_steps", "max_guidance", "max_batch_outputs", "max_partial_images", "max_reference_images", "max_reference_bytes", "max_reference_pixels", "max_reference_total_bytes", "step_cache")
     MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_N_FIELD_NUMBER: _ClassVar[int]
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +90,7 @@ class Limits(_message.Message):
     MAX_REFERENCE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REFERENCE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     MAX_REFERENCE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_CACHE_FIELD_NUMBER: _ClassVar[int]
     max_prompt_chars: int
     max_n: int
     max_pixels: int
@@ -90,4 +102,5 @@ class Limits(_message.Message):
     max_reference_bytes: int
     max_reference_pixels: int
     max_reference_total_bytes: int
-    def __init__(self, max_prompt_chars: _Optional[int] = ..., max_n: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_guidance: _Optional[float] = ..., max_batch_outputs: _Optional[int] = ..., max_partial_images: _Optional[int] = ..., max_reference_images: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_reference_pixels: _Optional[int] = ..., max_reference_total_bytes: _Optional[int] = ...) -> None: ...
+    step_cache: bool
+    def __init__(self, max_prompt_chars: _Optional[int] = ..., max_n: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_guidance: _Optional[float] = ..., max_batch_outputs: _Optional[int] = ..., max_partial_images: _Optional[int] = ..., max_reference_images: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_reference_pixels: _Optional[int] = ..., max_reference_total_bytes: _Optional[int] = ..., step_cache: _Optional[bool] = ...) -> None: ...

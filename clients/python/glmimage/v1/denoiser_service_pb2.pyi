@@ -34,7 +34,7 @@ class DenoiserServiceGetLimitsResponse(_message.Message):
     def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ...) -> None: ...
 
 class DenoiseRequest(_message.Message):
-    __slots__ = ("prompt", "prior_tokens", "height", "width", "num_inference_steps", "guidance_scale", "seed", "output_format", "output_compression", "request_id", "reference_images", "references", "owner")
+    __slots__ = ("prompt", "prior_tokens", "height", "width", "num_inference_steps", "guidance_scale", "seed", "output_format", "output_compression", "request_id", "reference_images", "references", "owner", "step_cache")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PRIOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class DenoiseRequest(_message.Message):
     REFERENCE_IMAGES_FIELD_NUMBER: _ClassVar[int]
     REFERENCES_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    STEP_CACHE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prior_tokens: _common_pb2.TokenRow
     height: int
@@ -61,7 +62,8 @@ class DenoiseRequest(_message.Message):
     reference_images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceImage]
     references: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceTokens]
     owner: str
-    def __init__(self, prompt: _Optional[str] = ..., prior_tokens: _Optional[_Union[_common_pb2.TokenRow, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., references: _Optional[_Iterable[_Union[_common_pb2.ReferenceTokens, _Mapping]]] = ..., owner: _Optional[str] = ...) -> None: ...
+    step_cache: _common_pb2.StepCache
+    def __init__(self, prompt: _Optional[str] = ..., prior_tokens: _Optional[_Union[_common_pb2.TokenRow, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., references: _Optional[_Iterable[_Union[_common_pb2.ReferenceTokens, _Mapping]]] = ..., owner: _Optional[str] = ..., step_cache: _Optional[_Union[_common_pb2.StepCache, str]] = ...) -> None: ...
 
 class DenoiseTimings(_message.Message):
     __slots__ = ("denoise_seconds", "decode_seconds", "encode_seconds", "prepare_seconds")
@@ -76,7 +78,7 @@ class DenoiseTimings(_message.Message):
     def __init__(self, denoise_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ...) -> None: ...
 
 class DenoiseResponse(_message.Message):
-    __slots__ = ("image", "output_format", "height", "width", "steps_completed", "seed", "timings")
+    __slots__ = ("image", "output_format", "height", "width", "steps_completed", "seed", "timings", "steps_cached")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +86,7 @@ class DenoiseResponse(_message.Message):
     STEPS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_CACHED_FIELD_NUMBER: _ClassVar[int]
     image: bytes
     output_format: _common_pb2.ImageFormat
     height: int
@@ -91,7 +94,8 @@ class DenoiseResponse(_message.Message):
     steps_completed: int
     seed: int
     timings: DenoiseTimings
-    def __init__(self, image: _Optional[bytes] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., steps_completed: _Optional[int] = ..., seed: _Optional[int] = ..., timings: _Optional[_Union[DenoiseTimings, _Mapping]] = ...) -> None: ...
+    steps_cached: int
+    def __init__(self, image: _Optional[bytes] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., steps_completed: _Optional[int] = ..., seed: _Optional[int] = ..., timings: _Optional[_Union[DenoiseTimings, _Mapping]] = ..., steps_cached: _Optional[int] = ...) -> None: ...
 
 class DenoiseStreamRequest(_message.Message):
     __slots__ = ("job", "partial_images")

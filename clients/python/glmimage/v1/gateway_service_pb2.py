@@ -25,49 +25,49 @@ _sym_db = _symbol_database.Default()
 from glmimage.v1 import common_pb2 as glmimage_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!glmimage/v1/gateway_service.proto\x12\x0bglmimage.v1\x1a\x18glmimage/v1/common.proto\"\x9d\x03\n\x15GenerateImagesRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\t\n\x01n\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12/\n\routput_format\x18\x05 \x01(\x0e\x32\x18.glmimage.v1.ImageFormat\x12\x1f\n\x12output_compression\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x13num_inference_steps\x18\x07 \x01(\r\x12\x1b\n\x0eguidance_scale\x18\x08 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\rH\x02\x88\x01\x01\x12-\n\x08sampling\x18\n \x01(\x0b\x32\x1b.glmimage.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x35\n\x10reference_images\x18\x0c \x03(\x0b\x32\x1b.glmimage.v1.ReferenceImageB\x15\n\x13_output_compressionB\x11\n\x0f_guidance_scaleB\x07\n\x05_seed\"_\n\x0eGeneratedImage\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05image\x18\x02 \x01(\x0c\x12\x0c\n\x04seed\x18\x03 \x01(\r\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.glmimage.v1.Usage\"\xcc\x01\n\x16GenerateImagesResponse\x12+\n\x06images\x18\x01 \x03(\x0b\x32\x1b.glmimage.v1.GeneratedImage\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.glmimage.v1.Usage\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12/\n\routput_format\x18\x05 \x01(\x0e\x32\x18.glmimage.v1.ImageFormat\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x12\n\x10GetStatusRequest\"\x12\n\x10GetLimitsRequest\"8\n\x11GetLimitsResponse\x12#\n\x06limits\x18\x01 \x01(\x0b\x32\x13.glmimage.v1.Limits\"\xe4\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.glmimage.v1.WorkerRole\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.glmimage.v1.WorkerState\x12\x10\n\x08inflight\x18\x04 \x01(\r\x12\x13\n\x0b\x63urrent_job\x18\x05 \x01(\t\x12\x0e\n\x06health\x18\x06 \x01(\t\x12\r\n\x05stuck\x18\x07 \x01(\x08\x12\x16\n\x0eheld_elsewhere\x18\x08 \x01(\x08\x12\x15\n\rhealth_detail\x18\t \x01(\t\"\xb2\x01\n\x11GetStatusResponse\x12\x1b\n\x13pending_ar_requests\x18\x01 \x01(\r\x12\x1a\n\x12pending_ar_outputs\x18\x02 \x01(\r\x12\x1f\n\x17pending_denoise_outputs\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x04 \x01(\r\x12*\n\x07workers\x18\x05 \x03(\x0b\x32\x19.glmimage.v1.WorkerStatus\"j\n\x1bGenerateImagesStreamRequest\x12\x33\n\x07request\x18\x01 \x01(\x0b\x32\".glmimage.v1.GenerateImagesRequest\x12\x16\n\x0epartial_images\x18\x02 \x01(\r\"G\n\rImageProgress\x12\x13\n\x0bimage_index\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x13\n\x0btotal_steps\x18\x03 \x01(\r\"O\n\x0cImagePartial\x12\x13\n\x0bimage_index\x18\x01 \x01(\r\x12\x1b\n\x13partial_image_index\x18\x02 \x01(\r\x12\r\n\x05image\x18\x03 \x01(\x0c\"\xc5\x01\n\x1cGenerateImagesStreamResponse\x12.\n\x08progress\x18\x01 \x01(\x0b\x32\x1a.glmimage.v1.ImageProgressH\x00\x12\x32\n\rpartial_image\x18\x02 \x01(\x0b\x32\x19.glmimage.v1.ImagePartialH\x00\x12\x38\n\tcompleted\x18\x03 \x01(\x0b\x32#.glmimage.v1.GenerateImagesResponseH\x00\x42\x07\n\x05\x65vent\"J\n\x10\x41\x64\x64WorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.glmimage.v1.WorkerRole\"\x13\n\x11\x41\x64\x64WorkerResponse\"&\n\x13RemoveWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x16\n\x14RemoveWorkerResponse*\x95\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16WORKER_STATE_AVAILABLE\x10\x01\x12\x15\n\x11WORKER_STATE_BUSY\x10\x02\x12\x1a\n\x16WORKER_STATE_UNHEALTHY\x10\x03\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x04*W\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x12\n\x0eWORKER_ROLE_AR\x10\x01\x12\x18\n\x14WORKER_ROLE_DENOISER\x10\x02\x32\x93\x04\n\x0eGatewayService\x12Y\n\x0eGenerateImages\x12\".glmimage.v1.GenerateImagesRequest\x1a#.glmimage.v1.GenerateImagesResponse\x12m\n\x14GenerateImagesStream\x12(.glmimage.v1.GenerateImagesStreamRequest\x1a).glmimage.v1.GenerateImagesStreamResponse0\x01\x12J\n\tGetStatus\x12\x1d.glmimage.v1.GetStatusRequest\x1a\x1e.glmimage.v1.GetStatusResponse\x12J\n\tGetLimits\x12\x1d.glmimage.v1.GetLimitsRequest\x1a\x1e.glmimage.v1.GetLimitsResponse\x12J\n\tAddWorker\x12\x1d.glmimage.v1.AddWorkerRequest\x1a\x1e.glmimage.v1.AddWorkerResponse\x12S\n\x0cRemoveWorker\x12 .glmimage.v1.RemoveWorkerRequest\x1a!.glmimage.v1.RemoveWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!glmimage/v1/gateway_service.proto\x12\x0bglmimage.v1\x1a\x18glmimage/v1/common.proto\"\xc9\x03\n\x15GenerateImagesRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\t\n\x01n\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12/\n\routput_format\x18\x05 \x01(\x0e\x32\x18.glmimage.v1.ImageFormat\x12\x1f\n\x12output_compression\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x13num_inference_steps\x18\x07 \x01(\r\x12\x1b\n\x0eguidance_scale\x18\x08 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\rH\x02\x88\x01\x01\x12-\n\x08sampling\x18\n \x01(\x0b\x32\x1b.glmimage.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x35\n\x10reference_images\x18\x0c \x03(\x0b\x32\x1b.glmimage.v1.ReferenceImage\x12*\n\nstep_cache\x18\r \x01(\x0e\x32\x16.glmimage.v1.StepCacheB\x15\n\x13_output_compressionB\x11\n\x0f_guidance_scaleB\x07\n\x05_seed\"_\n\x0eGeneratedImage\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05image\x18\x02 \x01(\x0c\x12\x0c\n\x04seed\x18\x03 \x01(\r\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.glmimage.v1.Usage\"\xcc\x01\n\x16GenerateImagesResponse\x12+\n\x06images\x18\x01 \x03(\x0b\x32\x1b.glmimage.v1.GeneratedImage\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.glmimage.v1.Usage\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12/\n\routput_format\x18\x05 \x01(\x0e\x32\x18.glmimage.v1.ImageFormat\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x12\n\x10GetStatusRequest\"\x12\n\x10GetLimitsRequest\"8\n\x11GetLimitsResponse\x12#\n\x06limits\x18\x01 \x01(\x0b\x32\x13.glmimage.v1.Limits\"\xe4\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.glmimage.v1.WorkerRole\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.glmimage.v1.WorkerState\x12\x10\n\x08inflight\x18\x04 \x01(\r\x12\x13\n\x0b\x63urrent_job\x18\x05 \x01(\t\x12\x0e\n\x06health\x18\x06 \x01(\t\x12\r\n\x05stuck\x18\x07 \x01(\x08\x12\x16\n\x0eheld_elsewhere\x18\x08 \x01(\x08\x12\x15\n\rhealth_detail\x18\t \x01(\t\"\xb2\x01\n\x11GetStatusResponse\x12\x1b\n\x13pending_ar_requests\x18\x01 \x01(\r\x12\x1a\n\x12pending_ar_outputs\x18\x02 \x01(\r\x12\x1f\n\x17pending_denoise_outputs\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x04 \x01(\r\x12*\n\x07workers\x18\x05 \x03(\x0b\x32\x19.glmimage.v1.WorkerStatus\"j\n\x1bGenerateImagesStreamRequest\x12\x33\n\x07request\x18\x01 \x01(\x0b\x32\".glmimage.v1.GenerateImagesRequest\x12\x16\n\x0epartial_images\x18\x02 \x01(\r\"G\n\rImageProgress\x12\x13\n\x0bimage_index\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x13\n\x0btotal_steps\x18\x03 \x01(\r\"O\n\x0cImagePartial\x12\x13\n\x0bimage_index\x18\x01 \x01(\r\x12\x1b\n\x13partial_image_index\x18\x02 \x01(\r\x12\r\n\x05image\x18\x03 \x01(\x0c\"\xc5\x01\n\x1cGenerateImagesStreamResponse\x12.\n\x08progress\x18\x01 \x01(\x0b\x32\x1a.glmimage.v1.ImageProgressH\x00\x12\x32\n\rpartial_image\x18\x02 \x01(\x0b\x32\x19.glmimage.v1.ImagePartialH\x00\x12\x38\n\tcompleted\x18\x03 \x01(\x0b\x32#.glmimage.v1.GenerateImagesResponseH\x00\x42\x07\n\x05\x65vent\"J\n\x10\x41\x64\x64WorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.glmimage.v1.WorkerRole\"\x13\n\x11\x41\x64\x64WorkerResponse\"&\n\x13RemoveWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x16\n\x14RemoveWorkerResponse*\x95\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16WORKER_STATE_AVAILABLE\x10\x01\x12\x15\n\x11WORKER_STATE_BUSY\x10\x02\x12\x1a\n\x16WORKER_STATE_UNHEALTHY\x10\x03\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x04*W\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x12\n\x0eWORKER_ROLE_AR\x10\x01\x12\x18\n\x14WORKER_ROLE_DENOISER\x10\x02\x32\x93\x04\n\x0eGatewayService\x12Y\n\x0eGenerateImages\x12\".glmimage.v1.GenerateImagesRequest\x1a#.glmimage.v1.GenerateImagesResponse\x12m\n\x14GenerateImagesStream\x12(.glmimage.v1.GenerateImagesStreamRequest\x1a).glmimage.v1.GenerateImagesStreamResponse0\x01\x12J\n\tGetStatus\x12\x1d.glmimage.v1.GetStatusRequest\x1a\x1e.glmimage.v1.GetStatusResponse\x12J\n\tGetLimits\x12\x1d.glmimage.v1.GetLimitsRequest\x1a\x1e.glmimage.v1.GetLimitsResponse\x12J\n\tAddWorker\x12\x1d.glmimage.v1.AddWorkerRequest\x1a\x1e.glmimage.v1.AddWorkerResponse\x12S\n\x0cRemoveWorker\x12 .glmimage.v1.RemoveWorkerRequest\x1a!.glmimage.v1.RemoveWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'glmimage.v1.gateway_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=1930
-  _globals['_WORKERSTATE']._serialized_end=2079
-  _globals['_WORKERROLE']._serialized_start=2081
-  _globals['_WORKERROLE']._serialized_end=2168
+  _globals['_WORKERSTATE']._serialized_start=1974
+  _globals['_WORKERSTATE']._serialized_end=2123
+  _globals['_WORKERROLE']._serialized_start=2125
+  _globals['_WORKERROLE']._serialized_end=2212
   _globals['_GENERATEIMAGESREQUEST']._serialized_start=77
-  _globals['_GENERATEIMAGESREQUEST']._serialized_end=490
-  _globals['_GENERATEDIMAGE']._serialized_start=492
-  _globals['_GENERATEDIMAGE']._serialized_end=587
-  _globals['_GENERATEIMAGESRESPONSE']._serialized_start=590
-  _globals['_GENERATEIMAGESRESPONSE']._serialized_end=794
-  _globals['_GETSTATUSREQUEST']._serialized_start=796
-  _globals['_GETSTATUSREQUEST']._serialized_end=814
-  _globals['_GETLIMITSREQUEST']._serialized_start=816
-  _globals['_GETLIMITSREQUEST']._serialized_end=834
-  _globals['_GETLIMITSRESPONSE']._serialized_start=836
-  _globals['_GETLIMITSRESPONSE']._serialized_end=892
-  _globals['_WORKERSTATUS']._serialized_start=895
-  _globals['_WORKERSTATUS']._serialized_end=1123
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1126
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1304
-  _globals['_GENERATEIMAGESSTREAMREQUEST']._serialized_start=1306
-  _globals['_GENERATEIMAGESSTREAMREQUEST']._serialized_end=1412
-  _globals['_IMAGEPROGRESS']._serialized_start=1414
-  _globals['_IMAGEPROGRESS']._serialized_end=1485
-  _globals['_IMAGEPARTIAL']._serialized_start=1487
-  _globals['_IMAGEPARTIAL']._serialized_end=1566
-  _globals['_GENERATEIMAGESSTREAMRESPONSE']._serialized_start=1569
-  _globals['_GENERATEIMAGESSTREAMRESPONSE']._serialized_end=1766
-  _globals['_ADDWORKERREQUEST']._serialized_start=1768
-  _globals['_ADDWORKERREQUEST']._serialized_end=1842
-  _globals['_ADDWORKERRESPONSE']._serialized_start=1844
-  _globals['_ADDWORKERRESPONSE']._serialized_end=1863
-  _globals['_REMOVEWORKERREQUEST']._serialized_start=1865
-  _globals['_REMOVEWORKERREQUEST']._serialized_end=1903
-  _globals['_REMOVEWORKERRESPONSE']._serialized_start=1905
-  _globals['_REMOVEWORKERRESPONSE']._serialized_end=1927
-  _globals['_GATEWAYSERVICE']._serialized_start=2171
-  _globals['_GATEWAYSERVICE']._serialized_end=2702
+  _globals['_GENERATEIMAGESREQUEST']._serialized_end=534
+  _globals['_GENERATEDIMAGE']._serialized_start=536
+  _globals['_GENERATEDIMAGE']._serialized_end=631
+  _globals['_GENERATEIMAGESRESPONSE']._serialized_start=634
+  _globals['_GENERATEIMAGESRESPONSE']._serialized_end=838
+  _globals['_GETSTATUSREQUEST']._serialized_start=840
+  _globals['_GETSTATUSREQUEST']._serialized_end=858
+  _globals['_GETLIMITSREQUEST']._serialized_start=860
+  _globals['_GETLIMITSREQUEST']._serialized_end=878
+  _globals['_GETLIMITSRESPONSE']._serialized_start=880
+  _globals['_GETLIMITSRESPONSE']._serialized_end=936
+  _globals['_WORKERSTATUS']._serialized_start=939
+  _globals['_WORKERSTATUS']._serialized_end=1167
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1170
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1348
+  _globals['_GENERATEIMAGESSTREAMREQUEST']._serialized_start=1350
+  _globals['_GENERATEIMAGESSTREAMREQUEST']._serialized_end=1456
+  _globals['_IMAGEPROGRESS']._serialized_start=1458
+  _globals['_IMAGEPROGRESS']._serialized_end=1529
+  _globals['_IMAGEPARTIAL']._serialized_start=1531
+  _globals['_IMAGEPARTIAL']._serialized_end=1610
+  _globals['_GENERATEIMAGESSTREAMRESPONSE']._serialized_start=1613
+  _globals['_GENERATEIMAGESSTREAMRESPONSE']._serialized_end=1810
+  _globals['_ADDWORKERREQUEST']._serialized_start=1812
+  _globals['_ADDWORKERREQUEST']._serialized_end=1886
+  _globals['_ADDWORKERRESPONSE']._serialized_start=1888
+  _globals['_ADDWORKERRESPONSE']._serialized_end=1907
+  _globals['_REMOVEWORKERREQUEST']._serialized_start=1909
+  _globals['_REMOVEWORKERREQUEST']._serialized_end=1947
+  _globals['_REMOVEWORKERRESPONSE']._serialized_start=1949
+  _globals['_REMOVEWORKERRESPONSE']._serialized_end=1971
+  _globals['_GATEWAYSERVICE']._serialized_start=2215
+  _globals['_GATEWAYSERVICE']._serialized_end=2746
 # @@protoc_insertion_point(module_scope)

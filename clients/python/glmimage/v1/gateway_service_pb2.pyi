@@ -31,7 +31,7 @@ WORKER_ROLE_AR: WorkerRole
 WORKER_ROLE_DENOISER: WorkerRole
 
 class GenerateImagesRequest(_message.Message):
-    __slots__ = ("prompt", "n", "height", "width", "output_format", "output_compression", "num_inference_steps", "guidance_scale", "seed", "sampling", "request_id", "reference_images")
+    __slots__ = ("prompt", "n", "height", "width", "output_format", "output_compression", "num_inference_steps", "guidance_scale", "seed", "sampling", "request_id", "reference_images", "step_cache")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class GenerateImagesRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    STEP_CACHE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     n: int
     height: int
@@ -56,7 +57,8 @@ class GenerateImagesRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     request_id: str
     reference_images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceImage]
-    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ...) -> None: ...
+    step_cache: _common_pb2.StepCache
+    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., step_cache: _Optional[_Union[_common_pb2.StepCache, str]] = ...) -> None: ...
 
 class GeneratedImage(_message.Message):
     __slots__ = ("index", "image", "seed", "usage")
