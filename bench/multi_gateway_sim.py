@@ -163,14 +163,14 @@ async def closed_loop(stubs: list[gateway_service_pb2_grpc.GatewayServiceStub], 
 
 
 def gateways_at(rev: str, workdir: Path) -> tuple[Path, str]:
-    """A directory holding the gateway/ and services/ packages as of ``rev`` (the SDK stays this checkout's), and
-    the commit ``rev`` names."""
+    """A directory holding the gateway/ and services/ packages as of ``rev``, with the protocol package they import
+    (clients/python: the stubs and glmimage.wire move between revisions), and the commit ``rev`` names."""
     def git(*args: str) -> bytes:
         return subprocess.run(["git", *args], cwd=RESULTS.parents[1], capture_output=True, check=True).stdout
 
     commit = git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
     root = workdir / f"base-{commit[:10]}"
-    with tarfile.open(fileobj=io.BytesIO(git("archive", commit, "gateway", "services"))) as tar:
+    with tarfile.open(fileobj=io.BytesIO(git("archive", commit, "gateway", "services", "clients/python"))) as tar:
         tar.extractall(root, filter="data")
     return root, commit
 
@@ -180,7 +180,8 @@ def _spawn_gateway(argv: list[str], root: Path | None) -> subprocess.Popen:
     if root is None:
         return _spawn(["gateway", *argv])
     return subprocess.Popen([sys.executable, "-m", "gateway", *argv], cwd=root,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(root)})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                 "PYTHONPATH": os.pathsep.join([str(root), str(root / "clients" / "python")])})
 
 
 async def run_once(sc: Scenario, workdir: Path, tag: str, root: Path | None = None) -> dict:

@@ -56,6 +56,34 @@ def denoiser(d: dict) -> str:
             "\n\nEncoding one 1024x1024 image:\n\n" + "\n".join(enc) + "\n")
 
 
+def speed_modes(d: dict) -> str:
+    s = d["setup"]
+    rows = ["| size | level | steps computed / total | denoise loop (median) | loop / off (median, range) | "
+            "PSNR vs off | max abs diff vs off |", "|---|---|---|---|---|---|---|"]
+    for size, levels in d["sizes"].items():
+        for level, r in levels.items():
+            low, high = r["loop_ratio_to_off_range"]
+            rows.append(f"| {size} | {level} | {r['steps_computed']} / {r['steps']} | "
+                        f"{_f(r['loop_seconds_median'] * 1000, 0)} ms | {_f(r['loop_ratio_to_off_median'], 3)} "
+                        f"({_f(low, 3)}-{_f(high, 3)}) | "
+                        f"{'-' if r['psnr_db_vs_off'] is None else _f(r['psnr_db_vs_off'], 1) + ' dB'} | "
+                        f"{r['max_abs_diff_vs_off']} |")
+    schedules = ", ".join(f"{level} `{spec}`" for level, spec in s["schedules"].items())
+    return ("## Speed modes: the step cache (issue 22)\n\n" + _header(d) +
+            f"\nThe tiny model (**random weights**), torch at {s['torch_threads']} threads, {s['steps']} steps, "
+            f"{s['rounds']} rounds alternating the levels' order; the loop time excludes the glyph encoding; ratios "
+            f"taken within a round, then the median. Schedules: {schedules}. Fidelity compares the decoded 8-bit "
+            "images of one seed with the `off` image.\n\n" + "\n".join(rows) + "\n\n"
+            "What these figures are: the step count is the schedule's on any weights; the time ratio is what skipping "
+            "the blocks saves on a model whose blocks are a small part of each step (glyph and prior embeddings, "
+            "the scheduler and Python overhead stay), so on real weights, where the DiT blocks dominate, the saving "
+            "follows the steps computed more closely; the fidelity of random weights says nothing about real "
+            "images. Published on real weights: a TeaCache port for GLM-Image reports 114.19 s -> 86.61 s (1.32x) "
+            "at 50 steps, 1024x1024 (vllm-omni PR #1458); cache-dit on FLUX.1-dev reports 1.80x at PSNR 33.8 dB and "
+            "2.47x at PSNR 31.8 dB against the uncached image. Not measured here on real weights (no GPU and no "
+            "weights on this machine).\n\n![speed modes](bench/results/speed_modes.png)\n")
+
+
 def edits(d: dict) -> str:
     rows = [f"| {size} | {_f(r['ar_t2i_s'], 3)} | {_f(r['ar_edit_s'], 3)} | {_f(r['ar_edit_over_t2i'], 2)}x | "
             f"{_f(r['denoise_t2i_s'], 3)} | {_f(r['denoise_edit_s'], 3)} | {_f(r['denoise_edit_over_t2i'], 2)}x |"
@@ -164,6 +192,17 @@ def multi_gateway_sim(d: dict) -> str:
                     f"{_f(s['gateway_cpu_per_wall_s_max'], 2)} | {_f(s['machine_busy_fraction'], 2)} | "
                     f"{s['errors']} |")
     met = "\n".join(f"- {k}: {'met' if v else 'MISSED'}" for k, v in d["targets_met"].items())
+    based = [(name, sc) for name, sc in d["scenarios"].items() if "base" in sc]
+    if based:
+        def pooled(runs: list[dict]) -> str:
+            c, n = sum(r["collisions"] for r in runs), sum(r["dispatches"] for r in runs)
+            return f"{c}/{n} = {_f(c / max(n, 1), 4)}"
+        rev = based[0][1]["base"]["rev"]
+        met += (f"\n\nSide by side with the gateways of `{rev}` (each run paired with one of the base, alternating "
+                "which goes first), collisions pooled over the runs, head against base:\n\n" + "\n".join(
+                    f"- {name}: {pooled(sc['runs'])} against {pooled(sc['base']['runs'])}; throughput / bound "
+                    f"{_f(sc['summary']['throughput_vs_bound'], 3)} against "
+                    f"{_f(sc['base']['summary']['throughput_vs_bound'], 3)}" for name, sc in based))
     return ("## Several gateways over one pool, simulated (several gateways over one denoiser pool)\n\n" + _header(d) +
             "\nReal `python -m gateway` processes (each given every AR server and every denoiser, "
             f"--ar-batch-max-outputs {d['setup']['ar_batch_max_outputs']}, one AR batch in flight per AR server) over "
@@ -255,9 +294,11 @@ def compare_gateway(d: dict) -> str:
                     f"{_f(f['head']['median'])}{unit} ({_f(f['head']['min'])}-{_f(f['head']['max'])}) | "
                     f"**{_f(f['head_over_base'], 3)}** ({'higher' if f['higher_is_better'] else 'lower'} is better) |")
     rounds = len(d["figures"]["rest_rps_c32"]["head"]["rounds"])
+    load = [round(x, 1) for x in (*d["config"]["load_average_at_start"][:1], *d["config"]["load_average_at_end"][:1])]
     return ("## Gateway overhead, side by side with an earlier revision\n\n" + _header(d) +
             f"\n`{d['base']['rev']}` ({d['base']['commit'][:10]}) against `{d['head']['rev']}` "
-            f"({d['head']['commit'][:10]}), {rounds} rounds each, alternating; medians (range).\n\n"
+            f"({d['head']['commit'][:10]}), {rounds} rounds each, alternating; medians (range). Load average (1 min) "
+            f"at the start and the end: {load[0]}, {load[1]}.\n\n"
             "| figure | base | head | head / base |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
@@ -357,7 +398,8 @@ def main() -> None:
     parts = ["# Benchmarks\n\nGenerated by `python -m bench.report` from `bench/results/*.json` (`make bench` writes "
              "them). The machine is a shared 2-core CPU box, so absolute figures are noisy; ratios are measured side "
              "by side in one run and figures are medians.\n"]
-    for name, fn in (("ar", ar), ("denoiser", denoiser), ("edits", edits), ("scheduler_sim", scheduler_sim),
+    for name, fn in (("ar", ar), ("denoiser", denoiser), ("speed_modes", speed_modes), ("edits", edits),
+                     ("scheduler_sim", scheduler_sim),
                      ("multi_gateway_sim", multi_gateway_sim), ("scheduler_micro", scheduler_micro),
                      ("gateway", gateway), ("compare_gateway", compare_gateway), ("e2e", e2e), ("reconnect", reconnect),
                      ("soak", soak), ("receive_flood", receive_flood), ("edit_soak", edit_soak)):
