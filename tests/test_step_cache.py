@@ -3,6 +3,7 @@ weights, counts them, and leaves nothing behind for the next job, whatever that 
 ended (edits, previews, a cancel within a step, an invalid level)."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import grpc
@@ -182,3 +183,19 @@ async def test_an_unknown_level_is_invalid_argument_on_step_cache(dn) -> None:
         await dn.Denoise(_request(99))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("step_cache: unknown level 99")
+
+
+async def test_a_cached_job_holds_the_busy_slot_and_a_cancel_frees_it_clean(dn, denoiser_server) -> None:
+    servicer = denoiser_server.servicer
+    off = await dn.Denoise(_request(common_pb2.STEP_CACHE_OFF))
+    call = dn.DenoiseStream(pb.DenoiseStreamRequest(job=_request(common_pb2.STEP_CACHE_AGGRESSIVE, steps=200)))
+    async for _ in call:  # the first progress event: the cached job is running
+        break
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await dn.Denoise(_request(common_pb2.STEP_CACHE_OFF))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    call.cancel()
+    async with asyncio.timeout(60):  # the worker thread stops at its next step, then frees the slot
+        while servicer.busy:
+            await asyncio.sleep(0.01)
+    assert (await dn.Denoise(_request(common_pb2.STEP_CACHE_OFF))).image == off.image
