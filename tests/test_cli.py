@@ -10,7 +10,9 @@ import grpc
 import pytest
 
 from glmimage.cli import build_parser, format_limits, format_status, main
+from glmimage.client import build_request
 from glmimage.results import Limits, Status, WorkerInfo
+from glmimage.v1 import common_pb2
 from tests.support.certs import Pki
 from tests.support.fake_gateway import FakeServer, fake_image, serve_fake
 from tests.support.programs import glmimage
@@ -141,6 +143,19 @@ def test_connection_flags_go_before_or_after_the_subcommand(fake: FakeServer, tm
     fake.servicer.fail["GetStatus"] = [grpc.StatusCode.UNAVAILABLE]
     out = glmimage("--retries", "0", "status", "--address", fake.address, cwd=tmp_path)
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+
+
+def test_generate_sends_the_step_cache_and_refuses_an_unknown_one(fake: FakeServer, tmp_path: Path) -> None:
+    done = glmimage("generate", "a fox", "--step-cache", "balanced", "-o", "out", "--address", fake.address,
+                    cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (call,) = fake.servicer.calls
+    assert call.request.step_cache == common_pb2.STEP_CACHE_BALANCED
+    bad = glmimage("generate", "a fox", "--step-cache", "fast", "--address", fake.address, cwd=tmp_path)
+    assert bad.returncode == 2 and "--step-cache" in bad.stderr
+    with pytest.raises(ValueError, match="step_cache must be one of off, balanced, aggressive"):
+        build_request("a fox", step_cache="fast")
+    assert build_request("a fox").step_cache == common_pb2.STEP_CACHE_UNSPECIFIED
 
 
 def test_limits_print_integers_in_full() -> None:

@@ -47,6 +47,20 @@ def test_node_client_writes_a_png_and_prints_usage(node: str, stack: dict[str, s
     assert usage == result.usage.as_dict()
 
 
+def test_node_client_and_sdk_step_cache_give_the_same_cached_image(node: str, stack: dict[str, str],
+                                                                   tmp_path: Path) -> None:
+    out = tmp_path / "cached.png"
+    done = run_node(node, "--address", stack["gateway"], "--prompt", PROMPT, "--size", "64x64", "--seed", "3",
+                    "--steps", "12", "--step-cache", "aggressive", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    with Client(stack["gateway"], timeout=120) as client:
+        cached = client.generate(PROMPT, size="64x64", seed=3, steps=12, step_cache="aggressive")
+        off = client.generate(PROMPT, size="64x64", seed=3, steps=12, step_cache="off")
+    assert cached.images == [out.read_bytes()] != off.images
+    refused = run_node(node, "--prompt", PROMPT, "--step-cache", "fast")
+    assert refused.returncode == 2 and "--step-cache must be one of off, balanced, aggressive" in refused.stderr
+
+
 def test_node_client_writes_one_file_per_image(node: str, stack: dict[str, str], tmp_path: Path) -> None:
     done = run_node(node, "--address", stack["gateway"], "--prompt", "a cat", "--size", "64x64", "-n", "2",
                     "--out", str(tmp_path / "cat.png"))
