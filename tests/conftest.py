@@ -166,3 +166,13 @@ def tls_docs() -> list[dict]:
     from tests.support.chart import TLS_VALUES, render
 
     return render(TLS_VALUES)
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    """Prometheus' promtool, from the Debian package `prometheus` that `make tools` installs."""
+    found = shutil.which("promtool")
+    if found is None:
+        pytest.fail("promtool not found. It comes from the Debian package `prometheus`: "
+                    "`apt-get install -y prometheus` (make test installs it when run as root)")
+    return found

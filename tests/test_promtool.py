@@ -5,7 +5,6 @@ promtool comes from the `prometheus` Debian package; this test installs nothing 
 """
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
@@ -94,15 +93,6 @@ def servers(tiny_checkpoint: Path) -> Iterator[dict[str, Server]]:
                 proc.terminate()
         for proc in started:
             reap(proc, 60)
-
-
-@pytest.fixture(scope="module")
-def promtool() -> str:
-    found = shutil.which("promtool")
-    if found is None:
-        pytest.fail("promtool not found. It comes from the Debian package `prometheus`: "
-                    "`apt-get install -y prometheus` (make test installs it when run as root)")
-    return found
 
 
 EXPECTED = {

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "k8s" / "glmimage"
 KUBE_VERSION = "1.37.0"
 RELEASE, NAMESPACE = "demo", "ml"
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk comes with the dev extra")
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate comes with the dev extra")
@@ -27,7 +27,8 @@ TLS_VALUES: dict[str, Any] = {
     "config": {"gateway": {"workerAllow": ["*.demo-glmimage-denoiser.ml.svc.cluster.local:50061", "10.0.0.0/8"]}},
     "model": {"source": "tiny"},
     "ar": {"discovery": "dns"},
-    "metrics": {"serviceMonitor": {"enabled": True}},
+    "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True,
+                                                                         "labels": {"release": "kube-prom"}}},
     "ingress": {"enabled": True},
 }
 
