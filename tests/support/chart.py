@@ -27,8 +27,8 @@ TLS_VALUES: dict[str, Any] = {
     "config": {"gateway": {"workerAllow": ["*.demo-glmimage-denoiser.ml.svc.cluster.local:50061", "10.0.0.0/8"]}},
     "model": {"source": "tiny"},
     "ar": {"discovery": "dns"},
-    "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True,
-                                                                         "labels": {"release": "kube-prom"}}},
+    "metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True},
+                "prometheusRule": {"enabled": True, "labels": {"release": "kube-prom"}}},
     "ingress": {"enabled": True},
 }
 

@@ -1,0 +1,162 @@
+"""The Grafana dashboard (k8s/glmimage/files/glmimage-dashboard.json): every panel's query evaluated by a real
+Prometheus scraping a real stack on loopback, the core panels returning data after some traffic; no hard-coded job
+names; its metric names the code's; and the chart's ConfigMap for Grafana's sidecar, off by default."""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.chart import CHART, RELEASE, by_kind, render
+from tests.support.cluster import reap, running_stack
+from tests.support.net import free_port
+from tests.test_alerts import SUFFIXES, _exported_names
+
+DASHBOARD = CHART / "files" / "glmimage-dashboard.json"
+# The panels that may show nothing after a short, healthy run: no work was put back in a queue.
+QUIET_PANELS = {"Requeues by reason"}
+SCRAPE_S = 1
+
+
+def _targets() -> list[tuple[str, str]]:
+    """(panel title, expr) of every query, Grafana's variables set as "All" would set them."""
+    out = []
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"].replace("$__rate_interval", "30s")
+            out.append((panel["title"], re.sub(r"\$(gateway|denoiser)\b", ".*", expr)))
+    return out
+
+
+def test_the_dashboard_picks_its_data_source_and_names_no_job() -> None:
+    doc = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in doc["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    panels = [p for p in doc["panels"] if p["type"] != "row"]
+    assert len(panels) >= 15 and len({p["id"] for p in doc["panels"]}) == len(doc["panels"])
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"]), panel["title"]
+    for title, expr in _targets():
+        assert not re.search(r"\bjob\s*=", expr), f"{title}: a hard-coded job name: {expr}"
+
+
+def test_every_metric_the_dashboard_reads_is_one_the_code_exports() -> None:
+    from gateway.rest.metrics import RestMetrics
+
+    exported = _exported_names() | {family.name for family in RestMetrics().registry.collect()}
+    read = {m for _, expr in _targets() for m in re.findall(r"\bglmimage_\w+", expr)}
+    unknown = sorted(m for m in read if m not in exported and m.removesuffix(next(
+        (s for s in SUFFIXES if m.endswith(s)), "")) not in exported)
+    assert not unknown, f"the dashboard reads metrics the code does not export: {unknown}"
+
+
+def test_the_chart_s_dashboard_config_map_is_off_by_default_and_carries_the_file(default_docs: list[dict]) -> None:
+    assert not any(name.endswith("-dashboard") for name in by_kind(default_docs, "ConfigMap"))
+    docs = render({"metrics": {"grafanaDashboard": {"enabled": True, "folder": "GLM-Image"}}})
+    cm = by_kind(docs, "ConfigMap")[f"{RELEASE}-glmimage-dashboard"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"]["grafana_folder"] == "GLM-Image"
+    assert json.loads(cm["data"]["glmimage-dashboard.json"]) == json.loads(DASHBOARD.read_text())
+
+
+# ---- a real Prometheus over a real stack --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prometheus(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("prometheus not found. It comes from the Debian package `prometheus`, which `make tools` "
+                    "installs")
+    work = tmp_path_factory.mktemp("prometheus")
+    metrics = ("--ar-metrics-port", "0", "--denoiser-metrics-ports", "0,0", "--gateway-metrics-port", "0")
+    (work / "stack").mkdir()
+    with running_stack(work / "stack", extra_args=metrics) as run:
+        addr = run.addresses
+        targets = [urllib.parse.urlsplit(addr[f"{n}-metrics"]).netloc
+                   for n in ("ar", "denoiser-0", "denoiser-1", "gateway", "rest")]
+        config = work / "prometheus.yml"
+        config.write_text(json.dumps({  # JSON is YAML
+            "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
+            "scrape_configs": [{"job_name": "glmimage", "static_configs": [{"targets": targets}]}]}))
+        port = free_port()
+        proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=subprocess.DEVNULL, stderr=(work / "prometheus.log").open("wb"))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _until(lambda: _ready(url, proc), "Prometheus ready")
+            _until(lambda: _value(url, "count(up == 1)") == len(targets), "every target scraped")
+            _traffic(addr["rest"])
+            yield url
+        finally:
+            proc.terminate()
+            reap(proc, 30)
+
+
+def _ready(url: str, proc: subprocess.Popen) -> bool:
+    assert proc.poll() is None, "prometheus exited"
+    try:
+        return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _query(url: str, expr: str) -> dict:
+    return httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10).json()
+
+
+def _value(url: str, expr: str) -> float | None:
+    result = _query(url, expr).get("data", {}).get("result", [])
+    return float(result[0]["value"][1]) if result else None
+
+
+def _until(predicate, what: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.2)
+
+
+def _traffic(rest: str) -> None:
+    """Requests of each kind a panel shows: n=2 (a batch, two denoise jobs), a cached one, a streamed one and a bad
+    one, twice over a few scrapes so the rates have two samples."""
+    body = {"prompt": 'a red "STOP" sign', "size": "64x64", "seed": 5}
+    with httpx.Client(base_url=f"http://{rest}", timeout=120) as http:
+        for _ in range(2):
+            assert http.post("/v1/images/generations", json={**body, "n": 2}).status_code == 200
+            cached = {**body, "num_inference_steps": 8, "step_cache": "aggressive"}
+            assert http.post("/v1/images/generations", json=cached).status_code == 200
+            assert http.post("/v1/images/generations", json={**body, "n": 0}).status_code == 400
+            png = http.post("/v1/images/generations", json={**body, "response_format": "b64_json"}).json()
+            assert base64.b64decode(png["data"][0]["b64_json"]).startswith(b"\x89PNG")
+            time.sleep(3 * SCRAPE_S)  # scrapes between the rounds are the point: a rate needs two samples
+
+
+def test_every_panel_query_parses_and_the_core_panels_show_data(prometheus: str) -> None:
+    def answers() -> list[tuple[str, str, dict]]:
+        return [(title, expr, _query(prometheus, expr)) for title, expr in _targets()]
+
+    for title, expr, reply in answers():
+        assert reply["status"] == "success", f"{title}: {expr}: {reply.get('error')}"
+    empty: list[str] = []
+
+    def all_core_have_data() -> bool:
+        empty[:] = [f"{title}: {expr}" for title, expr, reply in answers()
+                    if title not in QUIET_PANELS and not reply["data"]["result"]]
+        return not empty
+
+    try:
+        _until(all_core_have_data, "data in every core panel", timeout=60)
+    except AssertionError:
+        raise AssertionError("panels without data: " + "; ".join(empty)) from None
