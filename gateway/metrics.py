@@ -103,6 +103,9 @@ class GatewayMetrics(Collector):
             for st, label in STATES.items():
                 workers.add_metric([name, label], snap.workers.get((role, st), 0))
         yield workers
+        yield GaugeMetricFamily("glmimage_gateway_denoisers_held_elsewhere",
+                                "Denoisers whose slot another gateway's job holds (counted as busy in "
+                                "glmimage_gateway_workers)", value=snap.denoisers_held_elsewhere)
         stuck = GaugeMetricFamily("glmimage_gateway_workers_stuck",
                                   "Workers connected but not answering health checks (hung) or whose last call "
                                   "timed out, by role", labels=["role"])

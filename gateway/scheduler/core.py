@@ -210,6 +210,7 @@ class Scheduler:
             pending_denoise_requests=len({k[1] for k in self._denoise_q}),
             active_requests=len(self._active),
             workers=self._pool.state_counts(),
+            denoisers_held_elsewhere=self._pool.held_elsewhere,
         )
 
     def queued_outputs(self) -> int:
@@ -365,7 +366,7 @@ class Scheduler:
         found = self._take_job(ev.job, ev.worker)
         if held and (ev.sequence is None or ev.sequence >= w.occupancy_seq):
             # Busy until its stream says free; a free state newer than the refusal already came (stale).
-            w.elsewhere = True
+            self._pool.hold_elsewhere(w, True)
             if ev.sequence is not None:
                 w.occupancy_seq = ev.sequence
         if found is not None:
@@ -382,7 +383,7 @@ class Scheduler:
             if ev.sequence <= w.occupancy_seq:
                 return  # older than what a refusal or the stream already said
             w.occupancy_seq = ev.sequence
-        w.elsewhere = ev.elsewhere
+        self._pool.hold_elsewhere(w, ev.elsewhere)
         if not w.elsewhere:
             self._pool.offer(w)
 
@@ -435,7 +436,7 @@ class Scheduler:
         w.healthy = False
         w.not_serving = False
         self._recount(w)
-        w.elsewhere = False  # its occupancy stream broke too; it says again when the worker is back
+        self._pool.hold_elsewhere(w, False)  # its occupancy stream broke too; it says again when it is back
         # It refused the call before running it (a credential is checked first): no attempt was used.
         charge = ev.why is not WorkerDown.CREDENTIAL_REFUSED
         # Client-facing: which stage, never which address (the driver logs that with the request ids).

@@ -58,8 +58,8 @@ class Worker:
 class Pool:
     """The members (a removed worker stays one until it has drained), and the counts and heap kept over them."""
 
-    __slots__ = ("members", "by_role", "ar_servers", "ready_ar", "ready_denoisers", "standing", "idle",
-                 "_ar_room", "_added", "_clock", "_seed", "_lap", "_at")
+    __slots__ = ("members", "by_role", "ar_servers", "ready_ar", "ready_denoisers", "held_elsewhere", "standing",
+                 "idle", "_ar_room", "_added", "_clock", "_seed", "_lap", "_at")
 
     def __init__(self, ar_max_inflight_batches: int, pick_seed: str | None = None) -> None:
         self.members: dict[str, Worker] = {}
@@ -70,6 +70,8 @@ class Pool:
         # (asked on every event with fail-fast on) costs O(1), not a scan of the denoiser pool.
         self.ready_ar = 0
         self.ready_denoisers = 0
+        # Members whose slot another gateway's job holds (Worker.elsewhere), kept by hold_elsewhere.
+        self.held_elsewhere = 0
         # The members that take no work, by role and state (from their flags, kept by recount), so that the metrics'
         # counts by role and state cost no walk of the pool (see state_counts).
         self.standing: dict[tuple[WorkerRole, WorkerState], int] = {
@@ -107,6 +109,13 @@ class Pool:
         del self.members[w.address]
         del self.by_role[w.role][w.address]
         self.recount(w, member=False)
+        self.hold_elsewhere(w, False)
+
+    def hold_elsewhere(self, w: Worker, held: bool) -> None:
+        """Set whether another gateway's job holds w's slot, keeping the count of such members."""
+        if held is not w.elsewhere:
+            self.held_elsewhere += 1 if held else -1
+            w.elsewhere = held
 
     def recount(self, w: Worker, member: bool = True) -> None:
         """Bring the ready counts up to date after a change to a worker's healthy, draining or not_serving flag,

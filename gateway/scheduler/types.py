@@ -371,6 +371,8 @@ class Gauges:
     pending_denoise_requests: int
     active_requests: int
     workers: dict[tuple[WorkerRole, WorkerState], int]
+    # Denoisers whose slot another gateway's job holds (counted as busy in ``workers``).
+    denoisers_held_elsewhere: int = 0
 
 
 REQUEUE_REASONS: tuple[str, ...] = ("worker_unhealthy", "denoise_failed", "ar_failed", "ar_batch_split")

@@ -329,6 +329,7 @@ class CheckedScheduler(RuleBasedStateMachine):
         gauges = s.gauges()
         assert gauges.workers == {(role, state): sum(1 for x in snap.workers if (x.role, x.state) == (role, state))
                                   for role in WorkerRole for state in WorkerState}
+        assert gauges.denoisers_held_elsewhere == sum(1 for x in snap.workers if x.held_elsewhere)
         assert (gauges.pending_ar_requests, gauges.pending_ar_outputs, gauges.pending_denoise_outputs,
                 gauges.pending_denoise_requests, gauges.active_requests) == (
             snap.pending_ar_requests, snap.pending_ar_outputs, snap.pending_denoise_outputs,
