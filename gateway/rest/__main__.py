@@ -51,6 +51,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    ", ".join(f"{name}={profile.spec()}" for name, profile in _DEFAULTS.quality_profiles.items()) + ")")
     p.add_argument("--api-key", action="append", default=[],
                    help="accepted Bearer key (repeatable; also GLMIMAGE_API_KEYS, comma-separated)")
+    p.add_argument("--admin-key", action="append", default=[],
+                   help="key that may see the live pool page /status when --api-key is set (repeatable; also "
+                   "GLMIMAGE_ADMIN_KEYS, comma-separated, the gateway's own variable)")
     p.add_argument("--gateway-auth", choices=GATEWAY_AUTH_MODES, default="forward",
                    help="how generation calls authenticate to the gateway. forward (default): with the client's own "
                    "Authorization header, so the gateway checks every caller (give both the same keys). own: with "
@@ -95,6 +98,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _env_list(name: str) -> list[str]:
+    return [k.strip() for k in os.environ.get(name, "").split(",")]
+
+
 def settings_from_args(args: argparse.Namespace) -> RestSettings:
     env_keys = [k.strip() for k in os.environ.get("GLMIMAGE_API_KEYS", "").split(",")]
     api_keys = tuple(dict.fromkeys(k for k in [*args.api_key, *env_keys] if k))
@@ -105,6 +112,7 @@ def settings_from_args(args: argparse.Namespace) -> RestSettings:
         default_size=args.default_size,
         quality_profiles={**_DEFAULTS.quality_profiles, **dict(args.quality)},
         api_keys=api_keys,
+        admin_keys=tuple(dict.fromkeys(k for k in [*args.admin_key, *_env_list("GLMIMAGE_ADMIN_KEYS")] if k)),
         request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         cors_origins=tuple(args.cors_origin),

@@ -43,6 +43,7 @@ from .schemas import (
     ImageGenPartialImageEvent,
 )
 from .settings import GATEWAY_AUTH_MODES, RestSettings
+from .status_page import router as status_router
 from .upstream import channel_credentials, open_gateways
 
 __all__ = ["GATEWAY_AUTH_MODES", "RestSettings", "create_app"]
@@ -114,6 +115,7 @@ def create_app(settings: RestSettings) -> FastAPI:
 
     app.include_router(router)
     app.include_router(edits_router)
+    app.include_router(status_router)
 
     def openapi() -> dict[str, Any]:
         # FastAPI only documents models that routes take or return as JSON; add the SSE event models and the

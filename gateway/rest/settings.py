@@ -61,6 +61,8 @@ class RestSettings:
     # `quality` -> steps and step cache; a request's num_inference_steps and step_cache override either.
     quality_profiles: Mapping[str, QualityProfile] = field(default_factory=_default_quality_profiles)
     api_keys: tuple[str, ...] = ()  # empty: auth off
+    # Keys that may see the live pool page (/status) when api_keys are set: the gateway's admin keys.
+    admin_keys: tuple[str, ...] = ()
     request_timeout: float = 300.0
     enable_cache_report: bool = False
     health_timeout: float = 5.0

@@ -1,0 +1,155 @@
+"""The live pool page: `GET /status`, HTML that polls `GET /status/data` twice a second and redraws itself, showing
+each gateway, each worker by role and state, what each denoiser runs (its job id: request id, output and attempt,
+never the prompt), the queues and this front's recent throughput.
+
+Who sees it: with API keys configured (`--api-key`), only a caller presenting an admin key (`--admin-key`, or
+GLMIMAGE_ADMIN_KEYS, the gateway's own variable) gets the data; the page asks for the key and sends it as a Bearer
+header. The data comes from each gateway's GetStatus with that caller's credential, so the gateway's own rule decides
+what it shows (internal addresses only to its admins). Without keys the page is as open as the API.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from glmimage.v1 import gateway_service_pb2
+from services.runtime.auth import bearer_metadata, bearer_token, key_hits
+
+from .deps import GatewayDep, Metrics, Settings
+from .errors import error_response
+
+router = APIRouter()
+
+_ROLES = {gateway_service_pb2.WORKER_ROLE_AR: "ar", gateway_service_pb2.WORKER_ROLE_DENOISER: "denoiser"}
+
+
+def _worker(w: gateway_service_pb2.WorkerStatus, index: int) -> dict[str, Any]:
+    return {"index": index, "role": _ROLES.get(w.role, "unknown"),
+            "state": gateway_service_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower(),
+            "address": w.address, "job": w.current_job, "stuck": w.stuck, "held_elsewhere": w.held_elsewhere,
+            "health": w.health}
+
+
+@router.get("/status", include_in_schema=False)
+async def status_page() -> HTMLResponse:
+    return HTMLResponse(PAGE, headers={"Cache-Control": "no-store"})
+
+
+@router.get("/status/data", include_in_schema=False)
+async def status_data(request: Request, settings: Settings, gateways: GatewayDep, metrics: Metrics) -> Response:
+    token = bearer_token(request.scope["headers"])
+    if settings.api_keys:
+        if token is None:
+            return error_response(401, "the status page needs an admin key", type="authentication_error",
+                                  code="invalid_api_key")
+        if not any(key_hits(token, [k.encode() for k in settings.admin_keys])):
+            return error_response(403, "the status page needs an admin key", type="permission_error",
+                                  code="admin_key_required")
+    # The caller's own credential (the admin's), else the front's: the gateway decides what it may see.
+    metadata = bearer_metadata(token.decode()) if token else bearer_metadata(settings.gateway_api_key)
+    out = []
+    for index, gateway in enumerate(gateways):
+        try:
+            status = await gateway.stub.GetStatus(gateway_service_pb2.GetStatusRequest(), metadata=metadata,
+                                                  timeout=settings.health_timeout)
+        except grpc.aio.AioRpcError as err:
+            out.append({"gateway": index, "error": err.code().name})
+            continue
+        out.append({"gateway": index, "active_requests": status.active_requests,
+                    "queues": {"ar_requests": status.pending_ar_requests, "ar_outputs": status.pending_ar_outputs,
+                               "denoise_outputs": status.pending_denoise_outputs},
+                    "workers": [_worker(w, i) for i, w in enumerate(status.workers)]})
+    images = metrics.registry.get_sample_value("glmimage_rest_images_total") or 0  # for the page's throughput
+    return JSONResponse({"time": time.time(), "images_returned": images, "gateways": out},
+                        headers={"Cache-Control": "no-store"})
+
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>GLM-Image pool</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}h1{font-size:1.3em}h2{font-size:1.1em;margin-top:1.5em}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
+th{background:#f3f3f3}.available{background:#e6f6e6}.busy{background:#fff2cc}.unhealthy{background:#f8d7da}
+.draining{background:#e2e3f3}#error{color:#a00}#key{display:none}.muted{color:#777}
+</style></head><body>
+<h1>GLM-Image pool</h1>
+<p class="muted">Updated <span id="updated">never</span>; <span id="throughput">-</span> images/s returned by
+this front over the last minute.</p>
+<form id="key"><label>Admin key <input id="keyinput" type="password" autocomplete="off"></label>
+<button>Show</button></form>
+<p id="error"></p><div id="gateways"></div>
+<script>
+"use strict";
+let key = sessionStorage.getItem("glmimage-admin-key") || "";
+const samples = [];
+document.getElementById("key").addEventListener("submit", (e) => {
+  e.preventDefault();
+  key = document.getElementById("keyinput").value;
+  sessionStorage.setItem("glmimage-admin-key", key);
+  poll();
+});
+function cell(row, text, cls) {
+  const td = row.insertCell(); td.textContent = text; if (cls) td.className = cls; return td;
+}
+function render(data) {
+  samples.push([data.time, data.images_returned]);
+  while (samples.length > 1 && data.time - samples[0][0] > 60) samples.shift();
+  const [t0, n0] = samples[0];
+  document.getElementById("throughput").textContent =
+    data.time > t0 ? ((data.images_returned - n0) / (data.time - t0)).toFixed(2) : "-";
+  document.getElementById("updated").textContent = new Date(data.time * 1000).toLocaleTimeString();
+  const root = document.getElementById("gateways");
+  root.replaceChildren();
+  for (const gw of data.gateways) {
+    const h = document.createElement("h2");
+    h.textContent = "Gateway " + gw.gateway;
+    root.appendChild(h);
+    if (gw.error) { const p = document.createElement("p"); p.textContent = "unreachable: " + gw.error;
+      root.appendChild(p); continue; }
+    const q = document.createElement("p");
+    q.className = "queues";
+    q.textContent = `active requests ${gw.active_requests}; waiting for the AR: ${gw.queues.ar_requests} ` +
+      `requests (${gw.queues.ar_outputs} images); waiting for a denoiser: ${gw.queues.denoise_outputs} images`;
+    root.appendChild(q);
+    const table = document.createElement("table");
+    table.className = "workers";
+    const head = table.createTHead().insertRow();
+    for (const t of ["#", "role", "address", "state", "running", "notes"]) head.appendChild(
+      Object.assign(document.createElement("th"), {textContent: t}));
+    const body = table.createTBody();
+    for (const w of gw.workers) {
+      const row = body.insertRow();
+      row.className = "worker " + w.role;
+      row.dataset.state = w.state;
+      cell(row, w.index); cell(row, w.role); cell(row, w.address || "(hidden)");
+      cell(row, w.state, w.state);
+      cell(row, w.job || (w.held_elsewhere ? "another gateway's job" : ""), "job");
+      cell(row, [w.stuck ? "stuck" : "", w.health && !["ok", "serving"].includes(w.health) ? w.health : ""].filter(Boolean).join(", "));
+    }
+    root.appendChild(table);
+  }
+}
+async function poll() {
+  const headers = key ? {Authorization: "Bearer " + key} : {};
+  try {
+    const r = await fetch("/status/data", {headers, cache: "no-store"});
+    if (r.status === 401 || r.status === 403) {
+      document.getElementById("key").style.display = "block";
+      document.getElementById("error").textContent = "An admin key is needed to see the pool.";
+      return;
+    }
+    document.getElementById("error").textContent = r.ok ? "" : "status " + r.status;
+    if (r.ok) render(await r.json());
+  } catch (err) {
+    document.getElementById("error").textContent = "the REST front is unreachable";
+  }
+}
+poll();
+setInterval(poll, 500);
+</script></body></html>
+"""

@@ -1,0 +1,144 @@
+"""The live pool page (`GET /status`, gateway/rest/status_page.py) in a real headless Chromium (Debian's chromium
+and chromedriver, which `make tools` installs) over a real stack: it loads, shows every worker, and shows a denoiser
+busy soon after a request starts; and who may see its data when keys are configured."""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.rest.app import RestSettings, create_app
+from tests.support.cluster import running_stack
+from tests.support.fake_gateway import FakeServer
+from tests.support.rest_gateway import asgi_client
+
+# The page polls twice a second, so a busy denoiser shows within about a second of its job starting; the bound
+# leaves 3x and more for a loaded machine (the page's own cadence is the design figure).
+BUSY_WITHIN_S = 6.0
+SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "images" / "status-page.png"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    with running_stack(tmp_path_factory.mktemp("status-stack")) as run:
+        yield run.addresses
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if chromium is None or driver is None:
+        pytest.fail("chromium and chromedriver not found: `make tools` installs Debian's chromium and chromium-driver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1200,900"):
+        options.add_argument(arg)
+    drv = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        yield drv
+    finally:
+        drv.quit()
+
+
+def _rows(browser, role: str) -> list[dict[str, str]]:
+    # Read in one script: the page redraws twice a second, so elements found one by one may go stale in between.
+    return browser.execute_script(
+        "return [...document.querySelectorAll('table.workers tr.worker.' + arguments[0])]"
+        ".map(r => ({state: r.dataset.state, job: r.querySelector('td.job').textContent}))", role)
+
+
+def _shown(browser) -> str:
+    return browser.execute_script("return document.getElementById('gateways').innerText")
+
+
+def _until(predicate, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"timed out waiting for: {what}"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_the_page_shows_every_worker_and_a_busy_denoiser_soon_after_a_request_starts(browser, stack) -> None:
+    browser.get(f"http://{stack['rest']}/status")
+    _until(lambda: len(_rows(browser, "denoiser")) == 2 and len(_rows(browser, "ar")) == 1, 30,
+           "the page to list the AR and both denoisers")
+    assert {r["state"] for r in _rows(browser, "denoiser")} == {"available"}
+    assert "(hidden)" not in _shown(browser)  # no keys configured: the gateway shows addresses to everyone
+
+    done = threading.Event()
+
+    def long_request() -> None:  # 300 steps at 512x512: still running while the page is checked
+        try:
+            httpx.post(f"http://{stack['rest']}/v1/images/generations", timeout=300,
+                       json={"prompt": "a slow one", "size": "512x512", "num_inference_steps": 200})
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=long_request, daemon=True)
+    thread.start()
+    took = _until(lambda: any(r["state"] == "busy" and r["job"] for r in _rows(browser, "denoiser")) or done.is_set(),
+                  BUSY_WITHIN_S + 60, "a busy denoiser on the page")
+    assert not done.is_set(), "the request ended before the page showed it running"
+    assert took < BUSY_WITHIN_S + 30  # reached through the AR first; the busy row itself is checked below
+    busy = [r for r in _rows(browser, "denoiser") if r["state"] == "busy"]
+    assert busy and busy[0]["job"].count("/") == 1 and "#" in busy[0]["job"]  # request id/output#attempt
+    assert "a slow one" not in _shown(browser)  # never the prompt
+    if os.environ.get("GLMIMAGE_SCREENSHOTS"):  # `GLMIMAGE_SCREENSHOTS=1 pytest tests/test_status_page.py`
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(SCREENSHOT))
+    thread.join(300)
+
+
+def test_a_denoiser_shows_busy_within_the_bound_of_its_job_starting(browser, stack) -> None:
+    """Timed from the moment the gateway itself reports the job (its GetStatus), not from the request: the AR's
+    time before it is not the page's."""
+    import grpc
+
+    from glmimage.v1 import gateway_service_pb2 as pb
+    from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
+
+    browser.get(f"http://{stack['rest']}/status")
+    _until(lambda: len(_rows(browser, "denoiser")) == 2, 30, "the page")
+    thread = threading.Thread(target=lambda: httpx.post(
+        f"http://{stack['rest']}/v1/images/generations", timeout=300,
+        json={"prompt": "slow", "size": "512x512", "num_inference_steps": 200}), daemon=True)
+    thread.start()
+    with grpc.insecure_channel(stack["gateway"]) as channel:
+        stub = pb_grpc.GatewayServiceStub(channel)
+        _until(lambda: any(w.current_job for w in stub.GetStatus(pb.GetStatusRequest(), timeout=10).workers), 120,
+               "the gateway to run a denoise job")
+    took = _until(lambda: any(r["state"] == "busy" and r["job"] for r in _rows(browser, "denoiser")), BUSY_WITHIN_S,
+                  "the page to show the running job")
+    assert took < BUSY_WITHIN_S
+    thread.join(300)
+
+
+# ---- who may see the data -------------------------------------------------------------------------------------
+
+
+async def test_with_keys_only_an_admin_key_gets_the_data(fake: FakeServer) -> None:
+    settings = RestSettings(gateway_address=fake.address, api_keys=("user-key",), admin_keys=("admin-key",))
+    app = create_app(settings)
+    async with app.router.lifespan_context(app), asgi_client(app) as client:
+        assert (await client.get("/status")).status_code == 200  # the page itself holds no data
+        assert (await client.get("/status/data")).status_code == 401
+        user = await client.get("/status/data", headers={"Authorization": "Bearer user-key"})
+        assert user.status_code == 403 and user.json()["error"]["code"] == "admin_key_required"
+        assert "GetStatus" not in fake.servicer.methods()  # refused before any gateway call
+        admin = await client.get("/status/data", headers={"Authorization": "Bearer admin-key"})
+        assert admin.status_code == 200, admin.text
+        (gateway,) = admin.json()["gateways"]
+        assert gateway["queues"] == {"ar_requests": 1, "ar_outputs": 2, "denoise_outputs": 3}
+        assert gateway["workers"][0]["role"] == "ar"
+        call = next(c for c in fake.servicer.calls if c.method == "GetStatus")
+        assert call.metadata.get("authorization") == "Bearer admin-key"  # the gateway sees the admin's credential
