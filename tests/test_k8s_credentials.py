@@ -61,12 +61,16 @@ def test_internal_token_from_an_existing_secret_or_off() -> None:
         assert TOKEN_DIR not in [m["mountPath"] for m in c["volumeMounts"]]
 
 
-def test_admin_keys_reach_only_the_gateway_and_must_differ_from_user_keys(tls_docs: list[dict],
-                                                                          default_docs: list[dict]) -> None:
-    env = {e["name"]: e for e in container(tls_docs, "gateway", "gateway")["env"]}
-    assert env["GLMIMAGE_ADMIN_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": f"{RELEASE}-glmimage-admin-keys",
-                                                                       "key": "GLMIMAGE_ADMIN_KEYS"}
-    assert "GLMIMAGE_ADMIN_KEYS" not in {e["name"] for e in container(tls_docs, "gateway", "rest")["env"]}
+def test_admin_keys_reach_only_the_gateway_pod_and_must_differ_from_user_keys(tls_docs: list[dict],
+                                                                              default_docs: list[dict]) -> None:
+    # The gateway (AddWorker, RemoveWorker) and its REST front in the same pod (the live pool page's data).
+    for name in ("gateway", "rest"):
+        env = {e["name"]: e for e in container(tls_docs, "gateway", name)["env"]}
+        assert env["GLMIMAGE_ADMIN_KEYS"]["valueFrom"]["secretKeyRef"] == {
+            "name": f"{RELEASE}-glmimage-admin-keys", "key": "GLMIMAGE_ADMIN_KEYS"}
+    workers = [d for d in tls_docs if d["kind"] in ("Deployment", "StatefulSet")
+               and not d["metadata"]["name"].endswith("-gateway")]
+    assert workers and not any("GLMIMAGE_ADMIN_KEYS" in str(d) for d in workers)
     # Off by default: no admin Secret, no env, so the gateway keeps AddWorker/RemoveWorker off.
     assert "GLMIMAGE_ADMIN_KEYS" not in {e["name"] for e in container(default_docs, "gateway", "gateway")["env"]}
     existing = render({"adminKeys": {"existingSecret": "ops-admin"}})
