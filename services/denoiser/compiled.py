@@ -4,7 +4,7 @@ Knows nothing of gRPC. ``compile_blocks`` hands every ``GlmImageTransformerBlock
 own ``ModelMixin.compile_repeated_blocks`` (regional compilation: one block's code, compiled once for all the
 blocks, rather than the whole transformer), ``dynamic=True`` so the sequence lengths (image size, glyph text,
 references) are symbolic from the first trace instead of recompiled per size. What is still specialized, and so
-warmed up by ``warm_up_jobs`` rather than met by a request:
+warmed up by ``warm_up_plan`` rather than met by a request:
 
 - a length of 0 or 1 (torch always specializes those): glyph text of one token, an edit's reference pass;
 - the KV cache's mode (none, write, read): a text-to-image job and an edit's passes each trace their own graph,
