@@ -6,12 +6,21 @@ import asyncio
 import functools
 
 from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc
+from services.denoiser.compiled import CompileSettings, parse_sizes
 from services.denoiser.encoding import PNG_LEVELS
 from services.denoiser.engine import DenoiseEngine, DenoiseSettings
 from services.denoiser.servicer import DenoiserServicer
 from services.denoiser.step_cache import DEFAULT_SCHEDULES, Schedule
 from services.model.serving import model_args, serve_model
-from services.runtime.limits import DENOISER_FIELDS, Limits, add_limit_args, limits_from_args, max_request_bytes
+from services.runtime.errors import InvalidArgument
+from services.runtime.limits import (
+    DENOISER_FIELDS,
+    Limits,
+    add_limit_args,
+    limits_from_args,
+    max_request_bytes,
+    model_size,
+)
 from services.runtime.logs import configure_logging
 from services.runtime.server import common_server_args
 
@@ -22,6 +31,13 @@ def _schedule(spec: str) -> Schedule:
     try:
         return Schedule.parse(spec)
     except ValueError as exc:  # argparse shows an ArgumentTypeError's own text
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _sizes(spec: str) -> tuple[tuple[int, int], ...]:
+    try:
+        return parse_sizes(spec)
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -40,6 +56,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help=f"the {level.value} step-cache level's schedule: the first `warmup` steps computed, then "
                             f"one in every `interval`, the rest extrapolated (Taylor `order`; `lite`=1 skips every "
                             f"block and extrapolates only the output) (default {schedule.spec()})")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the DiT's repeated blocks and warm up --compile-sizes before SERVING "
+                        "(off by default: on a CPU it does not pay; see docs/configuration.md)")
+    p.add_argument("--compile-sizes", type=_sizes, default=CompileSettings.sizes, metavar="WxH,...",
+                   help="sizes warmed up (compiled) before SERVING with --compile; another size may compile in its "
+                        "first request (default: 64x64,256x256, the warm-up's and the gateway's default)")
+    p.add_argument("--compile-references", type=int, default=CompileSettings.references, metavar="N",
+                   help="warm up edits of 1..N references with --compile (default %(default)s)")
+    p.add_argument("--compile-backend", default=CompileSettings.backend,
+                   help="torch.compile backend with --compile (default %(default)s)")
     args = p.parse_args(argv)
     try:
         args.limits = Limits(**limits_from_args(args, DENOISER_FIELDS))
@@ -47,6 +73,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if args.default_steps > args.limits.max_steps or args.default_steps < 1:
         p.error(f"--default-steps must be between 1 and --max-steps ({args.limits.max_steps})")
+    for height, width in args.compile_sizes:
+        try:
+            model_size(height, width, args.limits)
+        except InvalidArgument as exc:
+            p.error(f"--compile-sizes: {width}x{height}: {exc}")
+    if not 0 <= args.compile_references <= args.limits.max_reference_images:
+        p.error(f"--compile-references must be between 0 and --max-reference-images "
+                f"({args.limits.max_reference_images})")
     return args
 
 
@@ -56,7 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     settings = DenoiseSettings(limits=args.limits, default_steps=args.default_steps,
                                default_guidance=args.default_guidance, png_compress_level=args.png_compress_level,
                                step_cache={level: getattr(args, f"step_cache_{level.value}")
-                                           for level in DEFAULT_SCHEDULES})
+                                           for level in DEFAULT_SCHEDULES},
+                               compile=CompileSettings(sizes=args.compile_sizes, references=args.compile_references,
+                                                       backend=args.compile_backend) if args.compile else None)
     asyncio.run(serve_model(
         args, name="denoise-engine", service_name=SERVICE_NAME,
         load=functools.partial(DenoiseEngine.load, args.model_path, args.device, args.dtype, settings),

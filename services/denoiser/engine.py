@@ -8,6 +8,7 @@ KV cache first.
 """
 from __future__ import annotations
 
+import io
 import logging
 import secrets
 import threading
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from services.denoiser.compiled import CompileCounter, CompileSettings, WarmUpJob, compile_blocks, warm_up_plan
 from services.denoiser.conditioning import (
     check_codes,
     check_references,
@@ -58,6 +60,7 @@ class DenoiseSettings:
     png_compress_level: int = DEFAULT_PNG_LEVEL  # zlib level when a PNG request gives no output_compression
     # The schedule of each cached StepCache level (services.denoiser.step_cache).
     step_cache: Mapping[StepCacheLevel, Schedule] = field(default_factory=lambda: dict(DEFAULT_SCHEDULES))
+    compile: CompileSettings | None = None  # --compile: the DiT's blocks compiled and warmed up (compiled.py)
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,9 @@ class DenoiseEngine:
         # The step cache is advertised (Limits.step_cache) only where this transformer and diffusers support it.
         self.limits = replace(settings.limits, step_cache=supported(pipe.transformer))
         self.codebook_size = int(pipe.transformer.config.prior_vq_quantizer_codebook_size)
+        self.compilations = CompileCounter()
+        if settings.compile is not None:
+            compile_blocks(pipe.transformer, settings.compile, self.compilations)
 
     @classmethod
     def load(cls, model_path: str | Path | None, device: str = "auto", dtype: str = "auto",
@@ -292,5 +298,31 @@ class DenoiseEngine:
         return self.pipe.image_processor.postprocess(pixels, output_type="pil")[0]
 
     def warm_up(self) -> None:
-        n = (64 // TOKEN_PATCH) ** 2
-        self.run(self.validate(DenoiseJob(prompt="warm-up", token_ids=[0] * n, height=64, width=64, seed=0)))
+        if self.settings.compile is None:
+            n = (64 // TOKEN_PATCH) ** 2
+            self.run(self.validate(DenoiseJob(prompt="warm-up", token_ids=[0] * n, height=64, width=64, seed=0)))
+            return
+        t0 = time.perf_counter()
+        plan = warm_up_plan(self.settings.compile, self.settings.step_cache, self.limits.step_cache)
+        for item in plan:
+            self.run(self.validate(self._warm_up_job(item)))
+        log.info("compiled the DiT's blocks (%s) and warmed up %d jobs at %s in %.1fs: %d graphs, %.1fs compiling",
+                 self.settings.compile.backend, len(plan),
+                 ", ".join(f"{w}x{h}" for h, w in self.settings.compile.sizes), time.perf_counter() - t0,
+                 self.compilations.graphs, self.compilations.seconds)
+
+    def _warm_up_job(self, item: WarmUpJob) -> DenoiseJob:
+        h, w = round_up(item.height), round_up(item.width)
+        tokens = [(7 * i) % self.codebook_size for i in range((h // TOKEN_PATCH) * (w // TOKEN_PATCH))]
+        images, refs = [], []
+        for i in range(item.references):
+            # Grids of distinct sizes: equal lengths would be traced as one symbol, leaving unequal ones to a request.
+            grid_w = 4 + 2 * i
+            png = io.BytesIO()
+            Image.new("RGB", (16 * grid_w, 64), (90, 120, 150)).save(png, "PNG")
+            images.append(png.getvalue())
+            refs.append(ReferenceTokens(token_ids=[(3 * j) % self.codebook_size for j in range(4 * grid_w)],
+                                        grid_height=4, grid_width=grid_w))
+        return DenoiseJob(prompt=item.prompt, token_ids=tokens, height=item.height, width=item.width,
+                          steps=item.steps, seed=0, step_cache=item.step_cache, reference_images=images,
+                          references=refs)

@@ -48,6 +48,11 @@ DECODE_SECONDS = Histogram("glmimage_denoiser_decode_seconds", "VAE decode of th
 ENCODE_SECONDS = Histogram("glmimage_denoiser_encode_seconds", "Pillow encoding of the final image",
                            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
 
+# --compile: graphs torch compiled since start. It rises during warm-up, before SERVING; a rise afterwards is a
+# request the warm-up did not cover (a size not in --compile-sizes, more references), compiled in that request.
+COMPILATIONS = Counter("glmimage_denoiser_compilations_total",
+                       "Graphs torch.compile compiled for the DiT's blocks (--compile), warm-up included")
+
 # Every label value is exported from the start, so rates work before the first event of a kind.
 for _outcome in Outcome:
     JOBS.labels(_outcome)

@@ -116,6 +116,9 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
     def __init__(self, engine: DenoiseEngine, executor: SerialExecutor) -> None:
         self.engine = engine
         self.executor = executor
+        # Made before the warm-up (serving.py), so the compilations of warm-up are exported too.
+        metrics.COMPILATIONS.inc(engine.compilations.graphs)
+        engine.compilations.on_compile = metrics.COMPILATIONS.inc
         # Held from acceptance until the worker thread really stops, not just until the RPC ends,
         # so a cancelled job can never overlap the next one.
         self._busy = False

@@ -97,6 +97,7 @@ def supported(transformer: Any) -> bool:
     try:
         from diffusers.hooks import TaylorSeerCacheConfig  # noqa: F401
         from diffusers.hooks.hooks import CacheContext, _set_cache_context  # noqa: F401
+        from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK  # noqa: F401
     except ImportError:
         return False
     return callable(getattr(transformer, "enable_cache", None)) and hasattr(transformer, "transformer_blocks")
@@ -112,8 +113,7 @@ class StepCacheRun:
         self.full = 0
         self.cached = 0
         self._on = False
-        self._computed = False
-        self._probe: torch.utils.hooks.RemovableHandle | None = None
+        self._probe: Any = None  # the first block's TaylorSeer hook, whose state says whether a step was computed
 
     def before_call(self, kwargs: dict) -> None:
         """Before a transformer call of the loop (never an edit's reference pass)."""
@@ -125,21 +125,25 @@ class StepCacheRun:
             if getattr(self.transformer, "is_cache_enabled", False):
                 self.transformer.disable_cache()  # never another job's state
             self.transformer.enable_cache(self.schedule.config())
-            # A hook inside the first block fires only when the block really runs: a computed step.
-            first = next(iter(self.transformer.transformer_blocks[0].children()))
-            self._probe = first.register_forward_pre_hook(self._saw_compute)
+            # Read, never hooked: a hook inside a block would sit in the compiled region (--compile) and make torch
+            # recompile the block for every job. Every level hooks the first block (lite as an inactive module).
+            from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
+
+            self._probe = self.transformer.transformer_blocks[0]._diffusers_hook.get_hook(_TAYLORSEER_CACHE_HOOK)
             self._on = True
         drop = kwargs.get("prior_token_drop")
         uncond = drop is not None and drop.numel() > 0 and bool(drop.all())
         _set_cache_context(self.transformer, CacheContext("uncond" if uncond else "cond"))
 
-    def _saw_compute(self, module: Any, args: Any) -> None:
-        self._computed = True
+    def _computed(self) -> bool:
+        """Whether the first block really ran at the last call: its state is updated only then (the same rule for
+        cond and uncond, so the last call speaks for the step)."""
+        state = self._probe.state_manager.get_state()
+        return state.last_update_step == state.current_step
 
     def step_done(self) -> bool:
         """At the end of a step: whether it was extrapolated; counts it."""
-        cached = self.schedule is not None and self._on and not self._computed
-        self._computed = False
+        cached = self.schedule is not None and self._on and not self._computed()
         if cached:
             self.cached += 1
         else:
@@ -147,9 +151,7 @@ class StepCacheRun:
         return cached
 
     def close(self) -> None:
-        if self._probe is not None:
-            self._probe.remove()
-            self._probe = None
+        self._probe = None
         if self._on:
             from diffusers.hooks.hooks import _set_cache_context
 
