@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+from pathlib import Path
 
 from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.denoiser.encoding import PNG_LEVELS
@@ -40,7 +41,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help=f"the {level.value} step-cache level's schedule: the first `warmup` steps computed, then "
                             f"one in every `interval`, the rest extrapolated (Taylor `order`; `lite`=1 skips every "
                             f"block and extrapolates only the output) (default {schedule.spec()})")
+    p.add_argument("--lora-dir", type=Path, default=None,
+                   help="directory of LoRA adapters a job may name (NAME.safetensors or NAME/ in diffusers' layout, "
+                        "optional NAME.json sidecar); default: none, or the tiny model's demo adapter without "
+                        "--model-path")
+    p.add_argument("--max-loaded-loras", type=int, default=DenoiseSettings.max_loaded_loras,
+                   help="adapters held loaded in the DiT at once, the least recently used evicted first "
+                        f"(default {DenoiseSettings.max_loaded_loras})")
     args = p.parse_args(argv)
+    if args.max_loaded_loras < 1:
+        p.error("--max-loaded-loras must be at least 1")
+    if args.lora_dir is not None and not args.lora_dir.is_dir():
+        p.error(f"--lora-dir {args.lora_dir}: not a directory")
     try:
         args.limits = Limits(**limits_from_args(args, DENOISER_FIELDS))
     except SystemExit as exc:
@@ -56,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = DenoiseSettings(limits=args.limits, default_steps=args.default_steps,
                                default_guidance=args.default_guidance, png_compress_level=args.png_compress_level,
                                step_cache={level: getattr(args, f"step_cache_{level.value}")
-                                           for level in DEFAULT_SCHEDULES})
+                                           for level in DEFAULT_SCHEDULES},
+                               lora_dir=args.lora_dir, max_loaded_loras=args.max_loaded_loras)
     asyncio.run(serve_model(
         args, name="denoise-engine", service_name=SERVICE_NAME,
         load=functools.partial(DenoiseEngine.load, args.model_path, args.device, args.dtype, settings),
