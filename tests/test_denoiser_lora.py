@@ -139,6 +139,16 @@ def test_an_edit_runs_with_an_adapter(lora_engine, denoise_engine) -> None:
     assert _image(lora_engine, edit) == plain
 
 
+def test_a_cached_job_with_an_adapter_leaves_the_next_cached_job_the_base_one(lora_engine, denoise_engine) -> None:
+    from services.denoiser.step_cache import StepCacheLevel
+
+    cached = _job(steps=8, step_cache=StepCacheLevel.BALANCED)
+    base = _image(denoise_engine, cached)
+    styled = lora_engine.run(lora_engine.validate(dataclasses.replace(cached, loras=[LoraRef(STYLE)])))
+    assert styled.steps_cached > 0 and styled.image != base
+    assert _image(lora_engine, cached) == base
+
+
 def test_the_lru_loads_on_a_miss_and_evicts_the_least_recently_used(tiny_checkpoint, lora_dir, base_image) -> None:
     eng = _engine(tiny_checkpoint, lora_dir, capacity=2)
     names = ("loads", "hits", "misses", "evictions")
