@@ -35,6 +35,7 @@ from services.runtime.limits import (
     DENOISER_CAPABILITIES,
     DENOISER_FIELDS,
     FIELDS,
+    LORA_FIELDS,
     MAX_ASPECT,
     REFERENCE_FIELDS,
     SEED_SPACE,
@@ -54,11 +55,13 @@ from tests.support.images import image_file
 # Each worker tighter than the defaults, and than each other where both apply (prompt, pixels).
 AR_FLAGS = ["--max-prompt-chars", "300", "--max-n", "4", "--max-pixels", str(512 * 512)]
 DENOISER_FLAGS = ["--max-prompt-chars", "400", "--max-pixels", str(256 * 256), "--max-steps", "7",
-                  "--max-guidance", "9", "--max-partial-images", "2"]
+                  "--max-guidance", "9", "--max-partial-images", "2", "--max-lora-rank", "64"]
 EXPECTED = Limits(max_prompt_chars=300, max_n=4, max_pixels=256 * 256, max_steps=7, max_guidance=9.0,
-                  max_batch_outputs=32, max_partial_images=2, step_cache=True)
+                  max_batch_outputs=32, max_partial_images=2, step_cache=True, max_lora_rank=64)
 PROMPT = "a red cube"
 REFERENCE_DEFAULTS = {name: getattr(Limits, name) for name in REFERENCE_FIELDS}
+# The tiny model's denoiser serves its demo adapter, so it advertises adapters.
+LORA_DEFAULTS = {**{name: getattr(Limits, name) for name in LORA_FIELDS}, "max_lora_rank": 64}
 
 
 # ---- the model itself ------------------------------------------------------------------------------------------
@@ -181,6 +184,7 @@ async def test_workers_and_gateway_advertise_their_limits(stack: Cluster) -> Non
             denoiser_service_pb2.DenoiserServiceGetLimitsRequest())
     assert advertised(den.limits) == {"max_prompt_chars": 400, "max_pixels": 256 * 256, "max_steps": 7,
                                       "max_guidance": 9.0, "max_partial_images": 2, "step_cache": True,
+                                      **LORA_DEFAULTS,
                                       **REFERENCE_DEFAULTS}
     async with grpc.aio.insecure_channel(stack.procs["gateway"].address) as ch:
         gw = await gateway_service_pb2_grpc.GatewayServiceStub(ch).GetLimits(pb.GetLimitsRequest())
@@ -264,7 +268,9 @@ async def test_at_the_limits_the_request_is_served(stack: Cluster) -> None:
 async def test_the_sdk_and_the_cli_read_the_limits_in_force(stack: Cluster) -> None:
     address = stack.procs["gateway"].address
     async with AsyncClient(address) as client:
-        assert dataclasses.asdict(await client.limits()) == dataclasses.asdict(EXPECTED)
+        limits = await client.limits()
+    expected = dataclasses.asdict(EXPECTED)
+    assert dataclasses.asdict(limits) == expected
     out = subprocess.run([sys.executable, "-m", "glmimage.cli", "--address", address, "limits", "--json"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    assert json.loads(out) == dataclasses.asdict(EXPECTED)
+    assert json.loads(out) == expected

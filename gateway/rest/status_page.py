@@ -129,7 +129,8 @@ function render(data) {
       cell(row, w.index); cell(row, w.role); cell(row, w.address || "(hidden)");
       cell(row, w.state, w.state);
       cell(row, w.job || (w.held_elsewhere ? "another gateway's job" : ""), "job");
-      cell(row, [w.stuck ? "stuck" : "", w.health && !["ok", "serving"].includes(w.health) ? w.health : ""].filter(Boolean).join(", "));
+      const health = w.health && !["ok", "serving"].includes(w.health) ? w.health : "";
+      cell(row, [w.stuck ? "stuck" : "", health].filter(Boolean).join(", "));
     }
     root.appendChild(table);
   }

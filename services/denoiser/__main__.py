@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+from pathlib import Path
 
 from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.denoiser.compiled import CompileSettings, parse_sizes
@@ -66,7 +67,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="warm up edits of 1..N references with --compile (default %(default)s)")
     p.add_argument("--compile-backend", default=CompileSettings.backend,
                    help="torch.compile backend with --compile (default %(default)s)")
+    p.add_argument("--lora-dir", type=Path, default=None,
+                   help="directory of LoRA adapters a job may name (NAME.safetensors or NAME/ in diffusers' layout, "
+                        "optional NAME.json sidecar); default: none, or the tiny model's demo adapter without "
+                        "--model-path")
+    p.add_argument("--max-loaded-loras", type=int, default=DenoiseSettings.max_loaded_loras,
+                   help="adapters held loaded in the DiT at once, the least recently used evicted first "
+                        f"(default {DenoiseSettings.max_loaded_loras})")
     args = p.parse_args(argv)
+    if args.max_loaded_loras < 1:
+        p.error("--max-loaded-loras must be at least 1")
+    if args.lora_dir is not None and not args.lora_dir.is_dir():
+        p.error(f"--lora-dir {args.lora_dir}: not a directory")
     try:
         args.limits = Limits(**limits_from_args(args, DENOISER_FIELDS))
     except SystemExit as exc:
@@ -92,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
                                step_cache={level: getattr(args, f"step_cache_{level.value}")
                                            for level in DEFAULT_SCHEDULES},
                                compile=CompileSettings(sizes=args.compile_sizes, references=args.compile_references,
-                                                       backend=args.compile_backend) if args.compile else None)
+                                                       backend=args.compile_backend) if args.compile else None,
+                               lora_dir=args.lora_dir, max_loaded_loras=args.max_loaded_loras)
     asyncio.run(serve_model(
         args, name="denoise-engine", service_name=SERVICE_NAME,
         load=functools.partial(DenoiseEngine.load, args.model_path, args.device, args.dtype, settings),

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from services.denoiser.adapters import AdapterCache, AdapterDirectory, LoraRef, base_only
 from services.denoiser.compiled import CompileCounter, CompileSettings, WarmUpJob, compile_blocks, warm_up_plan
 from services.denoiser.conditioning import (
     check_codes,
@@ -33,7 +34,7 @@ from services.denoiser.step_cache import DEFAULT_SCHEDULES, Schedule, StepCacheL
 from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.references import TOKEN_PATCH, ReferenceTokens
-from services.model.tiny import DENOISER_PARTS
+from services.model.tiny import DENOISER_PARTS, tiny_lora_dir
 from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from services.runtime.limits import (
     SEED_SPACE,
@@ -61,6 +62,8 @@ class DenoiseSettings:
     # The schedule of each cached StepCache level (services.denoiser.step_cache).
     step_cache: Mapping[StepCacheLevel, Schedule] = field(default_factory=lambda: dict(DEFAULT_SCHEDULES))
     compile: CompileSettings | None = None  # --compile: the DiT's blocks compiled and warmed up (compiled.py)
+    lora_dir: Path | None = None  # LoRA adapters (services.denoiser.adapters); None: none served
+    max_loaded_loras: int = 4
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class DenoiseJob:
     reference_images: Sequence[bytes] = ()
     references: Sequence[ReferenceTokens] = ()
     step_cache: StepCacheLevel = StepCacheLevel.OFF
+    loras: Sequence[LoraRef] = ()  # validate() fills each default scale
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,15 @@ class DenoiseEngine:
         self.settings = settings
         # The step cache is advertised (Limits.step_cache) only where this transformer and diffusers support it.
         self.limits = replace(settings.limits, step_cache=supported(pipe.transformer))
+        self.adapters: AdapterCache | None = None
+        if settings.lora_dir is None:  # advertised, so a gateway refuses adapters before sending a job here
+            self.limits = replace(self.limits, max_loras_per_request=0)
+        else:
+            # A job's adapters must all fit in the DiT at once.
+            self.limits = replace(self.limits, max_loras_per_request=min(self.limits.max_loras_per_request,
+                                                                         settings.max_loaded_loras))
+            self.adapters = AdapterCache(pipe.transformer, AdapterDirectory(settings.lora_dir), self.limits,
+                                         settings.max_loaded_loras)
         self.codebook_size = int(pipe.transformer.config.prior_vq_quantizer_codebook_size)
         self.compilations = CompileCounter()
         if settings.compile is not None:
@@ -170,6 +183,8 @@ class DenoiseEngine:
 
         root = checkpoint_root(model_path)
         require_parts(root, DENOISER_PARTS, "denoiser service")
+        if model_path is None and settings.lora_dir is None and tiny_lora_dir(root).is_dir():
+            settings = replace(settings, lora_dir=tiny_lora_dir(root))  # the tiny model's demo adapter
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         t0 = time.perf_counter()
@@ -200,8 +215,13 @@ class DenoiseEngine:
         if job.step_cache is not StepCacheLevel.OFF and not lim.step_cache:
             raise InvalidArgument("step_cache", f"this denoiser cannot cache steps ({job.step_cache.value}); "
                                                 "use off")
+        loras = tuple(job.loras)
+        if loras and self.adapters is None:
+            raise InvalidArgument("loras", "this denoiser serves no LoRA adapters (no --lora-dir)")
+        if self.adapters is not None:
+            loras = self.adapters.resolve(loras)
         seed = job.seed if job.seed is not None else secrets.randbelow(SEED_SPACE)
-        return replace(job, steps=steps, guidance_scale=guidance, seed=seed)
+        return replace(job, steps=steps, guidance_scale=guidance, seed=seed, loras=loras)
 
     @torch.inference_mode()
     def run(self, job: DenoiseJob, control: JobControl | None = None) -> DenoiseResult:
@@ -263,6 +283,13 @@ class DenoiseEngine:
             return callback_kwargs
 
         control.check("before the first step")
+        # Every job sets the adapters it runs with, so nothing of the previous job's carries over.
+        # Outside inference mode: peft's new layers must stay ordinary tensors that later loads and deletes may edit.
+        with torch.inference_mode(False), torch.no_grad():
+            if self.adapters is not None:
+                self.adapters.activate(job.loras)
+            else:
+                base_only(self.pipe.transformer)
         hook = self.pipe.transformer.register_forward_pre_hook(on_transformer_call, with_kwargs=True)
         try:
             return self.pipe(

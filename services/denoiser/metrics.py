@@ -47,6 +47,13 @@ DECODE_SECONDS = Histogram("glmimage_denoiser_decode_seconds", "VAE decode of th
                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
 ENCODE_SECONDS = Histogram("glmimage_denoiser_encode_seconds", "Pillow encoding of the final image",
                            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+# LoRA adapters (services.denoiser.adapters): a hit is a job's adapter already loaded, a miss one read from disk
+# (then loaded, or refused); an eviction frees room at --max-loaded-loras, or drops a file replaced on disk.
+LORA_LOADS = Counter("glmimage_denoiser_lora_loads_total", "LoRA adapters loaded into the DiT")
+LORA_HITS = Counter("glmimage_denoiser_lora_hits_total", "Adapters a job named that were already loaded")
+LORA_MISSES = Counter("glmimage_denoiser_lora_misses_total", "Adapters a job named that had to be read from disk")
+LORA_EVICTIONS = Counter("glmimage_denoiser_lora_evictions_total", "LoRA adapters removed from the DiT")
+LORAS_LOADED = Gauge("glmimage_denoiser_loras_loaded", "LoRA adapters held loaded in the DiT")
 
 # --compile: graphs torch compiled since start. It rises during warm-up, before SERVING; a rise afterwards is a
 # request the warm-up did not cover (a size not in --compile-sizes, more references), compiled in that request.

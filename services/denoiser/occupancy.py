@@ -23,6 +23,7 @@ class Occupancy:
     busy: bool = False
     owner: str = ""  # the gateway that sent the job holding the slot (DenoiseRequest.owner)
     request_id: str = ""
+    loras_loaded: tuple[str, ...] = ()  # the LoRA adapters the DiT holds, least recently used first
 
 
 class OccupancyBoard:
@@ -37,10 +38,13 @@ class OccupancyBoard:
         return self._state
 
     def take(self, owner: str, request_id: str) -> None:
-        self._publish(Occupancy(self._state.sequence + 1, True, owner, request_id))
+        self._publish(Occupancy(self._state.sequence + 1, True, owner, request_id,
+                                loras_loaded=self._state.loras_loaded))
 
-    def release(self) -> None:
-        self._publish(Occupancy(self._state.sequence + 1))
+    def release(self, loras_loaded: tuple[str, ...] | None = None) -> None:
+        """Free the slot; ``loras_loaded`` as the job left them (None: unchanged)."""
+        loras = self._state.loras_loaded if loras_loaded is None else loras_loaded
+        self._publish(Occupancy(self._state.sequence + 1, loras_loaded=loras))
 
     def _publish(self, state: Occupancy) -> None:
         self._state = state
@@ -62,4 +66,5 @@ class OccupancyBoard:
         """``watch`` as WatchOccupancy sends it (the real servicer and the simulated one both serve this)."""
         async for state in self.watch():
             yield denoiser_service_pb2.WatchOccupancyResponse(sequence=state.sequence, busy=state.busy,
-                                                              owner=state.owner, request_id=state.request_id)
+                                                              owner=state.owner, request_id=state.request_id,
+                                                              loras_loaded=state.loras_loaded)

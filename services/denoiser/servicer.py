@@ -17,6 +17,7 @@ import grpc
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
 from glmimage.wire import formats
 from services.denoiser import metrics
+from services.denoiser.adapters import LoraRef
 from services.denoiser.encoding import ImageFormat
 from services.denoiser.engine import (
     DenoiseEngine,
@@ -66,7 +67,8 @@ def job_from_proto(msg: denoiser_service_pb2.DenoiseRequest, partial_images: int
         reference_images=[image.data for image in msg.reference_images],
         references=[ReferenceTokens(token_ids=list(r.tokens.token_ids), grid_height=r.grid_height,
                                     grid_width=r.grid_width) for r in msg.references],
-        step_cache=STEP_CACHE_FROM_PROTO[msg.step_cache])
+        step_cache=STEP_CACHE_FROM_PROTO[msg.step_cache],
+        loras=[LoraRef(r.name, r.scale if r.HasField("scale") else None) for r in msg.loras])
 
 
 def result_to_proto(r: DenoiseResult) -> denoiser_service_pb2.DenoiseResponse:
@@ -271,6 +273,7 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         self.last_job = record
         self._busy = False
         self._idle.set()
-        self.occupancy.release()
+        adapters = self.engine.adapters
+        self.occupancy.release(adapters.loaded() if adapters is not None else None)
         self._holding -= 1
         metrics.BUSY.dec()

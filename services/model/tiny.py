@@ -133,33 +133,99 @@ def build_tiny_pipeline(seed: int = 0):
                             scheduler=FlowMatchEulerDiscreteScheduler())
 
 
+# The demo LoRA adapter (docs/configuration.md, "LoRA adapters"): random weights on the tiny DiT's attention
+# projections, in diffusers' file layout, in the checkpoint's own loras/ folder, so TINY_VERSION rebuilds it too.
+TINY_LORA = "tiny-style"
+TINY_LORA_RANK = 4
+_TINY_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def tiny_lora_dir(checkpoint: Path) -> Path:
+    return Path(checkpoint) / "loras"
+
+
+def build_tiny_lora(transformer, directory: Path, name: str = TINY_LORA, seed: int = 1,
+                    std: float = 0.5) -> Path:
+    """Write ``name``.safetensors (and its sidecar) into ``directory``: a rank-4 LoRA with random weights of
+    ``seed`` on ``transformer``, saved by diffusers' own ``save_lora_adapter``; the transformer is left as it was."""
+    import json
+
+    import torch
+    from peft import LoraConfig
+
+    transformer.add_adapter(LoraConfig(r=TINY_LORA_RANK, lora_alpha=TINY_LORA_RANK,
+                                       target_modules=_TINY_LORA_TARGETS), adapter_name=name)
+    try:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param_name, param in sorted(transformer.named_parameters()):
+                if f".{name}." in param_name:  # peft's own init leaves lora_B at zero: no effect to see
+                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+        transformer.save_lora_adapter(directory, adapter_name=name, weight_name=f"{name}.safetensors")
+    finally:
+        transformer.delete_adapters(name)
+    (directory / f"{name}.json").write_text(json.dumps(
+        {"scale": 1.0, "description": "a demo adapter of random weights for the tiny model"}, indent=2) + "\n")
+    return directory / f"{name}.safetensors"
+
+
+def ensure_tiny_lora(checkpoint: Path) -> Path | None:
+    """The tiny checkpoint's adapter directory, written first if missing; None where peft is not installed (the
+    denoiser then serves no adapters)."""
+    import importlib.util
+
+    loras = tiny_lora_dir(checkpoint)
+    if (loras / f"{TINY_LORA}.safetensors").is_file():
+        return loras
+    if importlib.util.find_spec("peft") is None:
+        log.warning("peft is not installed: no demo LoRA adapter for the tiny model")
+        return None
+    with open(checkpoint.parent / f".{checkpoint.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (loras / f"{TINY_LORA}.safetensors").is_file():
+            return loras
+        from diffusers import GlmImageTransformer2DModel
+
+        log.info("writing the tiny model's demo LoRA adapter %s to %s", TINY_LORA, loras)
+        tmp = Path(tempfile.mkdtemp(prefix=".loras-", dir=checkpoint))
+        try:
+            build_tiny_lora(GlmImageTransformer2DModel.from_pretrained(checkpoint / "transformer"), tmp)
+            if loras.exists():
+                shutil.rmtree(loras)
+            tmp.rename(loras)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return loras
+
+
 def _is_complete(path: Path) -> bool:
     return (path / "model_index.json").is_file() and all((path / p).is_dir() for p in AR_PARTS + DENOISER_PARTS)
 
 
 def ensure_tiny_checkpoint(path: Path | None = None) -> Path:
-    """Return a directory holding the tiny checkpoint, writing it first if missing.
+    """Return a directory holding the tiny checkpoint (and its demo LoRA adapter), writing it first if missing.
 
     Safe when several servers start at once: one builds under an exclusive lock into a temporary
     directory and renames it into place; the others wait on the lock and then reuse it.
     """
     path = Path(path) if path else default_cache_dir()
     if _is_complete(path):
+        ensure_tiny_lora(path)
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _is_complete(path):
-            return path
-        log.info("writing the tiny GLM-Image checkpoint to %s", path)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-        try:
-            build_tiny_pipeline().save_pretrained(tmp)
-            if path.exists():
-                shutil.rmtree(path)
-            tmp.rename(path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not _is_complete(path):
+            log.info("writing the tiny GLM-Image checkpoint to %s", path)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+            try:
+                build_tiny_pipeline().save_pretrained(tmp)
+                if path.exists():
+                    shutil.rmtree(path)
+                tmp.rename(path)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    ensure_tiny_lora(path)  # after the lock: it takes the same one
     return path
 
 

@@ -15,9 +15,11 @@ import argparse
 import dataclasses
 import io
 import math
+import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from glmimage.v1 import common_pb2
 from services.runtime.errors import InvalidArgument
@@ -42,6 +44,12 @@ MAX_ID_CHARS = 256
 # How elongated an image may be, long side over short side, the target and every reference alike: GLM-Image's
 # processor keeps references within it (smart_resize), and a target past it would be a strip the model never saw.
 MAX_ASPECT = 4.0
+# LoRA adapter names: a file name in the denoiser's adapter directory, never a path (no '/', no '..', no NUL).
+MAX_LORA_NAME_CHARS = 128
+_LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# An adapter's scale multiplies its low-rank update: 0 switches it off, negative values invert it; past a few the
+# image is noise, so the range is fixed like the AR's sampling ranges rather than configurable.
+MAX_LORA_SCALE = 4.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,12 @@ class Limits:
     # Not a bound but a capability, merged the same way (the tightest: every denoiser must have it): whether the
     # cached StepCache levels are served. A denoiser sets it from what its model and diffusers support.
     step_cache: bool = False
+    # LoRA adapters (services.denoiser.adapters): how many one job may name, and the largest adapter file a denoiser
+    # loads (rank from its lora_A/lora_B shapes, bytes on disk). A denoiser without an adapter directory advertises
+    # max_loras_per_request 0, so a gateway that merges it refuses adapters before any work.
+    max_loras_per_request: int = 4
+    max_lora_rank: int = 256
+    max_lora_bytes: int = 512 << 20
 
     @property
     def max_request_outputs(self) -> int:
@@ -105,8 +119,9 @@ def max_request_bytes(limits: Limits, *, prompts: int = 1, tokens: bool = False)
 # What each server applies, and so advertises: the gateway must not take a default it never checks as a bound.
 REFERENCE_FIELDS = ("max_reference_images", "max_reference_bytes", "max_reference_total_bytes", "max_reference_pixels")
 AR_FIELDS = ("max_prompt_chars", "max_n", "max_pixels", "max_batch_outputs", *REFERENCE_FIELDS)
+LORA_FIELDS = ("max_loras_per_request", "max_lora_rank", "max_lora_bytes")
 DENOISER_FIELDS = ("max_prompt_chars", "max_pixels", "max_steps", "max_guidance", "max_partial_images",
-                   *REFERENCE_FIELDS)
+                   *REFERENCE_FIELDS, *LORA_FIELDS)
 
 
 def advertised(message: common_pb2.Limits) -> dict[str, float]:
@@ -257,6 +272,35 @@ def check_step_cache(level: int, limits: Limits) -> None:
         raise InvalidArgument("step_cache", f"{name} is not served here: the denoisers cannot cache steps; use off")
 
 
+def check_lora_name(name: str, field: str) -> None:
+    """An adapter name is a file name in the adapter directory: never a path, a parent or a hidden file."""
+    if not 1 <= len(name) <= MAX_LORA_NAME_CHARS:
+        raise InvalidArgument(field, f"must be 1 to {MAX_LORA_NAME_CHARS} characters, got {len(name)}")
+    if not _LORA_NAME.fullmatch(name) or ".." in name:
+        raise InvalidArgument(field, f"{name!r} is not an adapter name: letters, digits, '.', '_' and '-', starting "
+                                     "with a letter or digit, no '..'")
+
+
+def check_loras(refs: Sequence[Any], limits: Limits) -> None:
+    """A request's adapters (anything with ``name`` and ``scale``: LoraRef messages or the denoiser's own): how many,
+    each name's form (not whether it exists: the denoiser knows that), no name twice, each scale finite and within
+    [-MAX_LORA_SCALE, MAX_LORA_SCALE]. A scale of None (unset on the wire) takes the adapter's default."""
+    if len(refs) > limits.max_loras_per_request:
+        why = " (this server serves no LoRA adapters)" if limits.max_loras_per_request == 0 else ""
+        raise InvalidArgument("loras", f"{len(refs)} adapters; a request takes at most "
+                                       f"{limits.max_loras_per_request}{why}")
+    seen: dict[str, int] = {}
+    for i, ref in enumerate(refs):
+        check_lora_name(ref.name, f"loras[{i}].name")
+        if ref.name in seen:
+            raise InvalidArgument(f"loras[{i}].name", f"{ref.name!r} is already loras[{seen[ref.name]}]")
+        seen[ref.name] = i
+        # `not a <= x <= b` also refuses NaN; infinity is past the bound.
+        if ref.scale is not None and not -MAX_LORA_SCALE <= ref.scale <= MAX_LORA_SCALE:
+            raise InvalidArgument(f"loras[{i}].scale", f"must be between {-MAX_LORA_SCALE:g} and "
+                                                       f"{MAX_LORA_SCALE:g}, got {float_text(ref.scale)}")
+
+
 def check_partial_images(count: int, limits: Limits) -> None:
     if not 0 <= count <= limits.max_partial_images:
         raise InvalidArgument("partial_images", f"must be between 0 and {limits.max_partial_images}, got {count}")
@@ -327,6 +371,9 @@ FLAG_HELP = {
     "max_reference_bytes": "bytes of one reference image file",
     "max_reference_total_bytes": "bytes of all the reference images of one edit",
     "max_reference_pixels": "pixels a reference image may declare in its header (checked before decoding)",
+    "max_loras_per_request": "LoRA adapters one job may name (0: none)",
+    "max_lora_rank": "rank of a LoRA adapter, read from its lora_A/lora_B shapes before it is loaded",
+    "max_lora_bytes": "bytes of a LoRA adapter file",
 }
 
 
@@ -345,12 +392,16 @@ _WIRE_MAX = {f.name: {f.TYPE_UINT32: 2**32 - 1, f.TYPE_UINT64: 2**64 - 1}.get(f.
              for f in common_pb2.Limits.DESCRIPTOR.fields}
 
 
+# Bounds whose 0 refuses only what asks for them: no guidance, no adapters.
+_ZERO_ALLOWED = ("max_guidance", "max_loras_per_request")
+
+
 def limits_from_args(args: argparse.Namespace, fields: Iterable[str]) -> dict[str, float]:
     """The ``--max-*`` flags given; SystemExit with a message for one that would refuse everything, or that is
     beyond what GetLimits can carry (the worker would then fail every gateway's limits read)."""
     given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     for name, value in given.items():
-        low = 0 if name == "max_guidance" else 1
+        low = 0 if name in _ZERO_ALLOWED else 1
         # `not a <= x <= b` also refuses NaN (and infinity, past the float maximum).
         if not low <= value <= _WIRE_MAX[name]:
             raise SystemExit(f"--{name.replace('_', '-')} must be between {low} and {_WIRE_MAX[name]:g}, "

@@ -155,6 +155,10 @@ class Limits:
     max_reference_pixels: int
     # Whether step_cache balanced and aggressive are served (every denoiser can cache steps).
     step_cache: bool = False
+    # LoRA adapters on the denoisers: per request (0: none served), their rank and file size.
+    max_loras_per_request: int = 0
+    max_lora_rank: int = 0
+    max_lora_bytes: int = 0
 
     @classmethod
     def from_proto(cls, m: common_pb2.Limits) -> Limits:

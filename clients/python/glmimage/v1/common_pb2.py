@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18glmimage/v1/common.proto\x12\x0bglmimage.v1\"\x96\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x06 \x01(\r\"!\n\x08TokenRow\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\x1e\n\x0eReferenceImage\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"a\n\x0fReferenceTokens\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.glmimage.v1.TokenRow\x12\x13\n\x0bgrid_height\x18\x02 \x01(\r\x12\x12\n\ngrid_width\x18\x03 \x01(\r\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_k\"\xe2\x04\n\x06Limits\x12\x1d\n\x10max_prompt_chars\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05max_n\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nmax_pixels\x18\x03 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\tmax_steps\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x19\n\x0cmax_guidance\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11max_batch_outputs\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1f\n\x12max_partial_images\x18\x07 \x01(\rH\x06\x88\x01\x01\x12!\n\x14max_reference_images\x18\x08 \x01(\rH\x07\x88\x01\x01\x12 \n\x13max_reference_bytes\x18\t \x01(\x04H\x08\x88\x01\x01\x12!\n\x14max_reference_pixels\x18\n \x01(\x04H\t\x88\x01\x01\x12&\n\x19max_reference_total_bytes\x18\x0b \x01(\x04H\n\x88\x01\x01\x12\x17\n\nstep_cache\x18\x0c \x01(\x08H\x0b\x88\x01\x01\x42\x13\n\x11_max_prompt_charsB\x08\n\x06_max_nB\r\n\x0b_max_pixelsB\x0c\n\n_max_stepsB\x0f\n\r_max_guidanceB\x14\n\x12_max_batch_outputsB\x15\n\x13_max_partial_imagesB\x17\n\x15_max_reference_imagesB\x16\n\x14_max_reference_bytesB\x17\n\x15_max_reference_pixelsB\x1c\n\x1a_max_reference_total_bytesB\r\n\x0b_step_cache*o\n\x0bImageFormat\x12\x1c\n\x18IMAGE_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10IMAGE_FORMAT_PNG\x10\x01\x12\x15\n\x11IMAGE_FORMAT_JPEG\x10\x02\x12\x15\n\x11IMAGE_FORMAT_WEBP\x10\x03*o\n\tStepCache\x12\x1a\n\x16STEP_CACHE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTEP_CACHE_OFF\x10\x01\x12\x17\n\x13STEP_CACHE_BALANCED\x10\x02\x12\x19\n\x15STEP_CACHE_AGGRESSIVE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18glmimage/v1/common.proto\x12\x0bglmimage.v1\"\x96\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x06 \x01(\r\"!\n\x08TokenRow\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\x1e\n\x0eReferenceImage\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"a\n\x0fReferenceTokens\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.glmimage.v1.TokenRow\x12\x13\n\x0bgrid_height\x18\x02 \x01(\r\x12\x12\n\ngrid_width\x18\x03 \x01(\r\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_k\"5\n\x07LoraRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05scale\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x08\n\x06_scale\"\xfe\x05\n\x06Limits\x12\x1d\n\x10max_prompt_chars\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05max_n\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nmax_pixels\x18\x03 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\tmax_steps\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x19\n\x0cmax_guidance\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11max_batch_outputs\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1f\n\x12max_partial_images\x18\x07 \x01(\rH\x06\x88\x01\x01\x12!\n\x14max_reference_images\x18\x08 \x01(\rH\x07\x88\x01\x01\x12 \n\x13max_reference_bytes\x18\t \x01(\x04H\x08\x88\x01\x01\x12!\n\x14max_reference_pixels\x18\n \x01(\x04H\t\x88\x01\x01\x12&\n\x19max_reference_total_bytes\x18\x0b \x01(\x04H\n\x88\x01\x01\x12\x17\n\nstep_cache\x18\x0c \x01(\x08H\x0b\x88\x01\x01\x12\"\n\x15max_loras_per_request\x18\r \x01(\rH\x0c\x88\x01\x01\x12\x1a\n\rmax_lora_rank\x18\x0e \x01(\rH\r\x88\x01\x01\x12\x1b\n\x0emax_lora_bytes\x18\x0f \x01(\x04H\x0e\x88\x01\x01\x42\x13\n\x11_max_prompt_charsB\x08\n\x06_max_nB\r\n\x0b_max_pixelsB\x0c\n\n_max_stepsB\x0f\n\r_max_guidanceB\x14\n\x12_max_batch_outputsB\x15\n\x13_max_partial_imagesB\x17\n\x15_max_reference_imagesB\x16\n\x14_max_reference_bytesB\x17\n\x15_max_reference_pixelsB\x1c\n\x1a_max_reference_total_bytesB\r\n\x0b_step_cacheB\x18\n\x16_max_loras_per_requestB\x10\n\x0e_max_lora_rankB\x11\n\x0f_max_lora_bytes*o\n\x0bImageFormat\x12\x1c\n\x18IMAGE_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10IMAGE_FORMAT_PNG\x10\x01\x12\x15\n\x11IMAGE_FORMAT_JPEG\x10\x02\x12\x15\n\x11IMAGE_FORMAT_WEBP\x10\x03*o\n\tStepCache\x12\x1a\n\x16STEP_CACHE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTEP_CACHE_OFF\x10\x01\x12\x17\n\x13STEP_CACHE_BALANCED\x10\x02\x12\x19\n\x15STEP_CACHE_AGGRESSIVE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENROW'].fields_by_name['token_ids']._loaded_options = None
   _globals['_TOKENROW'].fields_by_name['token_ids']._serialized_options = b'\020\001'
-  _globals['_IMAGEFORMAT']._serialized_start=1093
-  _globals['_IMAGEFORMAT']._serialized_end=1204
-  _globals['_STEPCACHE']._serialized_start=1206
-  _globals['_STEPCACHE']._serialized_end=1317
+  _globals['_IMAGEFORMAT']._serialized_start=1304
+  _globals['_IMAGEFORMAT']._serialized_end=1415
+  _globals['_STEPCACHE']._serialized_start=1417
+  _globals['_STEPCACHE']._serialized_end=1528
   _globals['_USAGE']._serialized_start=42
   _globals['_USAGE']._serialized_end=192
   _globals['_TOKENROW']._serialized_start=194
@@ -47,6 +47,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REFERENCETOKENS']._serialized_end=358
   _globals['_SAMPLINGPARAMS']._serialized_start=360
   _globals['_SAMPLINGPARAMS']._serialized_end=478
-  _globals['_LIMITS']._serialized_start=481
-  _globals['_LIMITS']._serialized_end=1091
+  _globals['_LORAREF']._serialized_start=480
+  _globals['_LORAREF']._serialized_end=533
+  _globals['_LIMITS']._serialized_start=536
+  _globals['_LIMITS']._serialized_end=1302
 # @@protoc_insertion_point(module_scope)

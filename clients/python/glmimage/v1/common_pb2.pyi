@@ -77,8 +77,16 @@ class SamplingParams(_message.Message):
     top_k: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
 
+class LoraRef(_message.Message):
+    __slots__ = ("name", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+
 class Limits(_message.Message):
-    __slots__ = ("max_prompt_chars", "max_n", "max_pixels", "max_steps", "max_guidance", "max_batch_outputs", "max_partial_images", "max_reference_images", "max_reference_bytes", "max_reference_pixels", "max_reference_total_bytes", "step_cache")
+    __slots__ = ("max_prompt_chars", "max_n", "max_pixels", "max_steps", "max_guidance", "max_batch_outputs", "max_partial_images", "max_reference_images", "max_reference_bytes", "max_reference_pixels", "max_reference_total_bytes", "step_cache", "max_loras_per_request", "max_lora_rank", "max_lora_bytes")
     MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_N_FIELD_NUMBER: _ClassVar[int]
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +99,9 @@ class Limits(_message.Message):
     MAX_REFERENCE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     MAX_REFERENCE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     STEP_CACHE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_prompt_chars: int
     max_n: int
     max_pixels: int
@@ -103,4 +114,7 @@ class Limits(_message.Message):
     max_reference_pixels: int
     max_reference_total_bytes: int
     step_cache: bool
-    def __init__(self, max_prompt_chars: _Optional[int] = ..., max_n: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_guidance: _Optional[float] = ..., max_batch_outputs: _Optional[int] = ..., max_partial_images: _Optional[int] = ..., max_reference_images: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_reference_pixels: _Optional[int] = ..., max_reference_total_bytes: _Optional[int] = ..., step_cache: _Optional[bool] = ...) -> None: ...
+    max_loras_per_request: int
+    max_lora_rank: int
+    max_lora_bytes: int
+    def __init__(self, max_prompt_chars: _Optional[int] = ..., max_n: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_guidance: _Optional[float] = ..., max_batch_outputs: _Optional[int] = ..., max_partial_images: _Optional[int] = ..., max_reference_images: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_reference_pixels: _Optional[int] = ..., max_reference_total_bytes: _Optional[int] = ..., step_cache: _Optional[bool] = ..., max_loras_per_request: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_lora_bytes: _Optional[int] = ...) -> None: ...

@@ -12,16 +12,18 @@ class WatchOccupancyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchOccupancyResponse(_message.Message):
-    __slots__ = ("sequence", "busy", "owner", "request_id")
+    __slots__ = ("sequence", "busy", "owner", "request_id", "loras_loaded")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LORAS_LOADED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     busy: bool
     owner: str
     request_id: str
-    def __init__(self, sequence: _Optional[int] = ..., busy: _Optional[bool] = ..., owner: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    loras_loaded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sequence: _Optional[int] = ..., busy: _Optional[bool] = ..., owner: _Optional[str] = ..., request_id: _Optional[str] = ..., loras_loaded: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DenoiserServiceGetLimitsRequest(_message.Message):
     __slots__ = ()
@@ -34,7 +36,7 @@ class DenoiserServiceGetLimitsResponse(_message.Message):
     def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ...) -> None: ...
 
 class DenoiseRequest(_message.Message):
-    __slots__ = ("prompt", "prior_tokens", "height", "width", "num_inference_steps", "guidance_scale", "seed", "output_format", "output_compression", "request_id", "reference_images", "references", "owner", "step_cache")
+    __slots__ = ("prompt", "prior_tokens", "height", "width", "num_inference_steps", "guidance_scale", "seed", "output_format", "output_compression", "request_id", "reference_images", "references", "owner", "step_cache", "loras")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PRIOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +51,7 @@ class DenoiseRequest(_message.Message):
     REFERENCES_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     STEP_CACHE_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prior_tokens: _common_pb2.TokenRow
     height: int
@@ -63,7 +66,8 @@ class DenoiseRequest(_message.Message):
     references: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceTokens]
     owner: str
     step_cache: _common_pb2.StepCache
-    def __init__(self, prompt: _Optional[str] = ..., prior_tokens: _Optional[_Union[_common_pb2.TokenRow, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., references: _Optional[_Iterable[_Union[_common_pb2.ReferenceTokens, _Mapping]]] = ..., owner: _Optional[str] = ..., step_cache: _Optional[_Union[_common_pb2.StepCache, str]] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraRef]
+    def __init__(self, prompt: _Optional[str] = ..., prior_tokens: _Optional[_Union[_common_pb2.TokenRow, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., references: _Optional[_Iterable[_Union[_common_pb2.ReferenceTokens, _Mapping]]] = ..., owner: _Optional[str] = ..., step_cache: _Optional[_Union[_common_pb2.StepCache, str]] = ..., loras: _Optional[_Iterable[_Union[_common_pb2.LoraRef, _Mapping]]] = ...) -> None: ...
 
 class DenoiseTimings(_message.Message):
     __slots__ = ("denoise_seconds", "decode_seconds", "encode_seconds", "prepare_seconds")

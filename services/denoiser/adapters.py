@@ -1,0 +1,345 @@
+"""LoRA adapters in the denoiser: the adapter directory, each file checked before it touches the model, and the
+adapters held loaded in the DiT (an LRU), switched per job. Everything but ``resolve`` runs on the engine's worker
+thread, which owns the transformer.
+
+The directory (``--lora-dir``) holds ``NAME.safetensors``, or a folder ``NAME/`` in diffusers' layout
+(``NAME/pytorch_lora_weights.safetensors``), each with an optional sidecar ``NAME.json``: ``{"scale": 0.8,
+"description": "..."}``. A request names adapters, never paths: a name is checked (services.runtime.limits) before
+anything on disk is looked up, so nothing outside the directory is ever read.
+
+A file is read once, whole (it is within max_lora_bytes), and checked from those bytes: a safetensors header that
+fits the file (not truncated), only ``<module>.lora_A.weight`` / ``<module>.lora_B.weight`` keys (optionally under
+``transformer.``) naming linear layers of this DiT with matching shapes, and a rank within max_lora_rank. Only then
+is it handed to diffusers (``load_lora_adapter``) as a state dict, so what was checked is what is loaded. The file's
+``lora_alpha`` (diffusers' metadata) is folded into lora_B, so peft runs every adapter at alpha == rank.
+
+Per job the transformer runs exactly the job's adapters at their scales (``set_adapters``); a job without any, or
+with every scale 0, runs with LoRA disabled: peft's layers then call the untouched base layer, so the image is the
+base model's byte for byte, whatever is loaded.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import struct
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.denoiser import metrics
+from services.runtime.errors import InvalidArgument
+from services.runtime.limits import MAX_LORA_SCALE, Limits, check_lora_name, check_loras
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".safetensors"
+FOLDER_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' file name inside a folder adapter
+SIDECAR_MAX_BYTES = 64 << 10
+PREFIX = "transformer."  # diffusers' pipeline-level layout names the DiT's keys so
+_PARTS = (".lora_A.weight", ".lora_B.weight")
+_DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}
+_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LoraConfig, as JSON in the safetensors metadata
+
+
+@dataclass(frozen=True)
+class LoraRef:
+    name: str
+    scale: float | None = None  # None: the adapter's default (its sidecar's, else 1)
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    path: Path  # the safetensors file
+    default_scale: float = 1.0
+    description: str = ""
+
+
+class AdapterError(ValueError):
+    """An adapter file or sidecar that fails its checks; the message completes "adapter NAME ..."."""
+
+
+def _signature(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size
+
+
+class AdapterDirectory:
+    """The adapters an operator put in one directory, looked up by name only."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser()
+        if not self.root.is_dir():
+            raise ValueError(f"--lora-dir {self.root}: not a directory")
+
+    def _weights(self, name: str) -> Path | None:
+        for path in (self.root / f"{name}{SUFFIX}", self.root / name / FOLDER_WEIGHTS):
+            if path.is_file():
+                return path
+        return None
+
+    def names(self) -> list[str]:
+        found = {p.name.removesuffix(SUFFIX) for p in self.root.glob(f"*{SUFFIX}")}
+        found |= {p.parent.name for p in self.root.glob(f"*/{FOLDER_WEIGHTS}")}
+        return sorted(n for n in found if _valid_name(n))
+
+    def find(self, name: str) -> AdapterInfo | None:
+        """The adapter called ``name`` (a name already checked), None when there is none; AdapterError for a
+        sidecar that is not what the docs say."""
+        path = self._weights(name)
+        if path is None:
+            return None
+        sidecar = self.root / f"{name}.json"
+        if not sidecar.is_file():
+            return AdapterInfo(name, path)
+        try:
+            if sidecar.stat().st_size > SIDECAR_MAX_BYTES:
+                raise AdapterError(f"has a sidecar {sidecar.name} over {SIDECAR_MAX_BYTES} bytes")
+            doc = json.loads(sidecar.read_bytes())
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, AdapterError):
+                raise
+            raise AdapterError(f"has a sidecar {sidecar.name} that is not JSON") from None
+        doc = doc if isinstance(doc, dict) else {"scale": None}
+        scale, description = doc.get("scale", 1.0), doc.get("description", "")
+        if (not isinstance(scale, int | float) or isinstance(scale, bool) or not math.isfinite(scale)
+                or abs(scale) > MAX_LORA_SCALE or not isinstance(description, str)):
+            raise AdapterError(f"has a sidecar {sidecar.name} that is not an object with a numeric \"scale\" in "
+                               f"[{-MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}] and a string \"description\"")
+        return AdapterInfo(name, path, float(scale), description)
+
+
+def _valid_name(name: str) -> bool:
+    try:
+        check_lora_name(name, "name")
+    except InvalidArgument:
+        return False
+    return True
+
+
+def linear_targets(transformer: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Every linear layer of the DiT an adapter may modify: name -> (in_features, out_features). The same with peft's
+    layers already in place (their base layer stands for them)."""
+    targets = {}
+    for name, module in transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".lora_" not in name:
+            targets[name.removesuffix(".base_layer")] = (module.in_features, module.out_features)
+    return targets
+
+
+def _header(data: bytes) -> tuple[dict[str, Any], dict[str, str]]:
+    """The tensors and the metadata of a safetensors file, every tensor's bytes within the file."""
+    if len(data) < 8:
+        raise AdapterError("is not a safetensors file (shorter than its header length)")
+    (size,) = struct.unpack("<Q", data[:8])
+    if size > len(data) - 8:
+        raise AdapterError("is truncated or not a safetensors file (its header runs past the end)")
+    try:
+        header = json.loads(data[8:8 + size])
+    except ValueError:
+        raise AdapterError("is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise AdapterError("is not a safetensors file (its header is not an object)")
+    metadata = header.pop("__metadata__", None) or {}
+    body = len(data) - 8 - size
+    for key, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            count = math.prod(shape)
+        except (KeyError, TypeError, ValueError):
+            raise AdapterError(f"is not a safetensors file (entry {key!r})") from None
+        if end > body:
+            raise AdapterError(f"is truncated: {key} ends at byte {end} of a {body}-byte body")
+        if dtype in _DTYPE_BYTES and end - begin != count * _DTYPE_BYTES[dtype]:
+            raise AdapterError(f"is not a valid safetensors file ({key}: {end - begin} bytes for shape {shape})")
+    return header, metadata if isinstance(metadata, dict) else {}
+
+
+def _alpha_factor(metadata: Mapping[str, str], rank: int) -> float:
+    """What the file's LoraConfig multiplies lora_B @ lora_A by (alpha / rank), 1 when it says nothing."""
+    raw = metadata.get(_METADATA_KEY)
+    if not raw:
+        return 1.0
+    try:
+        config = json.loads(raw)
+        config = {k.removeprefix(PREFIX): v for k, v in config.items()}
+    except (ValueError, AttributeError):
+        raise AdapterError(f"has {_METADATA_KEY} that is not a JSON object") from None
+    if config.get("alpha_pattern") or config.get("use_dora") or config.get("lora_bias"):
+        raise AdapterError("uses alpha_pattern, DoRA or LoRA biases, which this denoiser does not load")
+    alpha = config.get("lora_alpha", rank)
+    if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterError(f"has lora_alpha {alpha!r}; expected a positive number")
+    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def read_adapter(path: Path, targets: Mapping[str, tuple[int, int]], limits: Limits
+                 ) -> tuple[dict[str, torch.Tensor], int]:
+    """The checked state dict of one adapter file (keys without the ``transformer.`` prefix, alpha folded in) and
+    its largest rank; AdapterError saying what is wrong."""
+    from safetensors.torch import load as load_safetensors
+
+    size = path.stat().st_size
+    if size > limits.max_lora_bytes:
+        raise AdapterError(f"is {size} bytes; the limit is {limits.max_lora_bytes} (--max-lora-bytes)")
+    data = path.read_bytes()
+    if len(data) > limits.max_lora_bytes:  # grew since the stat
+        raise AdapterError(f"is {len(data)} bytes; the limit is {limits.max_lora_bytes} (--max-lora-bytes)")
+    header, metadata = _header(data)
+    if not header:
+        raise AdapterError("holds no tensors")
+    prefixed = {key.startswith(PREFIX) for key in header}
+    if len(prefixed) > 1:
+        raise AdapterError(f"mixes keys under {PREFIX!r} with keys outside it")
+    shapes: dict[str, dict[str, list[int]]] = {}
+    for key, entry in header.items():
+        bare = key.removeprefix(PREFIX)
+        part = next((p for p in _PARTS if bare.endswith(p)), None)
+        if part is None:
+            raise AdapterError(f"has key {key!r}; expected only <module>.lora_A.weight and <module>.lora_B.weight")
+        module = bare.removesuffix(part)
+        if module not in targets:
+            raise AdapterError(f"names {module!r}, which is not a linear layer of this DiT")
+        if entry["dtype"] not in _DTYPE_BYTES or len(entry["shape"]) != 2:
+            raise AdapterError(f"has {key} as {entry['dtype']} {entry['shape']}; expected a 2-D F16, BF16 or F32 "
+                               "matrix")
+        shapes.setdefault(module, {})[part[1:7]] = entry["shape"]
+    ranks = []
+    for module, pair in sorted(shapes.items()):
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise AdapterError(f"has only {', '.join(pair)} for {module}; a LoRA needs lora_A and lora_B")
+        (rank, fan_in), (fan_out, rank_b) = pair["lora_A"], pair["lora_B"]
+        want_in, want_out = targets[module]
+        if rank != rank_b or (fan_in, fan_out) != (want_in, want_out) or rank < 1:
+            raise AdapterError(f"has {module} lora_A {pair['lora_A']} and lora_B {pair['lora_B']}; this DiT needs "
+                               f"[r, {want_in}] and [{want_out}, r]")
+        if rank > limits.max_lora_rank:
+            raise AdapterError(f"has rank {rank} at {module}; the limit is {limits.max_lora_rank} (--max-lora-rank)")
+        ranks.append(rank)
+    try:
+        tensors = load_safetensors(data)
+    except Exception:  # safetensors' own checks (overlapping or unordered data) beyond the header's
+        raise AdapterError("is not a valid safetensors file") from None
+    state = {}
+    # Sorted so a lora_A key comes first: diffusers reads the first key to tell peft's layout from older ones.
+    for key in sorted(tensors, key=lambda k: k.removeprefix(PREFIX)):
+        bare = key.removeprefix(PREFIX)
+        tensor = tensors[key]
+        if bare.endswith(".lora_B.weight"):
+            tensor = tensor * _alpha_factor(metadata, tensor.shape[1])
+        state[bare] = tensor
+    return state, max(ranks)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    name: str
+    adapter: str  # peft's adapter name: unique per load, so a reloaded file never meets its old layers
+    signature: tuple[int, int]  # the file's mtime and size when loaded: a replaced file is loaded again
+    rank: int
+
+
+class AdapterCache:
+    """The adapters loaded in one transformer, at most ``capacity``, the least recently used evicted first."""
+
+    def __init__(self, transformer: torch.nn.Module, directory: AdapterDirectory, limits: Limits,
+                 capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("--max-loaded-loras must be at least 1")
+        self.transformer = transformer
+        self.directory = directory
+        self.limits = limits
+        self.capacity = capacity
+        self.targets = linear_targets(transformer)
+        self._lru: OrderedDict[str, Loaded] = OrderedDict()
+        self._ids = itertools.count()
+
+    def loaded(self) -> tuple[str, ...]:
+        """Names loaded, least recently used first."""
+        return tuple(self._lru)
+
+    def resolve(self, refs: Sequence[LoraRef]) -> tuple[LoraRef, ...]:
+        """Check a job's adapters and fill each default scale: InvalidArgument naming ``loras`` or ``loras[i]``.
+        Reads only names and sidecars (cheap enough for the caller's thread); files are checked when loaded."""
+        check_loras(refs, self.limits)
+        out = []
+        for i, ref in enumerate(refs):
+            info = self._find(ref.name, i)
+            out.append(LoraRef(ref.name, info.default_scale if ref.scale is None else ref.scale))
+        return tuple(out)
+
+    def _find(self, name: str, index: int) -> AdapterInfo:
+        try:
+            info = self.directory.find(name)
+        except AdapterError as exc:
+            raise InvalidArgument(f"loras[{index}]", f"adapter {name!r} {exc}") from None
+        if info is None:
+            raise InvalidArgument(f"loras[{index}].name", f"no adapter {name!r} on this denoiser")
+        return info
+
+    def activate(self, refs: Sequence[LoraRef]) -> None:
+        """Make the transformer run exactly ``refs`` (resolved) for the next job, loading what is missing."""
+        active = [(i, ref) for i, ref in enumerate(refs) if ref.scale]
+        if not active:
+            base_only(self.transformer)
+            return
+        keep = {ref.name for _, ref in active}
+        adapters = [self._ensure(ref.name, i, keep) for i, ref in active]
+        self.transformer.enable_lora()
+        self.transformer.set_adapters(adapters, weights=[float(ref.scale) for _, ref in active])
+
+    def _ensure(self, name: str, index: int, keep: set[str]) -> str:
+        info = self._find(name, index)  # again: the file may have gone since validation
+        signature = _signature(info.path)
+        entry = self._lru.get(name)
+        if entry is not None and entry.signature == signature:
+            metrics.LORA_HITS.inc()
+            self._lru.move_to_end(name)
+            return entry.adapter
+        metrics.LORA_MISSES.inc()
+        if entry is not None:  # the file was replaced: its old layers go
+            self._evict(name)
+        try:
+            state, rank = read_adapter(info.path, self.targets, self.limits)
+        except (AdapterError, OSError) as exc:
+            why = str(exc) if isinstance(exc, AdapterError) else "cannot be read"
+            log.warning("refused LoRA adapter %s (%s): %s", name, info.path, why)
+            raise InvalidArgument(f"loras[{index}]", f"adapter {name!r} {why}") from None
+        while len(self._lru) >= self.capacity:
+            self._evict(next(n for n in self._lru if n not in keep))
+        loaded = Loaded(name, f"lora{next(self._ids)}", signature, rank)
+        try:
+            with warnings.catch_warnings():  # peft warns on every adapter after the first: several are the point
+                warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+                self.transformer.load_lora_adapter(state, prefix=None, adapter_name=loaded.adapter)
+        except Exception:
+            log.exception("loading LoRA adapter %s failed", name)
+            if loaded.adapter in (getattr(self.transformer, "peft_config", None) or {}):
+                self.transformer.delete_adapters(loaded.adapter)
+            raise InvalidArgument(f"loras[{index}]", f"adapter {name!r} could not be loaded into this DiT") from None
+        self._lru[name] = loaded
+        metrics.LORA_LOADS.inc()
+        metrics.LORAS_LOADED.set(len(self._lru))
+        log.info("loaded LoRA adapter %s (rank %d) from %s", name, rank, info.path)
+        return loaded.adapter
+
+    def _evict(self, name: str) -> None:
+        entry = self._lru.pop(name)
+        self.transformer.delete_adapters(entry.adapter)
+        metrics.LORA_EVICTIONS.inc()
+        metrics.LORAS_LOADED.set(len(self._lru))
+        log.info("evicted LoRA adapter %s", name)
+
+
+def base_only(transformer: torch.nn.Module) -> None:
+    """The base model for the next job: LoRA layers, if any were ever added, call only their base layer."""
+    if getattr(transformer, "peft_config", None):
+        transformer.disable_lora()
+
