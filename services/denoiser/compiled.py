@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from glmimage.wire.sizes import parse_size
 from services.denoiser.step_cache import Schedule, StepCacheLevel
 
 log = logging.getLogger(__name__)
@@ -53,14 +54,13 @@ class CompileSettings:
 
 
 def parse_sizes(spec: str) -> tuple[tuple[int, int], ...]:
-    """``WxH,WxH`` (the flag's form, width first as in the REST ``size``) -> ((height, width), ...)."""
+    """``WxH,WxH`` (the flag's form, width first as in the REST ``size``; each read by the suite's one size parser)
+    -> ((height, width), ...), without repeats."""
     sizes: list[tuple[int, int]] = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
-        width, sep, height = item.lower().partition("x")
-        if not sep or not width.isdigit() or not height.isdigit() or int(width) < 1 or int(height) < 1:
-            raise ValueError(f"{item!r}: expected WIDTHxHEIGHT in pixels, like 256x256")
-        if (int(height), int(width)) not in sizes:
-            sizes.append((int(height), int(width)))
+        width, height = parse_size(item)
+        if (height, width) not in sizes:
+            sizes.append((height, width))
     if not sizes:
         raise ValueError("give at least one size, like 256x256")
     return tuple(sizes)
