@@ -105,7 +105,8 @@ def test_the_flags_parse_and_a_bad_size_is_a_usage_error(capsys: pytest.CaptureF
     assert args.compile and args.compile_sizes == ((256, 512), (64, 64)) and args.compile_backend == "aot_eager"
     assert parse_sizes("64X64,64x64") == ((64, 64),)
     for bad, says in (("256", "size must be WIDTHxHEIGHT"), ("256x", "size must be WIDTHxHEIGHT"),
-                      ("0x64", "positive width and height"), ("", "at least one size"), ("8192x8192", "exceeds the limit"), ("64x1024", "elongated")):
+                      ("0x64", "positive width and height"), ("", "at least one size"),
+                      ("8192x8192", "exceeds the limit"), ("64x1024", "elongated")):
         with pytest.raises(SystemExit) as exc:
             parse_args(["--compile", "--compile-sizes", bad])
         assert exc.value.code == 2
