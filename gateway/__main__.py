@@ -27,6 +27,7 @@ from services.runtime.server import (
     start_server,
 )
 from services.runtime.tls import client_tls_args, client_tls_from_args, server_tls_from_args
+from services.runtime.tracing import endpoint_from, setup_tracing
 
 log = logging.getLogger("gateway")
 SERVICE_NAME = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -232,6 +233,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level)
+    setup_tracing("glmimage-gateway", endpoint_from(args.otlp_endpoint))
     asyncio.run(serve(args))
 
 

@@ -25,6 +25,7 @@ from services.runtime.admission import Admitted
 from services.runtime.details import ERROR_DOMAIN, error_info, field_violation
 from services.runtime.errors import DENOISER_BUSY
 from services.runtime.status import kind_of, row_of
+from services.runtime.tracing import with_trace
 
 log = logging.getLogger("gateway.driver")
 
@@ -209,7 +210,7 @@ class Downstream:
         started = time.monotonic()
         try:
             response = await worker.stub.GenerateBatch(
-                batch, timeout=timeout, metadata=(("x-request-id", ",".join(rids)), *self.metadata))
+                batch, timeout=timeout, metadata=with_trace((("x-request-id", ",".join(rids)), *self.metadata)))
         except grpc.aio.AioRpcError as err:
             log.warning("AR batch %d (%s) on %s failed after %.1fs: %s: %s", action.batch_id, ",".join(rids),
                         worker.address, time.monotonic() - started, err.code().name, err.details())
@@ -233,7 +234,8 @@ class Downstream:
         job = action.job
         height, width, reference_pixels = admitted.height, admitted.width, admitted.reference_pixels
         job_request = denoise_request(action, admitted, self.instance_id)
-        metadata = (("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"), *self.metadata)
+        # The traceparent is the current span's: the driver's denoise call span (gateway.traces).
+        metadata = with_trace((("x-request-id", f"{job.request_id}/{job.index}#{job.attempt}"), *self.metadata))
         timeouts = self.denoise_timeouts
         work = timeouts.work(job_request.num_inference_steps, height, width, reference_pixels, job_request.step_cache)
         timeout = timeouts.timeout(work)

@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer, Timing
 from gateway.scheduler import types as sch
 from gateway.scheduler.core import Scheduler
+from gateway.traces import RequestTrace, ar_call, traced
 from gateway.workers import Worker, WorkerHealth
 from glmimage.v1 import ar_service_pb2, denoiser_service_pb2
 from services.runtime.admission import Admitted
@@ -49,6 +50,7 @@ class _Pending:
     future: asyncio.Future[Outcome | sch.RequestError]
     stream: StreamOptions | None
     timing: Timing
+    trace: RequestTrace
     caller: int | None = None  # which configured key made it (an index; None: none), for GetStatus
 
 
@@ -183,7 +185,7 @@ class Driver:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         pending = _Pending(admitted=admitted, future=loop.create_future(), stream=stream, timing=Timing(arrived=now),
-                           caller=caller)
+                           trace=RequestTrace(request_id), caller=caller)
         # The id comes from the client's x-request-id and may repeat; the scheduler needs it unique.
         original = request_id
         while request_id in self._pending:  # a loop: "abc.1" may itself be a client's id already in flight
@@ -205,6 +207,7 @@ class Driver:
             raise
         finally:
             self._pending.pop(request_id, None)
+            pending.trace.close()
 
     async def first_checks(self, timeout: float) -> None:
         """Wait (at most ``timeout``) until every member's first health check has an answer: a gateway that says
@@ -294,8 +297,10 @@ class Driver:
     def _perform(self, action: sch.Action) -> None:
         match action:
             case sch.DispatchArBatch():
-                self.observe.ar_dispatched((p.timing, p.admitted.n) for rid in action.request_ids
-                                           if (p := self._pending.get(rid)) is not None)
+                members = [p for rid in action.request_ids if (p := self._pending.get(rid)) is not None]
+                self.observe.ar_dispatched((p.timing, p.admitted.n) for p in members)
+                for p in members:
+                    p.trace.ar_dispatched()
                 # For several requests: it logs their ids itself.
                 task = spawn(self._run_ar_batch(action), name=f"ar-batch:{action.batch_id}")
                 self._ar_calls[action.batch_id] = task
@@ -309,6 +314,8 @@ class Driver:
             case sch.DispatchDenoise():
                 pending = self._pending.get(action.job.request_id)
                 self.observe.denoise_dispatched(pending and pending.timing, action.job.index)
+                if pending is not None:
+                    pending.trace.denoise_dispatched(action.job.index, action.job.attempt, pending.timing.ar_done)
                 task = spawn(self._run_denoise(action), name=f"denoise:{action.job.request_id}/{action.job.index}",
                              request_id=action.job.request_id)
                 self._denoise_calls[action.job] = task
@@ -342,8 +349,10 @@ class Driver:
 
     async def _run_ar_batch(self, action: sch.DispatchArBatch) -> sch.Event:
         # A request cancelled since dispatch is left out; the scheduler drops it when the batch returns anyway.
-        members = [(rid, p.admitted, p.timing) for rid in action.request_ids if (p := self._pending.get(rid))]
-        return await self.downstream.ar_batch(self._workers.get(action.worker), action, members)
+        waiting = [(rid, p) for rid in action.request_ids if (p := self._pending.get(rid))]
+        members = [(rid, p.admitted, p.timing) for rid, p in waiting]
+        span = ar_call([p.trace for _, p in waiting], action.batch_id, action.worker)
+        return await traced(span, self.downstream.ar_batch(self._workers.get(action.worker), action, members))
 
     def _ar_task_done(self, action: sch.DispatchArBatch, task: asyncio.Task) -> None:
         if self._ar_calls.get(action.batch_id) is task:
@@ -366,7 +375,9 @@ class Driver:
         if pending is None or worker is None:  # ended between dispatch and now: hand the slot straight back
             return sch.DenoiseFailed(now=time.monotonic(), job=action.job, worker=action.worker,
                                      message="request already finished", retryable=False)
-        return await self.downstream.denoise(worker, action, pending.admitted, pending.stream)
+        job = action.job
+        return await traced(pending.trace.denoise_call(job.index, job.attempt, action.worker),
+                            self.downstream.denoise(worker, action, pending.admitted, pending.stream))
 
     def _denoise_task_done(self, action: sch.DispatchDenoise, task: asyncio.Task) -> None:
         # The scheduler keeps the worker's slot until it hears how the call ended, so every end reports.

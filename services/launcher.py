@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from services.runtime.logs import configure_logging
+from services.runtime.tracing import add_tracing_args
 from services.supervisor import StartupError, Supervisor
 
 log = logging.getLogger("services.launcher")
@@ -71,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "weights (repeatable)")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra flag passed to every gateway")
     p.add_argument("--rest-arg", action="append", default=[], help="extra flag passed to the REST front")
+    add_tracing_args(p)
     p.add_argument("--internal-token", action="store_true",
                    help="make AR and denoisers require a random token made for this run, which the gateway "
                         "presents (through the environment, $GLMIMAGE_INTERNAL_TOKEN); off by default, so the "
@@ -164,7 +166,9 @@ def _metrics_port(port: int | str | None) -> int | None:
 async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
     """AR and denoisers together, then the gateways on their addresses, then the REST front on the gateways'."""
     deadline = asyncio.get_running_loop().time() + a.startup_timeout
-    model_flags = ["--device", a.device, "--torch-threads", str(a.torch_threads)]
+    # Every child traces to the same collector (its own $OTEL_EXPORTER_OTLP_ENDPOINT, inherited, otherwise).
+    trace_flags = ["--otlp-endpoint", a.otlp_endpoint] if a.otlp_endpoint else []
+    model_flags = ["--device", a.device, "--torch-threads", str(a.torch_threads), *trace_flags]
     if a.model_path:
         model_flags += ["--model-path", a.model_path]
     else:
@@ -188,7 +192,7 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
                  for i, (p, m) in enumerate(zip(ports, metrics_ports, strict=True))]
     await sup.start([ar, *denoisers], deadline)
 
-    gw_flags = ["--ar", ar.address, *[f"--denoiser={d.address}" for d in denoisers], *a.gateway_arg]
+    gw_flags = ["--ar", ar.address, *[f"--denoiser={d.address}" for d in denoisers], *trace_flags, *a.gateway_arg]
     gw_metrics: list[int | None] = [None] * len(a.gateway_ports)
     if a.gateway_metrics_ports is not None:
         given = a.gateway_metrics_ports
@@ -201,7 +205,7 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
 
     # The REST front takes them in turn and resubmits a call that a gateway dropped unanswered to the next one.
     rest = sup.child("rest", "gateway.rest", a.rest_port,
-                     ["--gateway-address", ",".join(g.address for g in gateways), *a.rest_arg], None)
+                     ["--gateway-address", ",".join(g.address for g in gateways), *trace_flags, *a.rest_arg], None)
     await sup.start([rest], deadline)
     rest.metrics_port = rest.port  # the REST front serves /metrics on its own port
     return sup.addresses()

@@ -222,3 +222,15 @@ def test_tls_probe_script_checks_health_over_mutual_tls(tls_docs: list[dict], pk
         assert probe_exit() == 0
     finally:
         server.stop(None)
+
+
+def test_tracing_endpoint_reaches_every_container(default_docs: list[dict], tls_docs: list[dict]) -> None:
+    """tracing.otlpEndpoint becomes every server's --otlp-endpoint (the tls set names one); empty: no flag, off."""
+    def endpoints(docs: list[dict]) -> dict[str, list[str]]:
+        return {c["name"]: [a for a in c["args"] if a.startswith("--otlp-endpoint")]
+                for dep in by_kind(docs, "Deployment").values() for c in dep["spec"]["template"]["spec"]["containers"]}
+
+    assert set(endpoints(default_docs)) == {"ar", "denoiser", "gateway", "rest"}
+    assert all(not flags for flags in endpoints(default_docs).values())
+    flag = f"--otlp-endpoint={TLS_VALUES['tracing']['otlpEndpoint']}"
+    assert all(flags == [flag] for flags in endpoints(tls_docs).values()), endpoints(tls_docs)

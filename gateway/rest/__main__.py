@@ -14,6 +14,7 @@ from pathlib import Path
 import uvicorn
 
 from glmimage.wire.sizes import size_arg
+from services.runtime.tracing import add_tracing_args, endpoint_from, setup_tracing
 
 from .app import create_app
 from .connections import GUARD_HELP, ConnectionGuards, protocol_class
@@ -87,6 +88,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         slow.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
                           help=f"{text} (default {default:g})")
     p.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
+    add_tracing_args(p)
     args = p.parse_args(argv)
     if (args.gateway_tls_client_cert is None) != (args.gateway_tls_client_key is None):
         p.error("--gateway-tls-client-cert and --gateway-tls-client-key go together")
@@ -189,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    setup_tracing("glmimage-rest", endpoint_from(args.otlp_endpoint))
     server = build_server(args)
     server.install_handlers()
     # Bind here rather than in uvicorn so that --port 0 can report the port it got.

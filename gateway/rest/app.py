@@ -79,6 +79,9 @@ def create_app(settings: RestSettings) -> FastAPI:
         version="1.0",
         description="OpenAI Images API served by the GLM-Image gateway.",
         lifespan=lifespan,
+        # FastAPI's own telemetry (newer releases; older ones ignore the argument) stays off: the front's span is
+        # the middleware's, one per image request, and health probes and /metrics scrapes make none.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.settings = settings
     app.state.metrics = metrics

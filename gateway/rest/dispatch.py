@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from services.runtime.auth import bearer_metadata
+from services.runtime.tracing import with_trace
 
 from . import streaming, translate, upstream
 from .metrics import RestMetrics
@@ -23,8 +24,9 @@ _HEADER_VALUE_RE = re.compile(r"[\x20-\x7e]{1,8192}")
 
 
 def gateway_metadata(request: Request, settings: RestSettings, rid: str) -> tuple[tuple[str, str], ...]:
-    """The request id, and the key the gateway sees (settings.gateway_auth)."""
-    metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_HEADER, rid),)
+    """The request id, the traceparent of this front's span (with traces on), and the key the gateway sees
+    (settings.gateway_auth)."""
+    metadata: tuple[tuple[str, str], ...] = with_trace(((REQUEST_ID_HEADER, rid),))
     if settings.gateway_auth == "own":  # the gateway sees this front's key; the client's stays here
         return metadata + bearer_metadata(settings.gateway_api_key)
     # Forwarded whether or not REST checks keys itself: the gateway may enforce its own. A repeated one is not

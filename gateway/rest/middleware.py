@@ -14,10 +14,13 @@ from collections.abc import Mapping
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.runtime import tracing
 from services.runtime.auth import bearer_token, key_hits
 
 from .errors import error_response
@@ -37,6 +40,9 @@ _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
 _JSON_BODY_ROUTES = frozenset({("POST", "/v1/images/generations")})
 # Routes whose body is multipart/form-data (file uploads), with a bound of their own.
 _MULTIPART_BODY_ROUTES = frozenset({("POST", "/v1/images/edits")})
+# The routes that get a server span when traces are on (each image request; not health, metrics or models).
+_TRACED_ROUTES = _JSON_BODY_ROUTES | _MULTIPART_BODY_ROUTES
+_TRACER = tracing.tracer("glmimage.rest")
 
 
 class _BodyTooLarge(StarletteHTTPException):
@@ -109,9 +115,17 @@ class FrontMiddleware:
             await send(message)
 
         t0 = time.perf_counter()
+        route = (scope.get("method", ""), scope["path"])
+        span, token = None, None
+        if tracing.enabled() and route in _TRACED_ROUTES:
+            # A caller's traceparent makes this span its child; dispatch.gateway_metadata carries it on.
+            parent = tracing.context_from_headers(scope.get("headers", ()))
+            span = _TRACER.start_span(" ".join(route), context=parent, kind=trace.SpanKind.SERVER,
+                                      attributes={"http.request.method": route[0], "http.route": route[1],
+                                                  "glmimage.request_id": rid})
+            token = otel_context.attach(trace.set_span_in_context(span, parent))
         try:
             path: str = scope["path"]
-            route = (scope.get("method", ""), path)
             body_limit = self._body_limit(route)
             if self.api_keys and path.startswith("/v1/") and not any(key_hits(bearer_token(scope["headers"]),
                                                                              self.api_keys)):
@@ -146,6 +160,12 @@ class FrontMiddleware:
             label = self._route_label(scope)
             status = scope["state"].get(OUTCOME_STATUS_KEY, status)
             self.metrics.answered(label, status, time.perf_counter() - t0)
+            if span is not None and token is not None:
+                span.set_attribute("http.response.status_code", status)
+                if status >= 500:
+                    span.set_status(trace.StatusCode.ERROR)
+                span.end()
+                otel_context.detach(token)
 
     def _route_label(self, scope: Scope) -> str:
         # The matched route template keeps label cardinality bounded; requests rejected

@@ -17,6 +17,7 @@ from services.runtime.errors import ServiceError
 from services.runtime.limits import AR_FIELDS, Limits, add_limit_args, limits_from_args, max_request_bytes
 from services.runtime.logs import configure_logging
 from services.runtime.server import common_server_args
+from services.runtime.tracing import endpoint_from, setup_tracing
 
 SERVICE_NAME = ar_service_pb2.DESCRIPTOR.services_by_name["ArService"].full_name
 
@@ -75,6 +76,7 @@ async def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level)
+    setup_tracing("glmimage-ar", endpoint_from(args.otlp_endpoint))
     asyncio.run(run(args))
 
 

@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 import grpc
+from opentelemetry import trace
 
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, common_pb2
 from services.ar import metrics
@@ -133,6 +134,7 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
                        control: RunControl, *, single: bool) -> list[ArResult]:
         """Validate, wait for the model (or leave the queue), run, and count the outcome of every request."""
         count = max(len(msgs), 1)
+        started = time.monotonic()
         try:
             reqs = self._validate(msgs, single)
             try:
@@ -151,6 +153,12 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
             metrics.record(metrics.outcome_of(exc), count)
             raise
         metrics.record(metrics.Outcome.OK, count)
+        # The call's server span (services.runtime.server; non-recording with traces off): its two stages.
+        # Compute is the rest of the call after its wait for the model (merge window and decoding included).
+        trace.get_current_span().set_attributes({
+            "glmimage.ar.queue_seconds": control.queue_seconds,
+            "glmimage.ar.compute_seconds": max(0.0, time.monotonic() - started - control.queue_seconds),
+            "glmimage.ar.requests": len(msgs), "glmimage.ar.outputs": sum(r.n for r in reqs)})
         return results
 
     def _generate(self, reqs: list[ArRequest], control: RunControl) -> list[ArResult]:

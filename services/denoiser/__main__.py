@@ -24,6 +24,7 @@ from services.runtime.limits import (
 )
 from services.runtime.logs import configure_logging
 from services.runtime.server import common_server_args
+from services.runtime.tracing import endpoint_from, setup_tracing
 
 SERVICE_NAME = denoiser_service_pb2.DESCRIPTOR.services_by_name["DenoiserService"].full_name
 
@@ -99,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level)
+    setup_tracing("glmimage-denoiser", endpoint_from(args.otlp_endpoint))
     settings = DenoiseSettings(limits=args.limits, default_steps=args.default_steps,
                                default_guidance=args.default_guidance, png_compress_level=args.png_compress_level,
                                step_cache={level: getattr(args, f"step_cache_{level.value}")

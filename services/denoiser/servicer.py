@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
 
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
 from glmimage.wire import formats
@@ -231,6 +232,13 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
             log.info("stopping the job after %d of %d step(s): %s", control.steps_done, job.steps,
                      "deadline passed" if passed else "client cancelled")
             raise
+        # The call's server span (services.runtime.server; non-recording with traces off): the job's stages.
+        trace.get_current_span().set_attributes({
+            "glmimage.denoise.prepare_seconds": result.prepare_seconds,
+            "glmimage.denoise.denoise_seconds": result.denoise_seconds,
+            "glmimage.denoise.decode_seconds": result.decode_seconds,
+            "glmimage.denoise.encode_seconds": result.encode_seconds,
+            "glmimage.denoise.steps": result.steps_completed})
         log.info("denoised %dx%d in %d step(s): denoise %.3fs decode %.3fs encode %.3fs", result.width,
                  result.height, result.steps_completed, result.denoise_seconds, result.decode_seconds,
                  result.encode_seconds)

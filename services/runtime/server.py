@@ -20,8 +20,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
-from services.runtime import keepalive
+from services.runtime import keepalive, tracing
 from services.runtime.details import OWN_MARK, rich_status
 from services.runtime.errors import ServiceError
 from services.runtime.intake import (
@@ -54,6 +56,10 @@ def request_id_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str |
 # Long-lived infrastructure streams (health Watch) must neither count as work nor hold a drain open.
 # The denoiser's occupancy stream is one too: a draining denoiser keeps publishing while its last job finishes.
 _INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.", "/glmimage.v1.DenoiserService/WatchOccupancy")
+# Housekeeping polls (the REST front follows the gateway's limits, the gateway its workers'): no span of their own
+# unless the caller traces them.
+_QUIET_SUFFIXES = ("/GetLimits", "/GetStatus")
+_TRACER = tracing.tracer("glmimage.server")
 # How long the infrastructure streams get to end before the server stops (they end at once unless hung).
 STREAMS_CLOSE_SECONDS = 1.0
 
@@ -182,6 +188,30 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {rid})",
                                 trailing_metadata=OWN_MARK)
 
+        metadata = handler_call_details.invocation_metadata
+        parent = tracing.context_from_metadata(metadata) if tracing.enabled() and work is not None else None
+        if (parent is not None and method.endswith(_QUIET_SUFFIXES)
+                and not trace.get_current_span(parent).get_span_context().is_valid):
+            parent = None
+
+        def _span() -> trace.Span | None:
+            """The call's server span, current for the handler (its task's context: nothing to detach), child of
+            the caller's traceparent; None with traces off."""
+            if parent is None:
+                return None
+            span = _TRACER.start_span(method.lstrip("/"), context=parent, kind=trace.SpanKind.SERVER,
+                                      attributes={"rpc.system": "grpc", "rpc.method": rpc, "glmimage.request_id": rid})
+            otel_context.attach(trace.set_span_in_context(span, parent))
+            return span
+
+        def _ended(span: trace.Span | None, exc: BaseException | None = None) -> None:
+            if span is None:
+                return
+            if exc is not None:
+                what = exc.kind.value if isinstance(exc, ServiceError) else type(exc).__name__
+                span.set_status(trace.StatusCode.ERROR, what)
+            span.end()
+
         async def _admit(context: grpc.aio.ServicerContext) -> None:
             """Before the message is read: the request id, no new call while draining."""
             request_id_var.set(rid)
@@ -200,22 +230,30 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         inner = handler.unary_unary or handler.stream_unary
         if inner is not None:
             async def unary_response(requests, context):
-                await _admit(context)
+                span = _span()
+                error: BaseException | None = None
                 try:
+                    await _admit(context)
                     return await inner(await _request(requests, context), context)
                 except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
+                    error = exc
                     release_frames(exc)
                     raise
                 except Exception as exc:  # noqa: BLE001 - the edge is where everything is mapped
+                    error = exc
                     release_frames(exc)
                     await _fail(context, exc)
+                finally:
+                    _ended(span, error)
 
             return grpc.stream_unary_rpc_method_handler(unary_response, None, handler.response_serializer)
         inner_stream = handler.unary_stream or handler.stream_stream
 
         async def stream_response(requests, context):
-            await _admit(context)
+            span = _span()
+            error: BaseException | None = None
             try:
+                await _admit(context)
                 stream = inner_stream(await _request(requests, context), context)
                 if work is None:  # an infrastructure stream: it ends when the server is about to stop
                     async for item in self.work.stream(stream):
@@ -226,11 +264,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 else:  # a handler that writes with context.write()
                     await stream
             except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
+                error = exc
                 release_frames(exc)
                 raise
             except Exception as exc:  # noqa: BLE001
+                error = exc
                 release_frames(exc)
                 await _fail(context, exc)
+            finally:
+                _ended(span, error)
 
         return grpc.stream_stream_rpc_method_handler(stream_response, None, handler.response_serializer)
 
@@ -358,6 +400,7 @@ def common_server_args(default_port: int) -> argparse.ArgumentParser:
     p.add_argument("--receive-timeout", type=float, default=IntakePolicy.read_seconds,
                    help="seconds a request message may take to arrive once its read began (default %(default)s)")
     add_server_tls_args(p)
+    tracing.add_tracing_args(p)
     return p
 
 

@@ -30,6 +30,7 @@ TLS_VALUES: dict[str, Any] = {
     "metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True},
                 "prometheusRule": {"enabled": True, "labels": {"release": "kube-prom"}}},
     "ingress": {"enabled": True},
+    "tracing": {"otlpEndpoint": "http://otel-collector.observability:4317"},
 }
 
 

@@ -109,6 +109,13 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{- /* Traces: every container exports to the same collector; no flag (off) when tracing.otlpEndpoint is empty. */ -}}
+{{- define "glmimage.tracingArgs" -}}
+{{- with .Values.tracing.otlpEndpoint }}
+- --otlp-endpoint={{ . }}
+{{- end }}
+{{- end }}
+
 {{- define "glmimage.internalTokenVolume" -}}
 {{- if .Values.internalToken.enabled }}
 - name: internal-token
