@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from gateway.rest.app import RestSettings, create_app
 from tests.support.cluster import running_stack
 from tests.support.fake_gateway import FakeServer
 from tests.support.rest_gateway import asgi_client
+from tests.support.waiting import until as _until
 
 # The page polls twice a second, so a busy denoiser shows within about a second of its job starting; the bound
 # leaves 3x and more for a loaded machine (the page's own cadence is the design figure).
@@ -58,14 +58,6 @@ def _rows(browser, role: str) -> list[dict[str, str]]:
 
 def _shown(browser) -> str:
     return browser.execute_script("return document.getElementById('gateways').innerText")
-
-
-def _until(predicate, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, f"timed out waiting for: {what}"
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def test_the_page_shows_every_worker_and_a_busy_denoiser_soon_after_a_request_starts(browser, stack) -> None:
@@ -142,3 +134,15 @@ async def test_with_keys_only_an_admin_key_gets_the_data(fake: FakeServer) -> No
         assert gateway["workers"][0]["role"] == "ar"
         call = next(c for c in fake.servicer.calls if c.method == "GetStatus")
         assert call.metadata.get("authorization") == "Bearer admin-key"  # the gateway sees the admin's credential
+
+
+async def test_with_separate_keys_per_hop_the_gateway_sees_the_front_s_key(fake: FakeServer) -> None:
+    fake.servicer.reset()
+    settings = RestSettings(gateway_address=fake.address, api_keys=("user-key", "admin-key"), admin_keys=("admin-key",),
+                            gateway_auth="own", gateway_api_key="front-key")
+    app = create_app(settings)
+    async with app.router.lifespan_context(app), asgi_client(app) as client:
+        admin = await client.get("/status/data", headers={"Authorization": "Bearer admin-key"})
+        assert admin.status_code == 200, admin.text
+    call = next(c for c in fake.servicer.calls if c.method == "GetStatus")
+    assert call.metadata.get("authorization") == "Bearer front-key"  # the client's key stays at the front

@@ -4,8 +4,9 @@ never the prompt), the queues and this front's recent throughput.
 
 Who sees it: with API keys configured (`--api-key`), only a caller presenting an admin key (`--admin-key`, or
 GLMIMAGE_ADMIN_KEYS, the gateway's own variable) gets the data; the page asks for the key and sends it as a Bearer
-header. The data comes from each gateway's GetStatus with that caller's credential, so the gateway's own rule decides
-what it shows (internal addresses only to its admins). Without keys the page is as open as the API.
+header. The data comes from each gateway's GetStatus with the credential any call of that caller carries (the
+caller's own with --gateway-auth forward, this front's with own), so the gateway's own rule decides what it shows
+(internal addresses only to its admins). Without keys the page is as open as the API.
 """
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.auth import bearer_metadata, bearer_token, key_hits
+from services.runtime.auth import bearer_token, key_hits
 
 from .deps import GatewayDep, Metrics, Settings
+from .dispatch import gateway_metadata
 from .errors import error_response
+from .middleware import request_id
 
 router = APIRouter()
 
@@ -49,8 +52,8 @@ async def status_data(request: Request, settings: Settings, gateways: GatewayDep
         if not any(key_hits(token, [k.encode() for k in settings.admin_keys])):
             return error_response(403, "the status page needs an admin key", type="permission_error",
                                   code="admin_key_required")
-    # The caller's own credential (the admin's), else the front's: the gateway decides what it may see.
-    metadata = bearer_metadata(token.decode()) if token else bearer_metadata(settings.gateway_api_key)
+    # The credential the gateway sees for any call of this caller (settings.gateway_auth): it decides what it shows.
+    metadata = gateway_metadata(request, settings, request_id(request))
     out = []
     for index, gateway in enumerate(gateways):
         try:
