@@ -18,6 +18,7 @@ import pytest
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
 from tests.support.cluster import Cluster
+from tests.support.waiting import until as _until
 
 pytestmark = pytest.mark.chaos
 
@@ -33,16 +34,6 @@ def _stub(address: str) -> gateway_service_pb2_grpc.GatewayServiceStub:
 
 def _status(cluster: Cluster, gateway: str = "gateway") -> pb.GetStatusResponse:
     return _stub(cluster.procs[gateway].address).GetStatus(pb.GetStatusRequest(), timeout=10)
-
-
-def _until(predicate, timeout: float, what: str) -> float:
-    """Poll a condition on the live system (the processes are not ours to hook); returns the seconds waited."""
-    t0 = time.monotonic()
-    while not predicate():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - t0
 
 
 def _assert_settled(cluster: Cluster, expect_unhealthy: tuple[str, ...] = (), gateway: str = "gateway") -> None:

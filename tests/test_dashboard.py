@@ -19,6 +19,7 @@ import pytest
 from tests.support.chart import CHART, RELEASE, by_kind, render
 from tests.support.cluster import reap, running_stack
 from tests.support.net import free_port
+from tests.support.waiting import until as _until
 from tests.test_alerts import SUFFIXES, _exported_names
 
 DASHBOARD = CHART / "files" / "glmimage-dashboard.json"
@@ -95,8 +96,8 @@ def prometheus(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) 
                                 stdout=subprocess.DEVNULL, stderr=(work / "prometheus.log").open("wb"))
         url = f"http://127.0.0.1:{port}"
         try:
-            _until(lambda: _ready(url, proc), "Prometheus ready")
-            _until(lambda: _value(url, "count(up == 1)") == len(targets), "every target scraped")
+            _until(lambda: _ready(url, proc), 90, "Prometheus ready", step=0.2)
+            _until(lambda: _value(url, "count(up == 1)") == len(targets), 90, "every target scraped", step=0.2)
             _traffic(addr["rest"])
             yield url
         finally:
@@ -119,13 +120,6 @@ def _query(url: str, expr: str) -> dict:
 def _value(url: str, expr: str) -> float | None:
     result = _query(url, expr).get("data", {}).get("result", [])
     return float(result[0]["value"][1]) if result else None
-
-
-def _until(predicate, what: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        time.sleep(0.2)
 
 
 def _traffic(rest: str) -> None:
@@ -157,6 +151,6 @@ def test_every_panel_query_parses_and_the_core_panels_show_data(prometheus: str)
         return not empty
 
     try:
-        _until(all_core_have_data, "data in every core panel", timeout=60)
+        _until(all_core_have_data, 60, "data in every core panel", step=0.2)
     except AssertionError:
         raise AssertionError("panels without data: " + "; ".join(empty)) from None

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -20,6 +19,7 @@ from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
 from services.launcher import gateway_names, parse_args, port_problem, ready_map
 from tests.support.cluster import launcher_child, running_stack, wait_serving
+from tests.support.waiting import until as _until
 
 BURST = 16
 
@@ -67,14 +67,6 @@ def test_a_port_in_use_is_one_line_naming_the_flag(tmp_path: Path) -> None:
                                    "--denoiser-metrics-ports): give each server its own")
     twice.denoiser_metrics_ports = f"0,0,{port}"  # an entry past the denoisers is unused
     assert port_problem(twice) is None
-
-
-def _until(predicate, timeout: float, what: str, step: float = 0.05) -> float:
-    t0 = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - t0 < timeout, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(step)
-    return time.monotonic() - t0
 
 
 @pytest.mark.e2e

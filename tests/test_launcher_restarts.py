@@ -9,7 +9,6 @@ import json
 import logging
 import signal
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
 from services.supervisor import Child, RestartPolicy, Supervisor
 from tests.support.cluster import launcher_child, running_stack
+from tests.support.waiting import until as _until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
@@ -93,14 +93,6 @@ def test_a_crash_loop_is_given_up_and_the_rest_keeps_running(caplog: pytest.LogC
     assert len(restarts) == policy.max_restarts + 1  # and the retry
     assert any(r.levelno == logging.ERROR and r.getMessage().startswith("GIVING UP on crasher")
                for r in caplog.records)
-
-
-def _until(predicate, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - t0 < timeout, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.02)
-    return time.monotonic() - t0
 
 
 def test_a_killed_denoiser_is_restarted_on_its_port_and_rejoins(tiny_checkpoint: Path, tmp_path: Path) -> None:
