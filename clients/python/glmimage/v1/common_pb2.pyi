@@ -85,6 +85,18 @@ class LoraRef(_message.Message):
     scale: float
     def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
 
+class LoraInfo(_message.Message):
+    __slots__ = ("name", "description", "default_scale", "size_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    default_scale: float
+    size_bytes: int
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., default_scale: _Optional[float] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
 class Limits(_message.Message):
     __slots__ = ("max_prompt_chars", "max_n", "max_pixels", "max_steps", "max_guidance", "max_batch_outputs", "max_partial_images", "max_reference_images", "max_reference_bytes", "max_reference_pixels", "max_reference_total_bytes", "step_cache", "max_loras_per_request", "max_lora_rank", "max_lora_bytes")
     MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]

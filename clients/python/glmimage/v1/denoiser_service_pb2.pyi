@@ -7,6 +7,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DenoiserServiceListLorasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DenoiserServiceListLorasResponse(_message.Message):
+    __slots__ = ("available", "loaded")
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    available: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraInfo]
+    loaded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, available: _Optional[_Iterable[_Union[_common_pb2.LoraInfo, _Mapping]]] = ..., loaded: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DenoiserServiceLoadLorasRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DenoiserServiceLoadLorasResponse(_message.Message):
+    __slots__ = ("loaded",)
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    loaded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, loaded: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DenoiserServiceUnloadLorasRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DenoiserServiceUnloadLorasResponse(_message.Message):
+    __slots__ = ("loaded",)
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    loaded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, loaded: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class WatchOccupancyRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -70,16 +106,18 @@ class DenoiseRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prior_tokens: _Optional[_Union[_common_pb2.TokenRow, _Mapping]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., references: _Optional[_Iterable[_Union[_common_pb2.ReferenceTokens, _Mapping]]] = ..., owner: _Optional[str] = ..., step_cache: _Optional[_Union[_common_pb2.StepCache, str]] = ..., loras: _Optional[_Iterable[_Union[_common_pb2.LoraRef, _Mapping]]] = ...) -> None: ...
 
 class DenoiseTimings(_message.Message):
-    __slots__ = ("denoise_seconds", "decode_seconds", "encode_seconds", "prepare_seconds")
+    __slots__ = ("denoise_seconds", "decode_seconds", "encode_seconds", "prepare_seconds", "lora_load_seconds")
     DENOISE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     denoise_seconds: float
     decode_seconds: float
     encode_seconds: float
     prepare_seconds: float
-    def __init__(self, denoise_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ...) -> None: ...
+    lora_load_seconds: float
+    def __init__(self, denoise_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., lora_load_seconds: _Optional[float] = ...) -> None: ...
 
 class DenoiseResponse(_message.Message):
     __slots__ = ("image", "output_format", "height", "width", "steps_completed", "seed", "timings", "steps_cached")

@@ -55,6 +55,21 @@ class DenoiserServiceStub:
                 request_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.WatchOccupancyRequest.SerializeToString,
                 response_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.WatchOccupancyResponse.FromString,
                 _registered_method=True)
+        self.ListLoras = channel.unary_unary(
+                '/glmimage.v1.DenoiserService/ListLoras',
+                request_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceListLorasRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceListLorasResponse.FromString,
+                _registered_method=True)
+        self.LoadLoras = channel.unary_unary(
+                '/glmimage.v1.DenoiserService/LoadLoras',
+                request_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceLoadLorasRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceLoadLorasResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoras = channel.unary_unary(
+                '/glmimage.v1.DenoiserService/UnloadLoras',
+                request_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceUnloadLorasRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceUnloadLorasResponse.FromString,
+                _registered_method=True)
 
 
 class DenoiserServiceServicer:
@@ -90,6 +105,29 @@ class DenoiserServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListLoras(self, request, context):
+        """The adapters of its adapter directory (read at each call: a file added to the directory is listed at once) and
+        those it holds loaded. Empty without --lora-dir.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoras(self, request, context):
+        """Load adapters ahead of the jobs that name them (each checked as a job's would be). It takes the slot like a
+        job, so it waits for the job in flight (up to the call's deadline); a job of this gateway's own runs first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoras(self, request, context):
+        """Drop adapters from memory (never from the directory); a name not loaded is not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DenoiserServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +150,21 @@ def add_DenoiserServiceServicer_to_server(servicer, server):
                     servicer.WatchOccupancy,
                     request_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.WatchOccupancyRequest.FromString,
                     response_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.WatchOccupancyResponse.SerializeToString,
+            ),
+            'ListLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoras,
+                    request_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceListLorasRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceListLorasResponse.SerializeToString,
+            ),
+            'LoadLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoras,
+                    request_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceLoadLorasRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceLoadLorasResponse.SerializeToString,
+            ),
+            'UnloadLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoras,
+                    request_deserializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceUnloadLorasRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceUnloadLorasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +276,87 @@ class DenoiserService:
             '/glmimage.v1.DenoiserService/WatchOccupancy',
             glmimage_dot_v1_dot_denoiser__service__pb2.WatchOccupancyRequest.SerializeToString,
             glmimage_dot_v1_dot_denoiser__service__pb2.WatchOccupancyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmimage.v1.DenoiserService/ListLoras',
+            glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceListLorasRequest.SerializeToString,
+            glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceListLorasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmimage.v1.DenoiserService/LoadLoras',
+            glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceLoadLorasRequest.SerializeToString,
+            glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceLoadLorasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmimage.v1.DenoiserService/UnloadLoras',
+            glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceUnloadLorasRequest.SerializeToString,
+            glmimage_dot_v1_dot_denoiser__service__pb2.DenoiserServiceUnloadLorasResponse.FromString,
             options,
             channel_credentials,
             insecure,

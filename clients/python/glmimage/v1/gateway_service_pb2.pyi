@@ -31,7 +31,7 @@ WORKER_ROLE_AR: WorkerRole
 WORKER_ROLE_DENOISER: WorkerRole
 
 class GenerateImagesRequest(_message.Message):
-    __slots__ = ("prompt", "n", "height", "width", "output_format", "output_compression", "num_inference_steps", "guidance_scale", "seed", "sampling", "request_id", "reference_images", "step_cache")
+    __slots__ = ("prompt", "n", "height", "width", "output_format", "output_compression", "num_inference_steps", "guidance_scale", "seed", "sampling", "request_id", "reference_images", "step_cache", "loras")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class GenerateImagesRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_IMAGES_FIELD_NUMBER: _ClassVar[int]
     STEP_CACHE_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     n: int
     height: int
@@ -58,7 +59,8 @@ class GenerateImagesRequest(_message.Message):
     request_id: str
     reference_images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceImage]
     step_cache: _common_pb2.StepCache
-    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., step_cache: _Optional[_Union[_common_pb2.StepCache, str]] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraRef]
+    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., step_cache: _Optional[_Union[_common_pb2.StepCache, str]] = ..., loras: _Optional[_Iterable[_Union[_common_pb2.LoraRef, _Mapping]]] = ...) -> None: ...
 
 class GeneratedImage(_message.Message):
     __slots__ = ("index", "image", "seed", "usage")
@@ -103,7 +105,7 @@ class GetLimitsResponse(_message.Message):
     def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "state", "inflight", "current_job", "health", "stuck", "held_elsewhere", "health_detail")
+    __slots__ = ("address", "role", "state", "inflight", "current_job", "health", "stuck", "held_elsewhere", "health_detail", "loras_loaded")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,7 @@ class WorkerStatus(_message.Message):
     STUCK_FIELD_NUMBER: _ClassVar[int]
     HELD_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    LORAS_LOADED_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: WorkerRole
     state: WorkerState
@@ -122,7 +125,8 @@ class WorkerStatus(_message.Message):
     stuck: bool
     held_elsewhere: bool
     health_detail: str
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., inflight: _Optional[int] = ..., current_job: _Optional[str] = ..., health: _Optional[str] = ..., stuck: _Optional[bool] = ..., held_elsewhere: _Optional[bool] = ..., health_detail: _Optional[str] = ...) -> None: ...
+    loras_loaded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., inflight: _Optional[int] = ..., current_job: _Optional[str] = ..., health: _Optional[str] = ..., stuck: _Optional[bool] = ..., held_elsewhere: _Optional[bool] = ..., health_detail: _Optional[str] = ..., loras_loaded: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("pending_ar_requests", "pending_ar_outputs", "pending_denoise_outputs", "active_requests", "workers")
@@ -197,3 +201,53 @@ class RemoveWorkerRequest(_message.Message):
 class RemoveWorkerResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ListLorasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoraPlacement(_message.Message):
+    __slots__ = ("worker", "loaded", "error")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    loaded: _containers.RepeatedScalarFieldContainer[str]
+    error: str
+    def __init__(self, worker: _Optional[str] = ..., loaded: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ListLorasResponse(_message.Message):
+    __slots__ = ("loras", "placement")
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    loras: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraInfo]
+    placement: _containers.RepeatedCompositeFieldContainer[LoraPlacement]
+    def __init__(self, loras: _Optional[_Iterable[_Union[_common_pb2.LoraInfo, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[LoraPlacement, _Mapping]]] = ...) -> None: ...
+
+class LoadLorasRequest(_message.Message):
+    __slots__ = ("names", "workers")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., workers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadLorasResponse(_message.Message):
+    __slots__ = ("placement",)
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    placement: _containers.RepeatedCompositeFieldContainer[LoraPlacement]
+    def __init__(self, placement: _Optional[_Iterable[_Union[LoraPlacement, _Mapping]]] = ...) -> None: ...
+
+class UnloadLorasRequest(_message.Message):
+    __slots__ = ("names", "workers")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., workers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnloadLorasResponse(_message.Message):
+    __slots__ = ("placement",)
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    placement: _containers.RepeatedCompositeFieldContainer[LoraPlacement]
+    def __init__(self, placement: _Optional[_Iterable[_Union[LoraPlacement, _Mapping]]] = ...) -> None: ...

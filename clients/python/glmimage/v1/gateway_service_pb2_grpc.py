@@ -65,6 +65,21 @@ class GatewayServiceStub:
                 request_serializer=glmimage_dot_v1_dot_gateway__service__pb2.RemoveWorkerRequest.SerializeToString,
                 response_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.RemoveWorkerResponse.FromString,
                 _registered_method=True)
+        self.ListLoras = channel.unary_unary(
+                '/glmimage.v1.GatewayService/ListLoras',
+                request_serializer=glmimage_dot_v1_dot_gateway__service__pb2.ListLorasRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.ListLorasResponse.FromString,
+                _registered_method=True)
+        self.LoadLoras = channel.unary_unary(
+                '/glmimage.v1.GatewayService/LoadLoras',
+                request_serializer=glmimage_dot_v1_dot_gateway__service__pb2.LoadLorasRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.LoadLorasResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoras = channel.unary_unary(
+                '/glmimage.v1.GatewayService/UnloadLoras',
+                request_serializer=glmimage_dot_v1_dot_gateway__service__pb2.UnloadLorasRequest.SerializeToString,
+                response_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.UnloadLorasResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -113,6 +128,28 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListLoras(self, request, context):
+        """The LoRA adapters requests may name (those every denoiser's adapter directory holds), re-read from the denoisers
+        at each call. Any caller; the admin role also sees which denoiser holds which loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoras(self, request, context):
+        """Admin role: load adapters on denoisers of the pool ahead of the requests that name them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoras(self, request, context):
+        """Admin role: drop adapters from the denoisers' memory (the files stay).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +182,21 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.RemoveWorker,
                     request_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.RemoveWorkerRequest.FromString,
                     response_serializer=glmimage_dot_v1_dot_gateway__service__pb2.RemoveWorkerResponse.SerializeToString,
+            ),
+            'ListLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoras,
+                    request_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.ListLorasRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_gateway__service__pb2.ListLorasResponse.SerializeToString,
+            ),
+            'LoadLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoras,
+                    request_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.LoadLorasRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_gateway__service__pb2.LoadLorasResponse.SerializeToString,
+            ),
+            'UnloadLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoras,
+                    request_deserializer=glmimage_dot_v1_dot_gateway__service__pb2.UnloadLorasRequest.FromString,
+                    response_serializer=glmimage_dot_v1_dot_gateway__service__pb2.UnloadLorasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +362,87 @@ class GatewayService:
             '/glmimage.v1.GatewayService/RemoveWorker',
             glmimage_dot_v1_dot_gateway__service__pb2.RemoveWorkerRequest.SerializeToString,
             glmimage_dot_v1_dot_gateway__service__pb2.RemoveWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmimage.v1.GatewayService/ListLoras',
+            glmimage_dot_v1_dot_gateway__service__pb2.ListLorasRequest.SerializeToString,
+            glmimage_dot_v1_dot_gateway__service__pb2.ListLorasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmimage.v1.GatewayService/LoadLoras',
+            glmimage_dot_v1_dot_gateway__service__pb2.LoadLorasRequest.SerializeToString,
+            glmimage_dot_v1_dot_gateway__service__pb2.LoadLorasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmimage.v1.GatewayService/UnloadLoras',
+            glmimage_dot_v1_dot_gateway__service__pb2.UnloadLorasRequest.SerializeToString,
+            glmimage_dot_v1_dot_gateway__service__pb2.UnloadLorasResponse.FromString,
             options,
             channel_credentials,
             insecure,
