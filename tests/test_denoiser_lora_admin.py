@@ -312,6 +312,30 @@ async def test_a_bad_file_is_refused_naming_it_with_nothing_half_loaded(dn, admi
     assert (await dn.Denoise(_request())).image == base_image  # still serving, the base model byte for byte
 
 
+async def test_a_job_naming_a_bad_file_loads_none_of_its_adapters(dn, admin_dir, admin_engine) -> None:
+    _wrong_shapes(admin_dir / "bad.safetensors")
+    try:
+        err = await _refused(dn.Denoise(_request(common_pb2.LoraRef(name=THIRD), common_pb2.LoraRef(name="bad"))))
+    finally:
+        (admin_dir / "bad.safetensors").unlink()
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and _violations(err) == ["loras[1]"]
+    assert admin_engine.loras_loaded() == () and not getattr(admin_engine.pipe.transformer, "peft_config", None)
+
+
+async def test_unload_waits_for_the_job_in_flight(dn, admin_engine, monkeypatch) -> None:
+    started, release = _blocked(monkeypatch, admin_engine, "run")
+    job = asyncio.ensure_future(dn.Denoise(_request(common_pb2.LoraRef(name=INK)), timeout=60))
+    try:
+        await _until_set(started)
+        unload = asyncio.ensure_future(_unload(dn, INK))  # not loaded yet: the job in flight loads it
+        await asyncio.sleep(0.2)
+        assert not unload.done()
+    finally:
+        release.set()
+    await job
+    assert await unload == [] and admin_engine.loras_loaded() == ()
+
+
 @pytest.mark.parametrize(("names", "field"), [
     (["../tiny-style"], "names[0]"), ([STYLE, "a/b"], "names[1]"), ([".."], "names[0]"), ([""], "names[0]"),
     (["missing"], "names[0]"), ([STYLE, STYLE], "names[1]"), ([STYLE, INK, THIRD], "names"),

@@ -182,8 +182,9 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
     async def UnloadLoras(self, request, context: grpc.aio.ServicerContext):
         names = tuple(request.names)
         self.engine.check_lora_names(names, load=False)
-        wanted = set(names) & set(self.engine.loras_loaded())
-        loaded = await self._admin(UNLOADING_LORAS, self.engine.unload_loras, names) if wanted else \
+        # Through the slot unless it is free and none is loaded: a job in flight may be loading one of them.
+        held = self._busy or not set(names).isdisjoint(self.engine.loras_loaded())
+        loaded = await self._admin(UNLOADING_LORAS, self.engine.unload_loras, names) if names and held else \
             self.engine.loras_loaded()
         return denoiser_service_pb2.DenoiserServiceUnloadLorasResponse(loaded=loaded)
 
