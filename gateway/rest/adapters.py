@@ -4,7 +4,8 @@ them (a `model` that is no served name, GET /v1/models) and kept TTL_S seconds, 
 Read with the credential any call of the caller carries (dispatch.gateway_metadata) and kept per credential: a
 caller is shown what the gateway shows that credential, never a list another key read. A failed read never touches
 a request that names no adapter (nothing else reads the list), and /v1/models then lists the served names alone. A
-gateway without ListLoras (UNIMPLEMENTED) serves no adapters.
+gateway without ListLoras (UNIMPLEMENTED) serves no adapters, and a credential it refuses the list
+(PERMISSION_DENIED) is shown none: its `model` must then be a served name.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ Adapters = Mapping[str, common_pb2.LoraInfo]
 async def list_adapters(gateways: upstream.Gateways, metadata: tuple[tuple[str, str], ...],
                         timeout: float) -> dict[str, common_pb2.LoraInfo]:
     """The adapters by name from the first gateway that answers ListLoras, within one ``timeout`` for all; {} when
-    those that answered predate it. Otherwise the last failure (AioRpcError)."""
+    it refuses this credential the list (PERMISSION_DENIED) or those that answered predate it. Otherwise the last
+    failure (AioRpcError)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     last: grpc.aio.AioRpcError | None = None
@@ -57,6 +59,8 @@ async def list_adapters(gateways: upstream.Gateways, metadata: tuple[tuple[str, 
             reply = await gateway.stub.ListLoras(gateway_service_pb2.ListLorasRequest(), metadata=metadata,
                                                  timeout=max(deadline - loop.time(), 0.001))
         except grpc.aio.AioRpcError as err:
+            if err.code() is grpc.StatusCode.PERMISSION_DENIED:  # this credential is shown none
+                return {}
             if err.code() not in _NEXT_GATEWAY:
                 raise
             older = older or err.code() is grpc.StatusCode.UNIMPLEMENTED

@@ -94,7 +94,8 @@ def _validate(form: FormData, images: list[bytes]) -> ImageEditRequest:
     openapi_extra={"requestBody": {"required": True, "content": {
         "multipart/form-data": {"schema": {"$ref": "#/components/schemas/ImageEditRequest"},
                                 # OpenAPI's way to say a form field holds JSON.
-                                "encoding": {name: {"contentType": "application/json"} for name in sorted(JSON_FIELDS)}},
+                                "encoding": {name: {"contentType": "application/json"}
+                                             for name in sorted(JSON_FIELDS)}},
     }}},
     summary="Create images from reference images and a prompt",
 )
