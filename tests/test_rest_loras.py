@@ -341,7 +341,12 @@ class _Stub:
 
 
 def _gateways(*stubs: _Stub) -> Any:
-    return [SimpleNamespace(stub=stub) for stub in stubs]
+    """What the cache reads of upstream.Gateways: the order to try them in, each connected at once."""
+    async def connected() -> None:
+        pass
+
+    members = [SimpleNamespace(stub=stub, connected=connected) for stub in stubs]
+    return SimpleNamespace(attempts=lambda: members)
 
 
 async def test_the_cache_reads_once_per_ttl_with_one_read_in_flight() -> None:

@@ -54,7 +54,8 @@ async def list_adapters(gateways: upstream.Gateways, metadata: tuple[tuple[str, 
     deadline = loop.time() + timeout
     last: grpc.aio.AioRpcError | None = None
     older = False
-    for gateway in gateways:
+    for gateway in gateways.attempts():  # those whose channel is down last
+        await gateway.connected()  # a gateway reconnecting (just restarted) is given its moment, as for generations
         try:
             reply = await gateway.stub.ListLoras(gateway_service_pb2.ListLorasRequest(), metadata=metadata,
                                                  timeout=max(deadline - loop.time(), 0.001))
