@@ -88,7 +88,6 @@ class AdapterCache:
     def __init__(self, ttl: float = TTL_S, retry: float = RETRY_S, max_credentials: int = MAX_CREDENTIALS) -> None:
         self.ttl, self.retry, self.max_credentials = ttl, retry, max_credentials
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
-        self.reads = 0  # ListLoras reads started (for tests)
 
     async def get(self, gateways: upstream.Gateways, metadata: tuple[tuple[str, str], ...],
                   timeout: float) -> Adapters:
@@ -103,7 +102,6 @@ class AdapterCache:
         loop = asyncio.get_running_loop()
         if loop.time() >= entry.fresh_until:
             if entry.reading is None:
-                self.reads += 1
                 entry.reading = asyncio.create_task(self._read(entry, gateways, metadata, timeout),
                                                     name="list-loras")
             # Shielded: a caller that goes away does not cancel the read the others wait for.
