@@ -150,6 +150,11 @@ class Driver:
         self._limits = None
         self._loras = None
 
+    def worker_progress(self, address: str) -> tuple[int, int]:
+        """The steps done of the job a denoiser runs, and of how many (0, 0: none, or not known yet)."""
+        worker = self._workers.get(address)
+        return (0, 0) if worker is None else worker.progress
+
     def denoisers(self) -> list[Worker]:
         """The denoisers of the pool, not those removed (draining), in the order they joined."""
         return [w for a, w in self._workers.items() if a not in self._removed and w.role is sch.WorkerRole.DENOISER]

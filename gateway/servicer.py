@@ -179,10 +179,12 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         workers = []
         for w in snap.workers:
             health = self.driver.worker_health(w.address)
+            # (Only while it runs a job, as the scheduler sees it: the stream may say a step of a job just ended.)
+            step, total_steps = self.driver.worker_progress(w.address) if w.inflight or w.held_elsewhere else (0, 0)
             workers.append(gateway_service_pb2.WorkerStatus(
                 address=w.address if full else "", role=ROLE_TO_PROTO[w.role], state=STATE_TO_PROTO[w.state],
                 inflight=w.inflight, current_job=shown(w.current_job), health=health.value, stuck=health.stuck,
-                held_elsewhere=w.held_elsewhere, loras_loaded=sorted(w.loras),
+                held_elsewhere=w.held_elsewhere, loras_loaded=sorted(w.loras), step=step, total_steps=total_steps,
                 health_detail=self.driver.worker_health_detail(w.address) if full else ""))
         return gateway_service_pb2.GetStatusResponse(
             pending_ar_requests=snap.pending_ar_requests, pending_ar_outputs=snap.pending_ar_outputs,

@@ -109,6 +109,8 @@ class Worker:
         # Denoisers: the adapters of its adapter directory by name, as its ListLoras last said (read with its limits,
         # and again at each GatewayService.ListLoras); None until then. What admission knows adapter names from.
         self.loras: dict[str, common_pb2.LoraInfo] | None = None
+        # Denoisers: the steps done of the job holding its slot, and of how many, as its occupancy stream says.
+        self.progress: tuple[int, int] = (0, 0)
         if role is sch.WorkerRole.AR:
             self.stub = ar_service_pb2_grpc.ArServiceStub(self.channel)
             self.service = AR_SERVICE
@@ -138,11 +140,16 @@ class Worker:
         backoff = cfg.health_retry_min
         while not closed():
             elsewhere = False  # what this stream last told the scheduler
+            told: int | None = None  # the sequence of the state it last told
             try:
                 call = self.stub.WatchOccupancy(denoiser_service_pb2.WatchOccupancyRequest(),
                                                 metadata=cfg.worker_metadata)
                 async for state in call:
                     backoff = cfg.health_retry_min
+                    self.progress = (state.step, state.total_steps) if state.busy else (0, 0)
+                    if state.sequence == told:
+                        continue  # a step of the same job: for GetStatus only, nothing for the scheduler
+                    told = state.sequence
                     now_elsewhere = state.busy and state.owner != cfg.instance_id
                     # Every state goes in (its sequence orders the busy refusals against it), but free after free
                     # (this gateway's own jobs coming and going) changes nothing to publish.
@@ -164,6 +171,7 @@ class Worker:
                     backoff = max(backoff, cfg.credential_recheck_interval)
             except Exception:  # noqa: BLE001 - like the health watch: the mirror must outlive any surprise
                 log.exception("occupancy stream of %s failed unexpectedly", self.address)
+            self.progress = (0, 0)
             if elsewhere:
                 feed(sch.DenoiserOccupancy(now=time.monotonic(), worker=self.address, elsewhere=False))
             await asyncio.sleep(backoff)

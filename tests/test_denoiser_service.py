@@ -124,9 +124,16 @@ async def test_the_occupancy_stream_and_a_busy_refusal_name_the_gateway_holding_
         await dn.Denoise(_req(64, 64, seed=2, owner="gw-b"))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert error_info(err.value) == (DENOISER_BUSY, ERROR_DOMAIN, {"owner": "gw-a", "sequence": str(held.sequence)})
+    # Its steps as they go, under the sequence the job took the slot with (the sequence orders holders, not steps).
+    stepped = await watch.read()
+    assert (stepped.busy, stepped.sequence, stepped.total_steps) == (True, held.sequence, LONG_STEPS)
+    assert stepped.step >= 1 and held.step == 0
     first.cancel()
     after = await watch.read()
-    assert not after.busy and after.sequence > held.sequence
+    while after.busy:  # steps finished before the cancel reached the worker
+        assert after.sequence == held.sequence and after.step > stepped.step
+        after = await watch.read()
+    assert not after.busy and after.sequence > held.sequence and after.step == after.total_steps == 0
     watch.cancel()
     # Whoever sent them, no two jobs ever held the slot at once.
     assert _sample("glmimage_denoiser_busy_max") == 1

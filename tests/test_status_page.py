@@ -4,6 +4,7 @@ busy soon after a request starts; and who may see its data when keys are configu
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -85,6 +86,16 @@ def test_the_page_shows_every_worker_and_a_busy_denoiser_soon_after_a_request_st
     busy = [r for r in _rows(browser, "denoiser") if r["state"] == "busy"]
     assert busy and busy[0]["job"].count("/") == 1 and "#" in busy[0]["job"]  # request id/output#attempt
     assert "a slow one" not in _shown(browser)  # never the prompt
+
+    def step() -> int | None:  # the step the page shows for the running job, from the denoiser's occupancy stream
+        found = [re.search(r"\(step (\d+) of 200\)", r["job"]) for r in _rows(browser, "denoiser")]
+        return next((int(m.group(1)) for m in found if m), None)
+
+    _until(lambda: step() is not None or done.is_set(), 60, "the page to show the job's step")
+    first = step()
+    assert first is not None, "the request ended before the page showed its step"
+    _until(lambda: (step() or 0) > first or done.is_set(), 60, "the step to move on")
+    assert (step() or 0) > first
     if os.environ.get("GLMIMAGE_SCREENSHOTS"):  # `GLMIMAGE_SCREENSHOTS=1 pytest tests/test_status_page.py`
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         browser.save_screenshot(str(SCREENSHOT))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from glmimage.v1 import denoiser_service_pb2
 
@@ -24,6 +24,10 @@ class Occupancy:
     owner: str = ""  # the gateway that sent the job holding the slot (DenoiseRequest.owner)
     request_id: str = ""
     loras_loaded: tuple[str, ...] = ()  # the LoRA adapters the DiT holds, least recently used first
+    # The job's steps done and of how many (0, 0 before its first step); progress keeps the sequence, which orders
+    # the changes of who holds the slot.
+    step: int = 0
+    total_steps: int = 0
 
 
 class OccupancyBoard:
@@ -40,6 +44,13 @@ class OccupancyBoard:
     def take(self, owner: str, request_id: str) -> None:
         self._publish(Occupancy(self._state.sequence + 1, True, owner, request_id,
                                 loras_loaded=self._state.loras_loaded))
+
+    def progress(self, sequence: int, step: int, total_steps: int) -> None:
+        """The job that took the slot at ``sequence`` finished ``step`` of ``total_steps`` (a late report, after
+        the slot changed hands, is dropped)."""
+        state = self._state
+        if state.busy and state.sequence == sequence:
+            self._publish(replace(state, step=step, total_steps=total_steps))
 
     def release(self, loras_loaded: tuple[str, ...] | None = None) -> None:
         """Free the slot; ``loras_loaded`` as the job left them (None: unchanged)."""
@@ -67,4 +78,5 @@ class OccupancyBoard:
         async for state in self.watch():
             yield denoiser_service_pb2.WatchOccupancyResponse(sequence=state.sequence, busy=state.busy,
                                                               owner=state.owner, request_id=state.request_id,
-                                                              loras_loaded=state.loras_loaded)
+                                                              loras_loaded=state.loras_loaded, step=state.step,
+                                                              total_steps=state.total_steps)

@@ -283,7 +283,15 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
             raise ResourceExhausted("busy: this denoiser runs one job at a time", reason=DENOISER_BUSY,
                                     info={"owner": held.owner, "sequence": str(held.sequence)})
         self._take_slot(request.owner, request.request_id)
-        control = JobControl(deadline=rpc_deadline(context), on_event=emit)
+        loop, taken = asyncio.get_running_loop(), self.occupancy.state.sequence
+
+        def on_event(event: JobEvent) -> None:  # on the worker thread: every gateway's status shows the step
+            if isinstance(event, StepProgress):
+                loop.call_soon_threadsafe(self.occupancy.progress, taken, event.step, event.total_steps)
+            if emit is not None:
+                emit(event)
+
+        control = JobControl(deadline=rpc_deadline(context), on_event=on_event)
         record = JobRecord(steps=job.steps, partial_images=job.partial_images, control=control)
         self.current_job = record
         work = asyncio.ensure_future(self.executor.run(self.engine.run, job, control))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from glmimage.v1 import common_pb2 as glmimage_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"glmimage/v1/denoiser_service.proto\x12\x0bglmimage.v1\x1a\x18glmimage/v1/common.proto\"!\n\x1f\x44\x65noiserServiceListLorasRequest\"\\\n DenoiserServiceListLorasResponse\x12(\n\tavailable\x18\x01 \x03(\x0b\x32\x15.glmimage.v1.LoraInfo\x12\x0e\n\x06loaded\x18\x02 \x03(\t\"0\n\x1f\x44\x65noiserServiceLoadLorasRequest\x12\r\n\x05names\x18\x01 \x03(\t\"2\n DenoiserServiceLoadLorasResponse\x12\x0e\n\x06loaded\x18\x01 \x03(\t\"2\n!DenoiserServiceUnloadLorasRequest\x12\r\n\x05names\x18\x01 \x03(\t\"4\n\"DenoiserServiceUnloadLorasResponse\x12\x0e\n\x06loaded\x18\x01 \x03(\t\"\x17\n\x15WatchOccupancyRequest\"q\n\x16WatchOccupancyResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x0c\n\x04\x62usy\x18\x02 \x01(\x08\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x14\n\x0cloras_loaded\x18\x05 \x03(\t\"!\n\x1f\x44\x65noiserServiceGetLimitsRequest\"G\n DenoiserServiceGetLimitsResponse\x12#\n\x06limits\x18\x01 \x01(\x0b\x32\x13.glmimage.v1.Limits\"\x9b\x04\n\x0e\x44\x65noiseRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x0cprior_tokens\x18\x02 \x01(\x0b\x32\x15.glmimage.v1.TokenRow\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x1b\n\x13num_inference_steps\x18\x05 \x01(\r\x12\x1b\n\x0eguidance_scale\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\rH\x01\x88\x01\x01\x12/\n\routput_format\x18\x08 \x01(\x0e\x32\x18.glmimage.v1.ImageFormat\x12\x1f\n\x12output_compression\x18\t \x01(\rH\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x35\n\x10reference_images\x18\x0b \x03(\x0b\x32\x1b.glmimage.v1.ReferenceImage\x12\x30\n\nreferences\x18\x0c \x03(\x0b\x32\x1c.glmimage.v1.ReferenceTokens\x12\r\n\x05owner\x18\r \x01(\t\x12*\n\nstep_cache\x18\x0e \x01(\x0e\x32\x16.glmimage.v1.StepCache\x12#\n\x05loras\x18\x0f \x03(\x0b\x32\x14.glmimage.v1.LoraRefB\x11\n\x0f_guidance_scaleB\x07\n\x05_seedB\x15\n\x13_output_compression\"\x8d\x01\n\x0e\x44\x65noiseTimings\x12\x17\n\x0f\x64\x65noise_seconds\x18\x01 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x02 \x01(\x01\x12\x16\n\x0e\x65ncode_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\x04 \x01(\x01\x12\x19\n\x11lora_load_seconds\x18\x05 \x01(\x01\"\xdb\x01\n\x0f\x44\x65noiseResponse\x12\r\n\x05image\x18\x01 \x01(\x0c\x12/\n\routput_format\x18\x02 \x01(\x0e\x32\x18.glmimage.v1.ImageFormat\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x17\n\x0fsteps_completed\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\r\x12,\n\x07timings\x18\x07 \x01(\x0b\x32\x1b.glmimage.v1.DenoiseTimings\x12\x14\n\x0csteps_cached\x18\x08 \x01(\r\"X\n\x14\x44\x65noiseStreamRequest\x12(\n\x03job\x18\x01 \x01(\x0b\x32\x1b.glmimage.v1.DenoiseRequest\x12\x16\n\x0epartial_images\x18\x02 \x01(\r\"4\n\x0f\x44\x65noiseProgress\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x13\n\x0btotal_steps\x18\x02 \x01(\r\"H\n\x0cPartialImage\x12\x1b\n\x13partial_image_index\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\r\n\x05image\x18\x03 \x01(\x0c\"\xb6\x01\n\x15\x44\x65noiseStreamResponse\x12\x30\n\x08progress\x18\x01 \x01(\x0b\x32\x1c.glmimage.v1.DenoiseProgressH\x00\x12\x32\n\rpartial_image\x18\x02 \x01(\x0b\x32\x19.glmimage.v1.PartialImageH\x00\x12.\n\x06result\x18\x03 \x01(\x0b\x32\x1c.glmimage.v1.DenoiseResponseH\x00\x42\x07\n\x05\x65vent2\xbc\x05\n\x0f\x44\x65noiserService\x12\x44\n\x07\x44\x65noise\x12\x1b.glmimage.v1.DenoiseRequest\x1a\x1c.glmimage.v1.DenoiseResponse\x12X\n\rDenoiseStream\x12!.glmimage.v1.DenoiseStreamRequest\x1a\".glmimage.v1.DenoiseStreamResponse0\x01\x12h\n\tGetLimits\x12,.glmimage.v1.DenoiserServiceGetLimitsRequest\x1a-.glmimage.v1.DenoiserServiceGetLimitsResponse\x12[\n\x0eWatchOccupancy\x12\".glmimage.v1.WatchOccupancyRequest\x1a#.glmimage.v1.WatchOccupancyResponse0\x01\x12h\n\tListLoras\x12,.glmimage.v1.DenoiserServiceListLorasRequest\x1a-.glmimage.v1.DenoiserServiceListLorasResponse\x12h\n\tLoadLoras\x12,.glmimage.v1.DenoiserServiceLoadLorasRequest\x1a-.glmimage.v1.DenoiserServiceLoadLorasResponse\x12n\n\x0bUnloadLoras\x12..glmimage.v1.DenoiserServiceUnloadLorasRequest\x1a/.glmimage.v1.DenoiserServiceUnloadLorasResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"glmimage/v1/denoiser_service.proto\x12\x0bglmimage.v1\x1a\x18glmimage/v1/common.proto\"!\n\x1f\x44\x65noiserServiceListLorasRequest\"\\\n DenoiserServiceListLorasResponse\x12(\n\tavailable\x18\x01 \x03(\x0b\x32\x15.glmimage.v1.LoraInfo\x12\x0e\n\x06loaded\x18\x02 \x03(\t\"0\n\x1f\x44\x65noiserServiceLoadLorasRequest\x12\r\n\x05names\x18\x01 \x03(\t\"2\n DenoiserServiceLoadLorasResponse\x12\x0e\n\x06loaded\x18\x01 \x03(\t\"2\n!DenoiserServiceUnloadLorasRequest\x12\r\n\x05names\x18\x01 \x03(\t\"4\n\"DenoiserServiceUnloadLorasResponse\x12\x0e\n\x06loaded\x18\x01 \x03(\t\"\x17\n\x15WatchOccupancyRequest\"\x94\x01\n\x16WatchOccupancyResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x0c\n\x04\x62usy\x18\x02 \x01(\x08\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x14\n\x0cloras_loaded\x18\x05 \x03(\t\x12\x0c\n\x04step\x18\x06 \x01(\r\x12\x13\n\x0btotal_steps\x18\x07 \x01(\r\"!\n\x1f\x44\x65noiserServiceGetLimitsRequest\"G\n DenoiserServiceGetLimitsResponse\x12#\n\x06limits\x18\x01 \x01(\x0b\x32\x13.glmimage.v1.Limits\"\x9b\x04\n\x0e\x44\x65noiseRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x0cprior_tokens\x18\x02 \x01(\x0b\x32\x15.glmimage.v1.TokenRow\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x1b\n\x13num_inference_steps\x18\x05 \x01(\r\x12\x1b\n\x0eguidance_scale\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\rH\x01\x88\x01\x01\x12/\n\routput_format\x18\x08 \x01(\x0e\x32\x18.glmimage.v1.ImageFormat\x12\x1f\n\x12output_compression\x18\t \x01(\rH\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x35\n\x10reference_images\x18\x0b \x03(\x0b\x32\x1b.glmimage.v1.ReferenceImage\x12\x30\n\nreferences\x18\x0c \x03(\x0b\x32\x1c.glmimage.v1.ReferenceTokens\x12\r\n\x05owner\x18\r \x01(\t\x12*\n\nstep_cache\x18\x0e \x01(\x0e\x32\x16.glmimage.v1.StepCache\x12#\n\x05loras\x18\x0f \x03(\x0b\x32\x14.glmimage.v1.LoraRefB\x11\n\x0f_guidance_scaleB\x07\n\x05_seedB\x15\n\x13_output_compression\"\x8d\x01\n\x0e\x44\x65noiseTimings\x12\x17\n\x0f\x64\x65noise_seconds\x18\x01 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x02 \x01(\x01\x12\x16\n\x0e\x65ncode_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fprepare_seconds\x18\x04 \x01(\x01\x12\x19\n\x11lora_load_seconds\x18\x05 \x01(\x01\"\xdb\x01\n\x0f\x44\x65noiseResponse\x12\r\n\x05image\x18\x01 \x01(\x0c\x12/\n\routput_format\x18\x02 \x01(\x0e\x32\x18.glmimage.v1.ImageFormat\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x17\n\x0fsteps_completed\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\r\x12,\n\x07timings\x18\x07 \x01(\x0b\x32\x1b.glmimage.v1.DenoiseTimings\x12\x14\n\x0csteps_cached\x18\x08 \x01(\r\"X\n\x14\x44\x65noiseStreamRequest\x12(\n\x03job\x18\x01 \x01(\x0b\x32\x1b.glmimage.v1.DenoiseRequest\x12\x16\n\x0epartial_images\x18\x02 \x01(\r\"4\n\x0f\x44\x65noiseProgress\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x13\n\x0btotal_steps\x18\x02 \x01(\r\"H\n\x0cPartialImage\x12\x1b\n\x13partial_image_index\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\r\n\x05image\x18\x03 \x01(\x0c\"\xb6\x01\n\x15\x44\x65noiseStreamResponse\x12\x30\n\x08progress\x18\x01 \x01(\x0b\x32\x1c.glmimage.v1.DenoiseProgressH\x00\x12\x32\n\rpartial_image\x18\x02 \x01(\x0b\x32\x19.glmimage.v1.PartialImageH\x00\x12.\n\x06result\x18\x03 \x01(\x0b\x32\x1c.glmimage.v1.DenoiseResponseH\x00\x42\x07\n\x05\x65vent2\xbc\x05\n\x0f\x44\x65noiserService\x12\x44\n\x07\x44\x65noise\x12\x1b.glmimage.v1.DenoiseRequest\x1a\x1c.glmimage.v1.DenoiseResponse\x12X\n\rDenoiseStream\x12!.glmimage.v1.DenoiseStreamRequest\x1a\".glmimage.v1.DenoiseStreamResponse0\x01\x12h\n\tGetLimits\x12,.glmimage.v1.DenoiserServiceGetLimitsRequest\x1a-.glmimage.v1.DenoiserServiceGetLimitsResponse\x12[\n\x0eWatchOccupancy\x12\".glmimage.v1.WatchOccupancyRequest\x1a#.glmimage.v1.WatchOccupancyResponse0\x01\x12h\n\tListLoras\x12,.glmimage.v1.DenoiserServiceListLorasRequest\x1a-.glmimage.v1.DenoiserServiceListLorasResponse\x12h\n\tLoadLoras\x12,.glmimage.v1.DenoiserServiceLoadLorasRequest\x1a-.glmimage.v1.DenoiserServiceLoadLorasResponse\x12n\n\x0bUnloadLoras\x12..glmimage.v1.DenoiserServiceUnloadLorasRequest\x1a/.glmimage.v1.DenoiserServiceUnloadLorasResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,26 +46,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DENOISERSERVICEUNLOADLORASRESPONSE']._serialized_end=412
   _globals['_WATCHOCCUPANCYREQUEST']._serialized_start=414
   _globals['_WATCHOCCUPANCYREQUEST']._serialized_end=437
-  _globals['_WATCHOCCUPANCYRESPONSE']._serialized_start=439
-  _globals['_WATCHOCCUPANCYRESPONSE']._serialized_end=552
-  _globals['_DENOISERSERVICEGETLIMITSREQUEST']._serialized_start=554
-  _globals['_DENOISERSERVICEGETLIMITSREQUEST']._serialized_end=587
-  _globals['_DENOISERSERVICEGETLIMITSRESPONSE']._serialized_start=589
-  _globals['_DENOISERSERVICEGETLIMITSRESPONSE']._serialized_end=660
-  _globals['_DENOISEREQUEST']._serialized_start=663
-  _globals['_DENOISEREQUEST']._serialized_end=1202
-  _globals['_DENOISETIMINGS']._serialized_start=1205
-  _globals['_DENOISETIMINGS']._serialized_end=1346
-  _globals['_DENOISERESPONSE']._serialized_start=1349
-  _globals['_DENOISERESPONSE']._serialized_end=1568
-  _globals['_DENOISESTREAMREQUEST']._serialized_start=1570
-  _globals['_DENOISESTREAMREQUEST']._serialized_end=1658
-  _globals['_DENOISEPROGRESS']._serialized_start=1660
-  _globals['_DENOISEPROGRESS']._serialized_end=1712
-  _globals['_PARTIALIMAGE']._serialized_start=1714
-  _globals['_PARTIALIMAGE']._serialized_end=1786
-  _globals['_DENOISESTREAMRESPONSE']._serialized_start=1789
-  _globals['_DENOISESTREAMRESPONSE']._serialized_end=1971
-  _globals['_DENOISERSERVICE']._serialized_start=1974
-  _globals['_DENOISERSERVICE']._serialized_end=2674
+  _globals['_WATCHOCCUPANCYRESPONSE']._serialized_start=440
+  _globals['_WATCHOCCUPANCYRESPONSE']._serialized_end=588
+  _globals['_DENOISERSERVICEGETLIMITSREQUEST']._serialized_start=590
+  _globals['_DENOISERSERVICEGETLIMITSREQUEST']._serialized_end=623
+  _globals['_DENOISERSERVICEGETLIMITSRESPONSE']._serialized_start=625
+  _globals['_DENOISERSERVICEGETLIMITSRESPONSE']._serialized_end=696
+  _globals['_DENOISEREQUEST']._serialized_start=699
+  _globals['_DENOISEREQUEST']._serialized_end=1238
+  _globals['_DENOISETIMINGS']._serialized_start=1241
+  _globals['_DENOISETIMINGS']._serialized_end=1382
+  _globals['_DENOISERESPONSE']._serialized_start=1385
+  _globals['_DENOISERESPONSE']._serialized_end=1604
+  _globals['_DENOISESTREAMREQUEST']._serialized_start=1606
+  _globals['_DENOISESTREAMREQUEST']._serialized_end=1694
+  _globals['_DENOISEPROGRESS']._serialized_start=1696
+  _globals['_DENOISEPROGRESS']._serialized_end=1748
+  _globals['_PARTIALIMAGE']._serialized_start=1750
+  _globals['_PARTIALIMAGE']._serialized_end=1822
+  _globals['_DENOISESTREAMRESPONSE']._serialized_start=1825
+  _globals['_DENOISESTREAMRESPONSE']._serialized_end=2007
+  _globals['_DENOISERSERVICE']._serialized_start=2010
+  _globals['_DENOISERSERVICE']._serialized_end=2710
 # @@protoc_insertion_point(module_scope)

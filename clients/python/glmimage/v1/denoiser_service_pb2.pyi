@@ -48,18 +48,22 @@ class WatchOccupancyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchOccupancyResponse(_message.Message):
-    __slots__ = ("sequence", "busy", "owner", "request_id", "loras_loaded")
+    __slots__ = ("sequence", "busy", "owner", "request_id", "loras_loaded", "step", "total_steps")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LORAS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     busy: bool
     owner: str
     request_id: str
     loras_loaded: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sequence: _Optional[int] = ..., busy: _Optional[bool] = ..., owner: _Optional[str] = ..., request_id: _Optional[str] = ..., loras_loaded: _Optional[_Iterable[str]] = ...) -> None: ...
+    step: int
+    total_steps: int
+    def __init__(self, sequence: _Optional[int] = ..., busy: _Optional[bool] = ..., owner: _Optional[str] = ..., request_id: _Optional[str] = ..., loras_loaded: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class DenoiserServiceGetLimitsRequest(_message.Message):
     __slots__ = ()

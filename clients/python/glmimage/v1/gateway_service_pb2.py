@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from glmimage.v1 import common_pb2 as glmimage_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!glmimage/v1/gateway_service.proto\x12\x0bglmimage.v1\x1a\x18glmimage/v1/common.proto\"\xee\x03\n\x15GenerateImagesRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\t\n\x01n\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12/\n\routput_format\x18\x05 \x01(\x0e\x32\x18.glmimage.v1.ImageFormat\x12\x1f\n\x12output_compression\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x13num_inference_steps\x18\x07 \x01(\r\x12\x1b\n\x0eguidance_scale\x18\x08 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\rH\x02\x88\x01\x01\x12-\n\x08sampling\x18\n \x01(\x0b\x32\x1b.glmimage.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x35\n\x10reference_images\x18\x0c \x03(\x0b\x32\x1b.glmimage.v1.ReferenceImage\x12*\n\nstep_cache\x18\r \x01(\x0e\x32\x16.glmimage.v1.StepCache\x12#\n\x05loras\x18\x0e \x03(\x0b\x32\x14.glmimage.v1.LoraRefB\x15\n\x13_output_compressionB\x11\n\x0f_guidance_scaleB\x07\n\x05_seed\"_\n\x0eGeneratedImage\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05image\x18\x02 \x01(\x0c\x12\x0c\n\x04seed\x18\x03 \x01(\r\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.glmimage.v1.Usage\"\xcc\x01\n\x16GenerateImagesResponse\x12+\n\x06images\x18\x01 \x03(\x0b\x32\x1b.glmimage.v1.GeneratedImage\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.glmimage.v1.Usage\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12/\n\routput_format\x18\x05 \x01(\x0e\x32\x18.glmimage.v1.ImageFormat\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x12\n\x10GetStatusRequest\"\x12\n\x10GetLimitsRequest\"8\n\x11GetLimitsResponse\x12#\n\x06limits\x18\x01 \x01(\x0b\x32\x13.glmimage.v1.Limits\"\xfa\x01\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.glmimage.v1.WorkerRole\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.glmimage.v1.WorkerState\x12\x10\n\x08inflight\x18\x04 \x01(\r\x12\x13\n\x0b\x63urrent_job\x18\x05 \x01(\t\x12\x0e\n\x06health\x18\x06 \x01(\t\x12\r\n\x05stuck\x18\x07 \x01(\x08\x12\x16\n\x0eheld_elsewhere\x18\x08 \x01(\x08\x12\x15\n\rhealth_detail\x18\t \x01(\t\x12\x14\n\x0cloras_loaded\x18\n \x03(\t\"\xb2\x01\n\x11GetStatusResponse\x12\x1b\n\x13pending_ar_requests\x18\x01 \x01(\r\x12\x1a\n\x12pending_ar_outputs\x18\x02 \x01(\r\x12\x1f\n\x17pending_denoise_outputs\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x04 \x01(\r\x12*\n\x07workers\x18\x05 \x03(\x0b\x32\x19.glmimage.v1.WorkerStatus\"j\n\x1bGenerateImagesStreamRequest\x12\x33\n\x07request\x18\x01 \x01(\x0b\x32\".glmimage.v1.GenerateImagesRequest\x12\x16\n\x0epartial_images\x18\x02 \x01(\r\"G\n\rImageProgress\x12\x13\n\x0bimage_index\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x13\n\x0btotal_steps\x18\x03 \x01(\r\"O\n\x0cImagePartial\x12\x13\n\x0bimage_index\x18\x01 \x01(\r\x12\x1b\n\x13partial_image_index\x18\x02 \x01(\r\x12\r\n\x05image\x18\x03 \x01(\x0c\"\xc5\x01\n\x1cGenerateImagesStreamResponse\x12.\n\x08progress\x18\x01 \x01(\x0b\x32\x1a.glmimage.v1.ImageProgressH\x00\x12\x32\n\rpartial_image\x18\x02 \x01(\x0b\x32\x19.glmimage.v1.ImagePartialH\x00\x12\x38\n\tcompleted\x18\x03 \x01(\x0b\x32#.glmimage.v1.GenerateImagesResponseH\x00\x42\x07\n\x05\x65vent\"J\n\x10\x41\x64\x64WorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.glmimage.v1.WorkerRole\"\x13\n\x11\x41\x64\x64WorkerResponse\"&\n\x13RemoveWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x16\n\x14RemoveWorkerResponse\"\x12\n\x10ListLorasRequest\">\n\rLoraPlacement\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0e\n\x06loaded\x18\x02 \x03(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"h\n\x11ListLorasResponse\x12$\n\x05loras\x18\x01 \x03(\x0b\x32\x15.glmimage.v1.LoraInfo\x12-\n\tplacement\x18\x02 \x03(\x0b\x32\x1a.glmimage.v1.LoraPlacement\"2\n\x10LoadLorasRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x0f\n\x07workers\x18\x02 \x03(\t\"B\n\x11LoadLorasResponse\x12-\n\tplacement\x18\x01 \x03(\x0b\x32\x1a.glmimage.v1.LoraPlacement\"4\n\x12UnloadLorasRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x0f\n\x07workers\x18\x02 \x03(\t\"D\n\x13UnloadLorasResponse\x12-\n\tplacement\x18\x01 \x03(\x0b\x32\x1a.glmimage.v1.LoraPlacement*\x95\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16WORKER_STATE_AVAILABLE\x10\x01\x12\x15\n\x11WORKER_STATE_BUSY\x10\x02\x12\x1a\n\x16WORKER_STATE_UNHEALTHY\x10\x03\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x04*W\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x12\n\x0eWORKER_ROLE_AR\x10\x01\x12\x18\n\x14WORKER_ROLE_DENOISER\x10\x02\x32\xfd\x05\n\x0eGatewayService\x12Y\n\x0eGenerateImages\x12\".glmimage.v1.GenerateImagesRequest\x1a#.glmimage.v1.GenerateImagesResponse\x12m\n\x14GenerateImagesStream\x12(.glmimage.v1.GenerateImagesStreamRequest\x1a).glmimage.v1.GenerateImagesStreamResponse0\x01\x12J\n\tGetStatus\x12\x1d.glmimage.v1.GetStatusRequest\x1a\x1e.glmimage.v1.GetStatusResponse\x12J\n\tGetLimits\x12\x1d.glmimage.v1.GetLimitsRequest\x1a\x1e.glmimage.v1.GetLimitsResponse\x12J\n\tAddWorker\x12\x1d.glmimage.v1.AddWorkerRequest\x1a\x1e.glmimage.v1.AddWorkerResponse\x12S\n\x0cRemoveWorker\x12 .glmimage.v1.RemoveWorkerRequest\x1a!.glmimage.v1.RemoveWorkerResponse\x12J\n\tListLoras\x12\x1d.glmimage.v1.ListLorasRequest\x1a\x1e.glmimage.v1.ListLorasResponse\x12J\n\tLoadLoras\x12\x1d.glmimage.v1.LoadLorasRequest\x1a\x1e.glmimage.v1.LoadLorasResponse\x12P\n\x0bUnloadLoras\x12\x1f.glmimage.v1.UnloadLorasRequest\x1a .glmimage.v1.UnloadLorasResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!glmimage/v1/gateway_service.proto\x12\x0bglmimage.v1\x1a\x18glmimage/v1/common.proto\"\xee\x03\n\x15GenerateImagesRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\t\n\x01n\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12/\n\routput_format\x18\x05 \x01(\x0e\x32\x18.glmimage.v1.ImageFormat\x12\x1f\n\x12output_compression\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1b\n\x13num_inference_steps\x18\x07 \x01(\r\x12\x1b\n\x0eguidance_scale\x18\x08 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\rH\x02\x88\x01\x01\x12-\n\x08sampling\x18\n \x01(\x0b\x32\x1b.glmimage.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x35\n\x10reference_images\x18\x0c \x03(\x0b\x32\x1b.glmimage.v1.ReferenceImage\x12*\n\nstep_cache\x18\r \x01(\x0e\x32\x16.glmimage.v1.StepCache\x12#\n\x05loras\x18\x0e \x03(\x0b\x32\x14.glmimage.v1.LoraRefB\x15\n\x13_output_compressionB\x11\n\x0f_guidance_scaleB\x07\n\x05_seed\"_\n\x0eGeneratedImage\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05image\x18\x02 \x01(\x0c\x12\x0c\n\x04seed\x18\x03 \x01(\r\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.glmimage.v1.Usage\"\xcc\x01\n\x16GenerateImagesResponse\x12+\n\x06images\x18\x01 \x03(\x0b\x32\x1b.glmimage.v1.GeneratedImage\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.glmimage.v1.Usage\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12/\n\routput_format\x18\x05 \x01(\x0e\x32\x18.glmimage.v1.ImageFormat\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x12\n\x10GetStatusRequest\"\x12\n\x10GetLimitsRequest\"8\n\x11GetLimitsResponse\x12#\n\x06limits\x18\x01 \x01(\x0b\x32\x13.glmimage.v1.Limits\"\x9d\x02\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.glmimage.v1.WorkerRole\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.glmimage.v1.WorkerState\x12\x10\n\x08inflight\x18\x04 \x01(\r\x12\x13\n\x0b\x63urrent_job\x18\x05 \x01(\t\x12\x0e\n\x06health\x18\x06 \x01(\t\x12\r\n\x05stuck\x18\x07 \x01(\x08\x12\x16\n\x0eheld_elsewhere\x18\x08 \x01(\x08\x12\x15\n\rhealth_detail\x18\t \x01(\t\x12\x14\n\x0cloras_loaded\x18\n \x03(\t\x12\x0c\n\x04step\x18\x0b \x01(\r\x12\x13\n\x0btotal_steps\x18\x0c \x01(\r\"\xb2\x01\n\x11GetStatusResponse\x12\x1b\n\x13pending_ar_requests\x18\x01 \x01(\r\x12\x1a\n\x12pending_ar_outputs\x18\x02 \x01(\r\x12\x1f\n\x17pending_denoise_outputs\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x04 \x01(\r\x12*\n\x07workers\x18\x05 \x03(\x0b\x32\x19.glmimage.v1.WorkerStatus\"j\n\x1bGenerateImagesStreamRequest\x12\x33\n\x07request\x18\x01 \x01(\x0b\x32\".glmimage.v1.GenerateImagesRequest\x12\x16\n\x0epartial_images\x18\x02 \x01(\r\"G\n\rImageProgress\x12\x13\n\x0bimage_index\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x13\n\x0btotal_steps\x18\x03 \x01(\r\"O\n\x0cImagePartial\x12\x13\n\x0bimage_index\x18\x01 \x01(\r\x12\x1b\n\x13partial_image_index\x18\x02 \x01(\r\x12\r\n\x05image\x18\x03 \x01(\x0c\"\xc5\x01\n\x1cGenerateImagesStreamResponse\x12.\n\x08progress\x18\x01 \x01(\x0b\x32\x1a.glmimage.v1.ImageProgressH\x00\x12\x32\n\rpartial_image\x18\x02 \x01(\x0b\x32\x19.glmimage.v1.ImagePartialH\x00\x12\x38\n\tcompleted\x18\x03 \x01(\x0b\x32#.glmimage.v1.GenerateImagesResponseH\x00\x42\x07\n\x05\x65vent\"J\n\x10\x41\x64\x64WorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.glmimage.v1.WorkerRole\"\x13\n\x11\x41\x64\x64WorkerResponse\"&\n\x13RemoveWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x16\n\x14RemoveWorkerResponse\"\x12\n\x10ListLorasRequest\">\n\rLoraPlacement\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0e\n\x06loaded\x18\x02 \x03(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"h\n\x11ListLorasResponse\x12$\n\x05loras\x18\x01 \x03(\x0b\x32\x15.glmimage.v1.LoraInfo\x12-\n\tplacement\x18\x02 \x03(\x0b\x32\x1a.glmimage.v1.LoraPlacement\"2\n\x10LoadLorasRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x0f\n\x07workers\x18\x02 \x03(\t\"B\n\x11LoadLorasResponse\x12-\n\tplacement\x18\x01 \x03(\x0b\x32\x1a.glmimage.v1.LoraPlacement\"4\n\x12UnloadLorasRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x0f\n\x07workers\x18\x02 \x03(\t\"D\n\x13UnloadLorasResponse\x12-\n\tplacement\x18\x01 \x03(\x0b\x32\x1a.glmimage.v1.LoraPlacement*\x95\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16WORKER_STATE_AVAILABLE\x10\x01\x12\x15\n\x11WORKER_STATE_BUSY\x10\x02\x12\x1a\n\x16WORKER_STATE_UNHEALTHY\x10\x03\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x04*W\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x12\n\x0eWORKER_ROLE_AR\x10\x01\x12\x18\n\x14WORKER_ROLE_DENOISER\x10\x02\x32\xfd\x05\n\x0eGatewayService\x12Y\n\x0eGenerateImages\x12\".glmimage.v1.GenerateImagesRequest\x1a#.glmimage.v1.GenerateImagesResponse\x12m\n\x14GenerateImagesStream\x12(.glmimage.v1.GenerateImagesStreamRequest\x1a).glmimage.v1.GenerateImagesStreamResponse0\x01\x12J\n\tGetStatus\x12\x1d.glmimage.v1.GetStatusRequest\x1a\x1e.glmimage.v1.GetStatusResponse\x12J\n\tGetLimits\x12\x1d.glmimage.v1.GetLimitsRequest\x1a\x1e.glmimage.v1.GetLimitsResponse\x12J\n\tAddWorker\x12\x1d.glmimage.v1.AddWorkerRequest\x1a\x1e.glmimage.v1.AddWorkerResponse\x12S\n\x0cRemoveWorker\x12 .glmimage.v1.RemoveWorkerRequest\x1a!.glmimage.v1.RemoveWorkerResponse\x12J\n\tListLoras\x12\x1d.glmimage.v1.ListLorasRequest\x1a\x1e.glmimage.v1.ListLorasResponse\x12J\n\tLoadLoras\x12\x1d.glmimage.v1.LoadLorasRequest\x1a\x1e.glmimage.v1.LoadLorasResponse\x12P\n\x0bUnloadLoras\x12\x1f.glmimage.v1.UnloadLorasRequest\x1a .glmimage.v1.UnloadLorasResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'glmimage.v1.gateway_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=2467
-  _globals['_WORKERSTATE']._serialized_end=2616
-  _globals['_WORKERROLE']._serialized_start=2618
-  _globals['_WORKERROLE']._serialized_end=2705
+  _globals['_WORKERSTATE']._serialized_start=2502
+  _globals['_WORKERSTATE']._serialized_end=2651
+  _globals['_WORKERROLE']._serialized_start=2653
+  _globals['_WORKERROLE']._serialized_end=2740
   _globals['_GENERATEIMAGESREQUEST']._serialized_start=77
   _globals['_GENERATEIMAGESREQUEST']._serialized_end=571
   _globals['_GENERATEDIMAGE']._serialized_start=573
@@ -49,39 +49,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLIMITSRESPONSE']._serialized_start=917
   _globals['_GETLIMITSRESPONSE']._serialized_end=973
   _globals['_WORKERSTATUS']._serialized_start=976
-  _globals['_WORKERSTATUS']._serialized_end=1226
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1229
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1407
-  _globals['_GENERATEIMAGESSTREAMREQUEST']._serialized_start=1409
-  _globals['_GENERATEIMAGESSTREAMREQUEST']._serialized_end=1515
-  _globals['_IMAGEPROGRESS']._serialized_start=1517
-  _globals['_IMAGEPROGRESS']._serialized_end=1588
-  _globals['_IMAGEPARTIAL']._serialized_start=1590
-  _globals['_IMAGEPARTIAL']._serialized_end=1669
-  _globals['_GENERATEIMAGESSTREAMRESPONSE']._serialized_start=1672
-  _globals['_GENERATEIMAGESSTREAMRESPONSE']._serialized_end=1869
-  _globals['_ADDWORKERREQUEST']._serialized_start=1871
-  _globals['_ADDWORKERREQUEST']._serialized_end=1945
-  _globals['_ADDWORKERRESPONSE']._serialized_start=1947
-  _globals['_ADDWORKERRESPONSE']._serialized_end=1966
-  _globals['_REMOVEWORKERREQUEST']._serialized_start=1968
-  _globals['_REMOVEWORKERREQUEST']._serialized_end=2006
-  _globals['_REMOVEWORKERRESPONSE']._serialized_start=2008
-  _globals['_REMOVEWORKERRESPONSE']._serialized_end=2030
-  _globals['_LISTLORASREQUEST']._serialized_start=2032
-  _globals['_LISTLORASREQUEST']._serialized_end=2050
-  _globals['_LORAPLACEMENT']._serialized_start=2052
-  _globals['_LORAPLACEMENT']._serialized_end=2114
-  _globals['_LISTLORASRESPONSE']._serialized_start=2116
-  _globals['_LISTLORASRESPONSE']._serialized_end=2220
-  _globals['_LOADLORASREQUEST']._serialized_start=2222
-  _globals['_LOADLORASREQUEST']._serialized_end=2272
-  _globals['_LOADLORASRESPONSE']._serialized_start=2274
-  _globals['_LOADLORASRESPONSE']._serialized_end=2340
-  _globals['_UNLOADLORASREQUEST']._serialized_start=2342
-  _globals['_UNLOADLORASREQUEST']._serialized_end=2394
-  _globals['_UNLOADLORASRESPONSE']._serialized_start=2396
-  _globals['_UNLOADLORASRESPONSE']._serialized_end=2464
-  _globals['_GATEWAYSERVICE']._serialized_start=2708
-  _globals['_GATEWAYSERVICE']._serialized_end=3473
+  _globals['_WORKERSTATUS']._serialized_end=1261
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1264
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1442
+  _globals['_GENERATEIMAGESSTREAMREQUEST']._serialized_start=1444
+  _globals['_GENERATEIMAGESSTREAMREQUEST']._serialized_end=1550
+  _globals['_IMAGEPROGRESS']._serialized_start=1552
+  _globals['_IMAGEPROGRESS']._serialized_end=1623
+  _globals['_IMAGEPARTIAL']._serialized_start=1625
+  _globals['_IMAGEPARTIAL']._serialized_end=1704
+  _globals['_GENERATEIMAGESSTREAMRESPONSE']._serialized_start=1707
+  _globals['_GENERATEIMAGESSTREAMRESPONSE']._serialized_end=1904
+  _globals['_ADDWORKERREQUEST']._serialized_start=1906
+  _globals['_ADDWORKERREQUEST']._serialized_end=1980
+  _globals['_ADDWORKERRESPONSE']._serialized_start=1982
+  _globals['_ADDWORKERRESPONSE']._serialized_end=2001
+  _globals['_REMOVEWORKERREQUEST']._serialized_start=2003
+  _globals['_REMOVEWORKERREQUEST']._serialized_end=2041
+  _globals['_REMOVEWORKERRESPONSE']._serialized_start=2043
+  _globals['_REMOVEWORKERRESPONSE']._serialized_end=2065
+  _globals['_LISTLORASREQUEST']._serialized_start=2067
+  _globals['_LISTLORASREQUEST']._serialized_end=2085
+  _globals['_LORAPLACEMENT']._serialized_start=2087
+  _globals['_LORAPLACEMENT']._serialized_end=2149
+  _globals['_LISTLORASRESPONSE']._serialized_start=2151
+  _globals['_LISTLORASRESPONSE']._serialized_end=2255
+  _globals['_LOADLORASREQUEST']._serialized_start=2257
+  _globals['_LOADLORASREQUEST']._serialized_end=2307
+  _globals['_LOADLORASRESPONSE']._serialized_start=2309
+  _globals['_LOADLORASRESPONSE']._serialized_end=2375
+  _globals['_UNLOADLORASREQUEST']._serialized_start=2377
+  _globals['_UNLOADLORASREQUEST']._serialized_end=2429
+  _globals['_UNLOADLORASRESPONSE']._serialized_start=2431
+  _globals['_UNLOADLORASRESPONSE']._serialized_end=2499
+  _globals['_GATEWAYSERVICE']._serialized_start=2743
+  _globals['_GATEWAYSERVICE']._serialized_end=3508
 # @@protoc_insertion_point(module_scope)

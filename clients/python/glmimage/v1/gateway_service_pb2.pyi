@@ -105,7 +105,7 @@ class GetLimitsResponse(_message.Message):
     def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "state", "inflight", "current_job", "health", "stuck", "held_elsewhere", "health_detail", "loras_loaded")
+    __slots__ = ("address", "role", "state", "inflight", "current_job", "health", "stuck", "held_elsewhere", "health_detail", "loras_loaded", "step", "total_steps")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,8 @@ class WorkerStatus(_message.Message):
     HELD_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_DETAIL_FIELD_NUMBER: _ClassVar[int]
     LORAS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: WorkerRole
     state: WorkerState
@@ -126,7 +128,9 @@ class WorkerStatus(_message.Message):
     held_elsewhere: bool
     health_detail: str
     loras_loaded: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., inflight: _Optional[int] = ..., current_job: _Optional[str] = ..., health: _Optional[str] = ..., stuck: _Optional[bool] = ..., held_elsewhere: _Optional[bool] = ..., health_detail: _Optional[str] = ..., loras_loaded: _Optional[_Iterable[str]] = ...) -> None: ...
+    step: int
+    total_steps: int
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., inflight: _Optional[int] = ..., current_job: _Optional[str] = ..., health: _Optional[str] = ..., stuck: _Optional[bool] = ..., held_elsewhere: _Optional[bool] = ..., health_detail: _Optional[str] = ..., loras_loaded: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("pending_ar_requests", "pending_ar_outputs", "pending_denoise_outputs", "active_requests", "workers")
