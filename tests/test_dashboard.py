@@ -98,7 +98,7 @@ def prometheus(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) 
         try:
             _until(lambda: _ready(url, proc), 90, "Prometheus ready", step=0.2)
             _until(lambda: _value(url, "count(up == 1)") == len(targets), 90, "every target scraped", step=0.2)
-            _traffic(addr["rest"])
+            _traffic(addr["rest"], addr["gateway"])
             yield url
         finally:
             proc.terminate()
@@ -122,12 +122,24 @@ def _value(url: str, expr: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
-def _traffic(rest: str) -> None:
-    """Requests of each kind a panel shows: n=2 (a batch, two denoise jobs), a cached one, a streamed one and a bad
-    one, twice over a few scrapes so the rates have two samples."""
+def _traffic(rest: str, gateway: str) -> None:
+    """Requests of each kind a panel shows: n=2 (a batch, two denoise jobs), a cached one, a streamed one, a bad one
+    and two naming the tiny model's demo adapter over gRPC (a load, then a hit), twice over a few scrapes so the rates
+    have two samples."""
+    import grpc
+
+    from glmimage.v1 import common_pb2, gateway_service_pb2_grpc
+    from glmimage.v1 import gateway_service_pb2 as pb
+    from services.model.tiny import TINY_LORA
+
     body = {"prompt": 'a red "STOP" sign', "size": "64x64", "seed": 5}
-    with httpx.Client(base_url=f"http://{rest}", timeout=120) as http:
+    styled = pb.GenerateImagesRequest(prompt='a "lora" sign', height=64, width=64, seed=5, num_inference_steps=2,
+                                      loras=[common_pb2.LoraRef(name=TINY_LORA)])
+    with httpx.Client(base_url=f"http://{rest}", timeout=120) as http, grpc.insecure_channel(gateway) as channel:
+        stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
         for _ in range(2):
+            for _ in range(2):
+                assert stub.GenerateImages(styled, timeout=120).images[0].image.startswith(b"\x89PNG")
             assert http.post("/v1/images/generations", json={**body, "n": 2}).status_code == 200
             cached = {**body, "num_inference_steps": 8, "step_cache": "aggressive"}
             assert http.post("/v1/images/generations", json=cached).status_code == 200
@@ -154,3 +166,16 @@ def test_every_panel_query_parses_and_the_core_panels_show_data(prometheus: str)
         _until(all_core_have_data, 60, "data in every core panel", step=0.2)
     except AssertionError:
         raise AssertionError("panels without data: " + "; ".join(empty)) from None
+
+
+def test_the_lora_panels_show_the_adapter_traffic(prometheus: str) -> None:
+    """The demo adapter's requests: the pool-wide hit rate is hits / (hits + misses) of them (a miss that loaded it,
+    then hits), and a denoiser holds it loaded."""
+    panels = {p["title"]: p for p in json.loads(DASHBOARD.read_text())["panels"]}
+    pool = next(t["expr"] for t in panels["LoRA adapter hit rate"]["targets"] if t["legendFormat"] == "pool")
+    pool = re.sub(r"\$denoiser\b", ".*", pool.replace("$__rate_interval", "10m"))
+    _until(lambda: (_value(prometheus, "sum(glmimage_denoiser_lora_hits_total)") or 0) >= 1, 30, "a hit", step=0.2)
+    rate = _value(prometheus, pool)
+    assert rate is not None and 0 < rate < 1, rate
+    (loaded,) = [t["expr"] for t in panels["LoRA adapters loaded"]["targets"]]
+    assert _value(prometheus, f'sum({loaded.replace("$denoiser", ".*")})') >= 1

@@ -126,13 +126,16 @@ RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral"
 
 
 def test_pods_meet_restricted_pod_security_except_host_path(documented_docs: dict[str, list[dict]]) -> None:
-    """What the NOTES promise: only model.source=hostPath falls below restricted (and baseline)."""
+    """What the NOTES promise: only model.source=hostPath (the AR and denoisers) and loras.source=hostPath (the
+    denoisers) fall below restricted (and baseline)."""
+    host_path_pods = {"host-path": {f"{RELEASE}-glmimage-ar", f"{RELEASE}-glmimage-denoiser"},
+                      "loras-host-path": {f"{RELEASE}-glmimage-denoiser"}}
     for name, docs in documented_docs.items():
         for dep in by_kind(docs, "Deployment").values():
             spec = dep["spec"]["template"]["spec"]
             where = (name, dep["metadata"]["name"])
             types = {k for v in spec["volumes"] for k in v if k != "name"}
-            if name == "host-path" and dep["metadata"]["name"] != f"{RELEASE}-glmimage-gateway":
+            if dep["metadata"]["name"] in host_path_pods.get(name, ()):
                 assert types - RESTRICTED_VOLUMES == {"hostPath"}, where
             else:
                 assert types <= RESTRICTED_VOLUMES, where

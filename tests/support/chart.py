@@ -53,6 +53,9 @@ def documented_values() -> dict[str, dict[str, Any]]:
         "hpa-object": {"denoiser": {"autoscaling": {"enabled": True, "metricType": "Object"}}},
         "host-path": {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/glm"}}},
         "pvc-create": {"model": {"pvc": {"create": True}}},
+        # LoRA adapters for the denoisers (tests/test_k8s_loras.py): an existing claim, or a node directory.
+        "loras-pvc": {"loras": {"source": "pvc", "subPath": "adapters"}, "config": {"denoiser": {"maxLoadedLoras": 8}}},
+        "loras-host-path": {"loras": {"source": "hostPath", "hostPath": {"path": "/mnt/loras"}}},
         # k8s/README.md: one gateway, with a budget that lets drains take it.
         "one-gateway": {"gateway": {"replicas": 1, "pdb": {"minAvailable": None, "maxUnavailable": 1}}},
         "placement": {

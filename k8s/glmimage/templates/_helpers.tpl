@@ -329,3 +329,57 @@ topologySpreadConstraints:
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+LoRA adapters (loras.*): a read-only volume at /loras in the denoiser pods only, and --lora-dir=/loras. With
+loras.source=none, neither (the tiny model's denoiser then uses its built-in demo adapter).
+*/}}
+{{- define "glmimage.lorasDir" -}}/loras{{- end }}
+
+{{- define "glmimage.lorasEnabled" -}}
+{{- $l := .Values.loras }}
+{{- if eq $l.source "none" }}
+{{- else if or (eq $l.source "pvc") (eq $l.source "hostPath") }}true
+{{- else }}{{ fail (printf "loras.source must be none, pvc or hostPath, not %q" $l.source) }}
+{{- end }}
+{{- end }}
+
+{{- define "glmimage.loraArgs" -}}
+{{- if include "glmimage.lorasEnabled" . }}
+- --lora-dir={{ include "glmimage.lorasDir" . }}
+{{- end }}
+{{- end }}
+
+{{- define "glmimage.loraVolume" -}}
+{{- $l := .Values.loras }}
+{{- if include "glmimage.lorasEnabled" . }}
+{{- if eq $l.source "pvc" }}
+{{- if not $l.pvc.claimName }}{{ fail "loras.source=pvc needs loras.pvc.claimName (an existing claim)" }}{{ end }}
+- name: loras
+  persistentVolumeClaim:
+    claimName: {{ $l.pvc.claimName }}
+    readOnly: true
+{{- else }}
+{{- if not $l.hostPath.path }}{{ fail "loras.source=hostPath needs loras.hostPath.path" }}{{ end }}
+- name: loras
+  hostPath:
+    path: {{ $l.hostPath.path }}
+    type: {{ $l.hostPath.type }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "glmimage.loraVolumeMount" -}}
+{{- $l := .Values.loras }}
+{{- if include "glmimage.lorasEnabled" . }}
+- name: loras
+  mountPath: {{ include "glmimage.lorasDir" . }}
+  readOnly: true
+{{- with $l.subPath }}
+{{- if or (hasPrefix "/" .) (has ".." (splitList "/" .)) }}
+{{- fail (printf "loras.subPath must be a relative path inside the volume, without '..', not %q" .) }}
+{{- end }}
+  subPath: {{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
