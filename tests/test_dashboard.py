@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ DASHBOARD = CHART / "files" / "glmimage-dashboard.json"
 # The panels that may show nothing after a short, healthy run: no work was put back in a queue.
 QUIET_PANELS = {"Requeues by reason"}
 SCRAPE_S = 1
+SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "images" / "dashboard.png"
 
 
 def _targets() -> list[tuple[str, str]]:
@@ -179,3 +181,17 @@ def test_the_lora_panels_show_the_adapter_traffic(prometheus: str) -> None:
     assert rate is not None and 0 < rate < 1, rate
     (loaded,) = [t["expr"] for t in panels["LoRA adapters loaded"]["targets"]]
     assert _value(prometheus, f'sum({loaded.replace("$denoiser", ".*")})') >= 1
+
+
+def test_a_picture_of_the_dashboard_is_drawn_from_its_queries(prometheus: str, tmp_path: Path) -> None:
+    """The docs' picture (docs/images/dashboard.png with GLMIMAGE_SCREENSHOTS=1, `make screenshots`), drawn from the
+    dashboard's own queries over the traffic above; on every run, so the picture cannot drift from the dashboard."""
+    from tests.support.dashboard_preview import draw
+
+    out = tmp_path / "dashboard.png"
+    panels = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+    lines = draw(prometheus, json.loads(DASHBOARD.read_text()), out)
+    assert lines >= len(panels) - len(QUIET_PANELS)  # at least a line in every panel that has data
+    assert out.read_bytes().startswith(b"\x89PNG")
+    if os.environ.get("GLMIMAGE_SCREENSHOTS"):
+        shutil.copy(out, SCREENSHOT)
