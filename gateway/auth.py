@@ -33,9 +33,14 @@ METHOD_ROLES: dict[str, str] = {
     f"/{SERVICE}/GetLimits": PUBLIC,
     f"/{SERVICE}/AddWorker": ADMIN,
     f"/{SERVICE}/RemoveWorker": ADMIN,
+    # The adapters requests may name: what any caller needs to make one (the REST front's /v1/models lists them).
+    f"/{SERVICE}/ListLoras": USER,
+    f"/{SERVICE}/LoadLoras": ADMIN,
+    f"/{SERVICE}/UnloadLoras": ADMIN,
 }
-ADMIN_OFF = ("the admin RPCs (AddWorker, RemoveWorker) are off on this gateway: start it with --admin-key "
-             f"(or ${ENV_ADMIN_KEYS}) to turn them on, and call them with 'authorization: Bearer <admin key>'")
+ADMIN_OFF = ("the admin RPCs (AddWorker, RemoveWorker, LoadLoras, UnloadLoras) are off on this gateway: start it "
+             f"with --admin-key (or ${ENV_ADMIN_KEYS}) to turn them on, and call them with "
+             "'authorization: Bearer <admin key>'")
 
 
 def keys_from(flags: Iterable[str], env: str, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:

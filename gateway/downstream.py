@@ -29,6 +29,10 @@ from services.runtime.tracing import with_trace
 
 log = logging.getLogger("gateway.driver")
 
+# Extra seconds a job naming LoRA adapters may take (at least; as much again as its own time if that is more): the
+# cost model learns steps, not loads, and a load of a real adapter file from a network volume can take this long.
+LORA_LOAD_ALLOWANCE_S = 60.0
+
 Metadata = tuple[tuple[str, str], ...]
 
 # A denoise failure with these codes says nothing about the request itself: try another worker.
@@ -160,7 +164,7 @@ def denoise_request(action: sch.DispatchDenoise, admitted: Admitted, owner: str 
         seed=prior.seed, output_format=p.output_format,
         output_compression=p.output_compression if p.HasField("output_compression") else None,
         request_id=action.job.request_id, reference_images=p.reference_images, references=out.references,
-        owner=owner, step_cache=p.step_cache)
+        owner=owner, step_cache=p.step_cache, loras=p.loras)
 
 
 class Downstream:
@@ -239,6 +243,8 @@ class Downstream:
         timeouts = self.denoise_timeouts
         work = timeouts.work(job_request.num_inference_steps, height, width, reference_pixels, job_request.step_cache)
         timeout = timeouts.timeout(work)
+        if job_request.loras:  # it may load adapter files first: allowed as much again as the job, and a floor
+            timeout += max(timeout, LORA_LOAD_ALLOWANCE_S)
         started = time.monotonic()
         try:
             response = await _denoise(worker, job_request, metadata, timeout, stream, job.index)
@@ -264,10 +270,12 @@ class Downstream:
         timings = response.timings
         timeouts.observe(job_request.num_inference_steps, response.steps_completed, height, width, reference_pixels,
                          step_cache=job_request.step_cache,
-                         denoise_seconds=timings.denoise_seconds, prepare_seconds=timings.prepare_seconds,
+                         denoise_seconds=timings.denoise_seconds - timings.lora_load_seconds,
+                         prepare_seconds=timings.prepare_seconds - timings.lora_load_seconds,
                          post_seconds=timings.decode_seconds + timings.encode_seconds)
         self.observe.denoise_done(now - started)
-        return sch.DenoiseSucceeded(now=now, job=job, worker=worker.address, result=response)
+        return sch.DenoiseSucceeded(now=now, job=job, worker=worker.address, result=response,
+                                    lora_load_s=timings.lora_load_seconds)
 
 
 async def _denoise(worker: Worker, request: denoiser_service_pb2.DenoiseRequest, metadata: Metadata,

@@ -29,7 +29,7 @@ from gateway.scheduler import types as sch
 from gateway.scheduler.core import Scheduler
 from gateway.traces import RequestTrace, ar_call, traced
 from gateway.workers import Worker, WorkerHealth
-from glmimage.v1 import ar_service_pb2, denoiser_service_pb2
+from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2
 from services.runtime.admission import Admitted
 from services.runtime.limits import Limits, limits_in_force, round_up
 from services.runtime.logs import spawn, without_request_id
@@ -76,6 +76,7 @@ class Driver:
         self.dns: list[DnsMembership] = []
         self.downstream = Downstream(config, self.observe, self._sideline)
         self._limits: Limits | None = None  # in force; recomputed after any change of members or their limits
+        self._loras: dict[str, common_pb2.LoraInfo] | None = None  # the catalogue, recomputed with the limits
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -147,6 +148,20 @@ class Driver:
 
     def _limits_changed(self) -> None:
         self._limits = None
+        self._loras = None
+
+    def denoisers(self) -> list[Worker]:
+        """The denoisers of the pool, not those removed (draining), in the order they joined."""
+        return [w for a, w in self._workers.items() if a not in self._removed and w.role is sch.WorkerRole.DENOISER]
+
+    def lora_catalogue(self) -> dict[str, common_pb2.LoraInfo]:
+        """The adapters a request may name, by name: those every denoiser that has said lists (any may run any
+        job, so a name one of them lacks would fail there), as the first of them describes each."""
+        if self._loras is None:
+            listed = [w.loras for w in self.denoisers() if w.loras is not None]
+            names = set.intersection(*(set(d) for d in listed)) if listed else set()
+            self._loras = {name: listed[0][name] for name in sorted(names)}
+        return self._loras
 
     def pool_size(self) -> int:
         """Workers held, both roles, draining ones included (what --max-workers bounds)."""
@@ -193,7 +208,8 @@ class Driver:
         self._pending[request_id] = pending
         # Both stages round sizes up to multiples of 32, so requests that differ below that share AR batches.
         self._feed(sch.RequestArrived(now=now, request_id=request_id, n=admitted.n, height=round_up(admitted.height),
-                                      width=round_up(admitted.width), deadline=now + timeout, solo=admitted.edit))
+                                      width=round_up(admitted.width), deadline=now + timeout, solo=admitted.edit,
+                                      loras=frozenset(ref.name for ref in admitted.request.loras)))
         try:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:

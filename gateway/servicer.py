@@ -14,6 +14,7 @@ import grpc
 from gateway.auth import ADMIN, gateway_interceptor
 from gateway.config import GatewayConfig
 from gateway.driver import Driver, Outcome, StreamOptions
+from gateway.loras import PoolLoras, check_names, pick_workers
 from gateway.membership import WorkerAddress, allowed, parse_worker_address, split_host_port
 from gateway.scheduler import types as sch
 from gateway.stream_relay import StreamRelay
@@ -87,6 +88,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         # No key configured at all: authentication is off and callers cannot be told apart (everyone may do
         # everything a user may); GetStatus then shows everything to everyone, as before.
         self._keyless = not config.api_keys and not config.admin_keys
+        self.loras = PoolLoras(driver.denoisers, config.worker_metadata)
 
     def _timeout(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
@@ -155,7 +157,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
     def _check(self, request: gateway_service_pb2.GenerateImagesRequest, limits: Limits) -> Admitted:
         return check_generate(request, limits, default_height=self.config.default_height,
-                              default_width=self.config.default_width)
+                              default_width=self.config.default_width,
+                              known_loras=self.driver.lora_catalogue() if request.loras else None)
 
     async def GetLimits(self, request, context: grpc.aio.ServicerContext):
         return gateway_service_pb2.GetLimitsResponse(limits=self.driver.limits().to_proto())
@@ -179,7 +182,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             workers.append(gateway_service_pb2.WorkerStatus(
                 address=w.address if full else "", role=ROLE_TO_PROTO[w.role], state=STATE_TO_PROTO[w.state],
                 inflight=w.inflight, current_job=shown(w.current_job), health=health.value, stuck=health.stuck,
-                held_elsewhere=w.held_elsewhere,
+                held_elsewhere=w.held_elsewhere, loras_loaded=sorted(w.loras),
                 health_detail=self.driver.worker_health_detail(w.address) if full else ""))
         return gateway_service_pb2.GetStatusResponse(
             pending_ar_requests=snap.pending_ar_requests, pending_ar_outputs=snap.pending_ar_outputs,
@@ -231,3 +234,24 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"address: {shown} is not a worker of this gateway")
         log.info("admin: removed worker %s (draining)", address)
         return gateway_service_pb2.RemoveWorkerResponse()
+
+    async def ListLoras(self, request, context: grpc.aio.ServicerContext):
+        """The adapters requests may name, from the denoisers' listings re-read now; for the admin role (or on a
+        gateway that checks no keys) also what each denoiser holds loaded."""
+        placement = await self.loras.listing()
+        full = self._keyless or self._auth.caller(context.invocation_metadata()).holds(ADMIN)
+        return gateway_service_pb2.ListLorasResponse(loras=list(self.driver.lora_catalogue().values()),
+                                                     placement=placement if full else [])
+
+    async def LoadLoras(self, request, context: grpc.aio.ServicerContext):
+        await self.loras.listing()  # a file just added to the adapter directory may be named at once
+        check_names(request.names, self.driver.limits(), self.driver.lora_catalogue())
+        workers = pick_workers(request.workers, self.driver.denoisers())
+        placement = await self.loras.load(list(request.names), workers, self._timeout(context))
+        return gateway_service_pb2.LoadLorasResponse(placement=placement)
+
+    async def UnloadLoras(self, request, context: grpc.aio.ServicerContext):
+        check_names(request.names, None, None)
+        workers = pick_workers(request.workers, self.driver.denoisers())
+        placement = await self.loras.load(list(request.names), workers, self._timeout(context), unload=True)
+        return gateway_service_pb2.UnloadLorasResponse(placement=placement)

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig
 from gateway.scheduler import types as sch
-from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc
+from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.runtime import keepalive
 from services.runtime.limits import advertised
 from services.runtime.logs import spawn
@@ -106,6 +106,9 @@ class Worker:
         # restarted worker may run with other flags); None until then.
         self.limits: dict[str, float] | None = None
         self._on_limits: Callable[[], None] = lambda: None
+        # Denoisers: the adapters of its adapter directory by name, as its ListLoras last said (read with its limits,
+        # and again at each GatewayService.ListLoras); None until then. What admission knows adapter names from.
+        self.loras: dict[str, common_pb2.LoraInfo] | None = None
         if role is sch.WorkerRole.AR:
             self.stub = ar_service_pb2_grpc.ArServiceStub(self.channel)
             self.service = AR_SERVICE
@@ -144,7 +147,8 @@ class Worker:
                     # Every state goes in (its sequence orders the busy refusals against it), but free after free
                     # (this gateway's own jobs coming and going) changes nothing to publish.
                     feed(sch.DenoiserOccupancy(now=time.monotonic(), worker=self.address, elsewhere=now_elsewhere,
-                                               sequence=state.sequence), quiet=not (now_elsewhere or elsewhere))
+                                               sequence=state.sequence, loras=frozenset(state.loras_loaded)),
+                         quiet=not (now_elsewhere or elsewhere))
                     elsewhere = now_elsewhere
             except grpc.aio.AioRpcError as err:
                 if err.code() is grpc.StatusCode.UNIMPLEMENTED:
@@ -225,6 +229,27 @@ class Worker:
                      ", ".join(f"{k}={v:g}" for k, v in sorted(limits.items())) or "no advertised limits")
             self.limits = limits
             self._on_limits()
+        if self.role is sch.WorkerRole.DENOISER:
+            await self.read_loras()
+
+    async def read_loras(self) -> denoiser_service_pb2.DenoiserServiceListLorasResponse:
+        """Its adapter directory (and what it holds loaded), kept in ``loras``; a change calls ``on_limits`` (the
+        catalogue merges like the limits). A denoiser without ListLoras (an older one) serves no adapters."""
+        try:
+            reply = await self.stub.ListLoras(denoiser_service_pb2.DenoiserServiceListLorasRequest(),
+                                              timeout=self.config.health_probe_timeout,
+                                              metadata=self.config.worker_metadata)
+        except grpc.aio.AioRpcError as err:
+            if err.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            reply = denoiser_service_pb2.DenoiserServiceListLorasResponse()
+        loras = {info.name: info for info in reply.available}
+        if loras != self.loras:
+            log.info("denoiser %s serves %d LoRA adapter(s)%s", self.address, len(loras),
+                     f": {', '.join(sorted(loras)[:20])}" if loras else "")
+            self.loras = loras
+            self._on_limits()
+        return reply
 
     async def _probe(self, stub: health_pb2_grpc.HealthStub) -> None:
         """Return once the worker failed ``health_probe_failures`` probes in a row (it is hung or gone)."""

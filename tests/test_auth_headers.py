@@ -84,7 +84,7 @@ async def _client(**settings: object) -> AsyncIterator[httpx.AsyncClient]:
     ([(b"authorization", KEY_UTF8), (b"authorization", f"Bearer {OTHER}".encode())], 401),
 ])
 async def test_rest_keys_compare_as_utf8_and_refuse_repeats(headers, status: int) -> None:
-    # /v1/models answers without calling the gateway: only the key check is at work.
+    # /v1/models needs no gateway (a failed ListLoras leaves the served names): only the key check is at work.
     async with _client(gateway_address="127.0.0.1:1", api_keys=(KEY,)) as client:
         resp = await client.get("/v1/models", headers=headers)
     assert resp.status_code == status, resp.text

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc
 from services.denoiser.step_cache import DEFAULT_SCHEDULES, StepCacheLevel
+from services.model.tiny import TINY_LORA
 from tests.support.cluster import running_stack
 
 pytestmark = pytest.mark.e2e
@@ -132,6 +133,51 @@ def test_openai_sdk_step_cache_is_reproducible_counted_and_leaves_off_untouched(
         assert after["full"] - before["full"] == 16 - cached_steps
         assert image("aggressive") == cached  # reproducible by seed
         assert image("off") == off != cached  # the cached job left nothing behind
+
+
+def _lora_loads(addr: dict[str, str]) -> float:
+    """glmimage_denoiser_lora_loads_total summed over both denoisers."""
+    total = 0.0
+    for name in ("denoiser-0", "denoiser-1"):
+        for family in text_string_to_metric_families(httpx.get(addr[f"{name}-metrics"], timeout=10).text):
+            total += sum(s.value for s in family.samples if s.name == "glmimage_denoiser_lora_loads_total")
+    return total
+
+
+def test_openai_sdk_lora_adapter_changes_the_image_and_nothing_else(stack) -> None:
+    """Issue 23's done-when, through the openai SDK on the `make run` stack and its demo adapter."""
+    addr = stack["addresses"]
+    with openai.OpenAI(base_url=f"http://{addr['rest']}/v1", api_key="x", max_retries=0, timeout=120) as sdk:
+        def image(seed: int = 31, model: str | None = None, **extra) -> bytes:
+            kwargs = {"model": model} if model else {}
+            result = sdk.images.generate(prompt=PROMPT, size="256x256", **kwargs,
+                                         extra_body={"seed": seed, "num_inference_steps": 4, **extra})
+            return base64.b64decode(result.data[0].b64_json)
+
+        style = [{"name": TINY_LORA, "scale": 1.0}]
+        # First, on the idle pool no request has named an adapter yet: two in a row load it once, where the first
+        # left it (the scheduler's affinity; random placement would load it on both denoisers half the time).
+        before = _lora_loads(addr)
+        image(seed=1, loras=style)
+        image(seed=2, loras=style)
+        assert _lora_loads(addr) == before + 1
+
+        cards = {m.id: m for m in sdk.models.list().data}
+        assert TINY_LORA in cards
+        assert cards[TINY_LORA].model_extra["parent"] in cards  # vLLM's convention: the base is its parent
+        base = image()
+        styled = image(loras=style)
+        assert styled != base
+        assert image(loras=style) == styled  # reproducible
+        assert image() == base  # the next plain request is the base model's image exactly
+        assert image(model=TINY_LORA) == styled  # its default scale (the sidecar's) is 1
+        assert image(loras=[{"name": TINY_LORA, "scale": 0.0}]) == base
+        with pytest.raises(openai.BadRequestError) as caught:
+            image(loras=[{"name": "no-such-adapter"}])
+        assert caught.value.body["param"] == "loras", caught.value.body
+        with pytest.raises(openai.BadRequestError) as caught:
+            image(loras=[{"name": "../../etc/passwd"}])
+        assert caught.value.body["param"].startswith("loras"), caught.value.body
 
 
 def test_sigterm_stops_every_process(stack) -> None:

@@ -53,7 +53,11 @@ configs = st.builds(
     ar_retries=st.sampled_from([1, 0]),
     max_attempts=st.sampled_from([2, 3, 1]),
     serial_outputs=st.sampled_from([False, True]),
+    lora_affinity=st.sampled_from([True, True, False]),
+    lora_load_cost=st.sampled_from([0.004, 0.0, 0.03]),
 )
+# The adapters a request names: mostly none, as in production, so that plain and adapter jobs share the queue.
+adapter_sets = st.sampled_from([frozenset(), frozenset(), frozenset({"a"}), frozenset({"b"}), frozenset({"a", "b"})])
 
 
 class SchedulerMachine(CheckedScheduler):
@@ -70,23 +74,25 @@ class SchedulerMachine(CheckedScheduler):
         other=st.booleans(),
         ttl=st.none() | st.floats(0.0, 0.05),
         dt=st.floats(0.0, 0.003),
+        loras=adapter_sets,
     )
-    def arrive(self, n: int, other: bool, ttl: float | None, dt: float) -> None:
+    def arrive(self, n: int, other: bool, ttl: float | None, dt: float, loras: frozenset[str]) -> None:
         now = self.advance(dt)
         rid = f"r{self.next_rid}"
         self.next_rid += 1
         size = OTHER if other else SIZE
         deadline = None if ttl is None else now + ttl
-        self.send(RequestArrived(now, rid, n, size[0], size[1], deadline))
+        self.send(RequestArrived(now, rid, n, size[0], size[1], deadline, loras=loras))
 
-    @rule(ns=st.lists(st.sampled_from([1, 1, 2]), min_size=2, max_size=5), dt=st.floats(0.0, 0.003))
-    def burst(self, ns: list[int], dt: float) -> None:
+    @rule(ns=st.lists(st.tuples(st.sampled_from([1, 1, 2]), adapter_sets), min_size=2, max_size=5),
+          dt=st.floats(0.0, 0.003))
+    def burst(self, ns: list[tuple[int, frozenset[str]]], dt: float) -> None:
         """Several requests at one instant: the shared AR batches that single arrivals rarely form."""
         now = self.advance(dt)
-        for n in ns:
+        for n, loras in ns:
             rid = f"r{self.next_rid}"
             self.next_rid += 1
-            self.send(RequestArrived(now, rid, n, SIZE[0], SIZE[1], None))
+            self.send(RequestArrived(now, rid, n, SIZE[0], SIZE[1], None, loras=loras))
 
     @rule(
         data=st.data(),
@@ -206,13 +212,15 @@ class SchedulerMachine(CheckedScheduler):
         self.send(DenoiseRefusedBusy(self.advance(dt), j, wname, sequence))
 
     @rule(name=st.sampled_from([n for n in WORKERS if not n.startswith("ar")]), elsewhere=st.booleans(),
-          order=st.sampled_from(["new", "new", "old", "none"]), dt=st.floats(0.0, 0.003))
-    def other_gateway(self, name: str, elsewhere: bool, order: str, dt: float) -> None:
+          order=st.sampled_from(["new", "new", "old", "none"]), dt=st.floats(0.0, 0.003),
+          loras=st.none() | adapter_sets | st.just(frozenset({"c"})))
+    def other_gateway(self, name: str, elsewhere: bool, order: str, dt: float, loras: frozenset[str] | None) -> None:
         """A denoiser's occupancy stream: another gateway's job took it or left it (maybe a state older than one
-        already seen, which must change nothing, or an unordered one after the stream broke)."""
+        already seen, which must change nothing, or an unordered one after the stream broke), and the adapters it
+        holds (an eviction, or loads by another gateway's jobs)."""
         self.seq += 1
         sequence = {"new": self.seq, "old": self.seq - 7, "none": None}[order]
-        self.send(DenoiserOccupancy(self.advance(dt), name, elsewhere, sequence))
+        self.send(DenoiserOccupancy(self.advance(dt), name, elsewhere, sequence, loras=loras))
 
     @precondition(lambda self: self.w.delivered or self.w.delivered_batches)
     @rule(data=st.data(), which=st.integers(0, 3), dt=st.floats(0.0, 0.003))

@@ -48,11 +48,13 @@ from gateway.scheduler.types import (
 )
 from services.runtime.errors import ErrorKind
 
-BENCH_DIGEST = "537365488b5c9c42"
+BENCH_DIGEST = "6c985b75a9faad5f"
 # Recomputed on purpose: a request whose n can never be queued is refused in the client's terms, with the operator's
 # flag in the error's operator_note (issue 20); free denoisers are taken in rotation (issue 21: one back from another
 # gateway's job or from being down waits its turn). The benchmark stream, where no denoiser is ever away, is the same.
-RANDOM_DIGEST = "767819a73f57fdfe"
+# Both recomputed for issue 23 only because WorkerSnapshot gained ``loras`` (its repr is hashed): with that field left
+# out of the repr, both streams still give the digests pinned before it (neither names an adapter).
+RANDOM_DIGEST = "422fdd21b372dc1e"
 
 
 class _Flat(str):

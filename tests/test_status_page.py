@@ -132,6 +132,7 @@ async def test_with_keys_only_an_admin_key_gets_the_data(fake: FakeServer) -> No
         (gateway,) = admin.json()["gateways"]
         assert gateway["queues"] == {"ar_requests": 1, "ar_outputs": 2, "denoise_outputs": 3}
         assert gateway["workers"][0]["role"] == "ar"
+        assert all(w["loras"] == [] for w in gateway["workers"])  # the adapters each denoiser holds (none here)
         call = next(c for c in fake.servicer.calls if c.method == "GetStatus")
         assert call.metadata.get("authorization") == "Bearer admin-key"  # the gateway sees the admin's credential
 

@@ -6,9 +6,9 @@ answer (or the gRPC status) back to OpenAI-shaped JSON, or to server-sent events
 when the client asks for `stream: true`. It holds no model and no torch.
 
 This module only wires the parts together: settings (settings.py), the front ASGI layer (middleware.py), the
-gateway connection (upstream.py), the limits in force (limits.py), the JSON <-> gRPC translation (translate.py),
-the event stream (streaming.py, sse.py) and the routes (routes.py; edits.py; their shared parts in deps.py and
-dispatch.py).
+gateway connection (upstream.py), the limits in force (limits.py), the LoRA adapters the pool serves (adapters.py),
+the JSON <-> gRPC translation (translate.py), the event stream (streaming.py, sse.py) and the routes (routes.py;
+edits.py; their shared parts in deps.py and dispatch.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from .adapters import AdapterCache
 from .edits import router as edits_router
 from .errors import APIError, error_response, from_validation_errors
 from .limits import LimitsCache, with_limits
@@ -86,6 +87,7 @@ def create_app(settings: RestSettings) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.limits = LimitsCache()
+    app.state.adapters = AdapterCache()
     app.state.created = int(time.time())
     app.add_middleware(FrontMiddleware, settings=settings, metrics=metrics, router=app.router, limits=app.state.limits)
     if settings.cors_origins:

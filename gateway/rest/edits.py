@@ -9,6 +9,7 @@ fetches a URL or decodes an image.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -20,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.runtime.limits import Limits
 
-from . import dispatch, translate
+from . import adapters, dispatch, translate
 from .deps import GatewayDep, Metrics, Settings, image_responses
 from .errors import APIError, from_validation_errors
 from .middleware import request_id
@@ -31,6 +32,9 @@ log = logging.getLogger("glmimage.rest")
 EDITS_PATH = "/v1/images/edits"
 # A single file comes as `image`, a list as `image[]` (the openai SDK's array format); both are taken, in order.
 IMAGE_FIELDS = ("image", "image[]")
+# Structured fields: one form field each, holding JSON (the openai SDK would flatten a list of objects into
+# `loras[][name]` fields; send `extra_body={"loras": json.dumps([...])}`).
+JSON_FIELDS = frozenset({"loras"})
 # An edit has about twenty text fields; a form with many more is not one (the parser stops there).
 _MAX_FIELDS = 64
 
@@ -70,6 +74,12 @@ async def _read_images(form: FormData, limits: Limits) -> list[bytes]:
 
 def _validate(form: FormData, images: list[bytes]) -> ImageEditRequest:
     fields: dict[str, Any] = {name: value for name, value in form.items() if name not in IMAGE_FIELDS}
+    for name in JSON_FIELDS.intersection(fields):
+        try:
+            fields[name] = json.loads(fields[name]) if isinstance(fields[name], str) else fields[name]
+        except ValueError as exc:
+            raise APIError(400, f"invalid value for '{name}': not JSON ({exc})", param=name,
+                           code="invalid_value") from None
     try:
         return ImageEditRequest.model_validate({**fields, "image": images})
     except ValidationError as exc:  # locations as FastAPI gives them for a body
@@ -82,7 +92,10 @@ def _validate(form: FormData, images: list[bytes]) -> ImageEditRequest:
     response_class=JSONResponse,
     responses=image_responses("ImageEditPartialImageEvent", "ImageEditCompletedEvent"),
     openapi_extra={"requestBody": {"required": True, "content": {
-        "multipart/form-data": {"schema": {"$ref": "#/components/schemas/ImageEditRequest"}},
+        "multipart/form-data": {"schema": {"$ref": "#/components/schemas/ImageEditRequest"},
+                                # OpenAPI's way to say a form field holds JSON.
+                                "encoding": {name: {"contentType": "application/json"}
+                                             for name in sorted(JSON_FIELDS)}},
     }}},
     summary="Create images from reference images and a prompt",
 )
@@ -95,12 +108,14 @@ async def edit_images(request: Request, settings: Settings, metrics: Metrics, ga
         body = _validate(form, images)
     finally:
         await form.close()  # the spooled upload files
+    adapter = await adapters.model_adapter(body.model, request, settings, rid)
     gen = translate.admit(body, settings, limits, rid=rid, metadata=dispatch.gateway_metadata(request, settings, rid),
-                          references=body.image, events="image_edit")
+                          references=body.image, events="image_edit", adapter=adapter)
     admitted = gen.admitted
     log.info(
-        "%s edit images=%d (%d bytes) n=%d size=%dx%d steps=%d format=%s stream=%s user=%r",
+        "%s edit images=%d (%d bytes) n=%d size=%dx%d steps=%d format=%s stream=%s loras=%s user=%r",
         rid, len(body.image), sum(map(len, body.image)), admitted.n, admitted.width, admitted.height,
-        gen.request.num_inference_steps, gen.output_format, gen.stream, body.user,
+        gen.request.num_inference_steps, gen.output_format, gen.stream,
+        ",".join(ref.name for ref in gen.request.loras) or "-", body.user,
     )
     return await dispatch.answer(gen, request, settings, metrics, gateway)

@@ -84,6 +84,8 @@ def param_of(field: str) -> str | None:
     """A GenerateImagesRequest field in REST terms."""
     if field == "reference_images" or field.startswith("reference_images["):
         return "image"
+    if field == "loras" or field.startswith("loras["):  # named as the body's `loras` names it (loras[0].scale)
+        return field
     return field if field.startswith("sampling.") else _REST_PARAM.get(field)
 
 
@@ -120,6 +122,7 @@ _VALIDATION_CODES = {
     "model_attributes_type": "invalid_type",
     "model_type": "invalid_type",
     "dict_type": "invalid_type",
+    "list_type": "invalid_type",
 }
 
 
@@ -161,5 +164,7 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]], known: Iterable[
     elif err_type == "missing":
         message = f"missing required parameter: '{param}'"
     else:
-        message = f"invalid value for '{param}': {first.get('msg', 'invalid value')}"
+        # Inside a structured field (loras[0].name) the message says where; the param is the field.
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc[2:])
+        message = f"invalid value for '{param}{where[:_MAX_NAME_CHARS]}': {first.get('msg', 'invalid value')}"
     return APIError(400, message, param=param, code=code)

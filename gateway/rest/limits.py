@@ -116,6 +116,10 @@ def _state_limits(props: dict[str, Any], limits: Limits) -> None:
         props["image"]["x-max-bytes-each"] = limits.max_reference_bytes
         props["image"]["x-max-bytes-total"] = limits.max_reference_total_bytes
         props["image"]["x-max-pixels-each"] = limits.max_reference_pixels
+    if "loras" in props:  # anyOf [the array, null]: the count goes on the array
+        for branch in props["loras"].get("anyOf", [props["loras"]]):
+            if branch.get("type") == "array":
+                branch["maxItems"] = limits.max_loras_per_request
     if "size" in props:
         props["size"]["x-max-pixels"] = limits.max_pixels
         props["size"]["x-max-aspect"] = MAX_ASPECT

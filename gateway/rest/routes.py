@@ -16,9 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.auth import bearer_metadata
 
-from . import dispatch, translate, upstream
+from . import adapters, dispatch, translate, upstream
 from .deps import Created, GatewayDep, Metrics, Settings, image_responses
-from .errors import APIError
 from .middleware import request_id
 from .schemas import ErrorResponse, ImageGenerationRequest, ModelCard, ModelList
 from .settings import RestSettings
@@ -32,11 +31,13 @@ async def generate_images(body: ImageGenerationRequest, request: Request) -> Res
     state = request.app.state
     settings: RestSettings = state.settings
     rid = request_id(request)
+    adapter = await adapters.model_adapter(body.model, request, settings, rid)  # reads nothing for a served name
     gen = translate.admit(body, settings, state.limits.current, rid=rid,
-                          metadata=dispatch.gateway_metadata(request, settings, rid))
+                          metadata=dispatch.gateway_metadata(request, settings, rid), adapter=adapter)
     admitted = gen.admitted
-    log.info("%s generate n=%d size=%dx%d steps=%d format=%s stream=%s user=%r", rid, admitted.n, admitted.width,
-             admitted.height, gen.request.num_inference_steps, gen.output_format, gen.stream, body.user)
+    log.info("%s generate n=%d size=%dx%d steps=%d format=%s stream=%s loras=%s user=%r", rid, admitted.n,
+             admitted.width, admitted.height, gen.request.num_inference_steps, gen.output_format, gen.stream,
+             ",".join(ref.name for ref in gen.request.loras) or "-", body.user)
     return await dispatch.answer(gen, request, settings, state.metrics, state.gateways)
 
 
@@ -45,19 +46,33 @@ router.add_api_route("/v1/images/generations", generate_images, methods=["POST"]
                      summary="Create images from a prompt")
 
 
-@router.get("/v1/models", response_model=ModelList, summary="List the served model and its aliases")
-async def list_models(settings: Settings, created: Created) -> ModelList:
-    return ModelList(data=[ModelCard(id=name, created=created, owned_by="glmimage") for name in settings.model_names])
+def _card(name: str, settings: RestSettings, created: int, adapter: bool = False) -> ModelCard:
+    """A served name's card, or (vLLM's form) a LoRA adapter's: its parent is the served model."""
+    if adapter:
+        return ModelCard(id=name, created=created, owned_by="glmimage", root=name, parent=settings.served_model)
+    return ModelCard(id=name, created=created, owned_by="glmimage")
+
+
+@router.get("/v1/models", response_model=ModelList,
+            summary="List the served model, its aliases and the LoRA adapters the pool serves")
+async def list_models(request: Request, settings: Settings, created: Created) -> ModelList:
+    names = settings.model_names
+    served = [_card(name, settings, created) for name in names]
+    # A served name wins over an adapter of the same name, as a request's `model` does.
+    loras = [_card(name, settings, created, adapter=True)
+             for name in sorted(await adapters.listed_adapters(request, settings)) if name not in names]
+    return ModelList(data=served + loras)
 
 
 # :path, so that a served model named like "zai-org/GLM-Image" can be retrieved too.
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}},
-            summary="The served model or one of its aliases")
-async def retrieve_model(model_id: str, settings: Settings, created: Created) -> ModelCard:
-    if model_id not in settings.model_names:
-        raise APIError(404, f"model {model_id!a} does not exist; available: {', '.join(settings.model_names)}",
-                       param="model", code="model_not_found")
-    return ModelCard(id=model_id, created=created, owned_by="glmimage")
+            summary="The served model, one of its aliases or a LoRA adapter")
+async def retrieve_model(model_id: str, request: Request, settings: Settings, created: Created) -> ModelCard:
+    if model_id in settings.model_names:
+        return _card(model_id, settings, created)
+    if model_id in await adapters.listed_adapters(request, settings):
+        return _card(model_id, settings, created, adapter=True)
+    raise translate.model_not_found(model_id, settings)
 
 
 @router.get("/health", summary="Ready when a gateway serves and has AR and denoiser workers")

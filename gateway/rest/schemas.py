@@ -12,6 +12,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from pydantic import BaseModel, ConfigDict, Field
 
 from glmimage.v1 import gateway_service_pb2
+from services.runtime.limits import MAX_LORA_NAME_CHARS, MAX_LORA_SCALE
 
 Quality = Literal["low", "medium", "high", "auto", "standard", "hd"]
 OutputFormat = Literal["png", "jpeg", "webp"]
@@ -53,6 +54,38 @@ def _ignored(why: str) -> Any:
                  json_schema_extra={"x-ignored": True})
 
 
+# An adapter name's form (services.runtime.limits.check_lora_name, which also refuses '..'), for /openapi.json.
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class LoraRef(BaseModel):
+    """One LoRA adapter of a request (GLM-Image extension). Only the shape is checked here; the name's form, the
+    scale's range and the count are the limits model's (services.runtime.limits.check_loras), so that a bad one is
+    named as `loras[i].name` or `loras[i].scale`."""
+
+    # Strict in an edit's form too: that field is JSON, so its types are JSON's. NaN and infinity get through to
+    # check_loras, which names the scale.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=True)
+
+    name: str = Field(
+        description="An adapter the pool serves: the `GET /v1/models` cards whose `parent` is the served model. "
+        "Letters, digits, '.', '_' and '-', starting with a letter or digit, no '..'.",
+        json_schema_extra={"maxLength": MAX_LORA_NAME_CHARS, "pattern": LORA_NAME_PATTERN},
+    )
+    scale: float | None = Field(
+        None,
+        description=f"Multiplies the adapter's update, {-MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}: 1 as trained, 0 "
+        "switches it off, negative inverts it. Unset: the adapter's default.",
+        json_schema_extra={"minimum": -MAX_LORA_SCALE, "maximum": MAX_LORA_SCALE},
+    )
+
+
+LORAS_DESCRIPTION = (
+    "Extension: LoRA adapters the denoiser runs with, applied together, no name twice; at most the limit in force "
+    "(0: this server serves none). `model` may name one adapter too: it then runs at its default scale, with these."
+)
+
+
 class ImageRequest(BaseModel):
     """What a generation and an edit share. Unknown fields are refused (400 `unknown_parameter`, as OpenAI does):
     a typo such as `sead` would otherwise give an image nobody asked for."""
@@ -65,7 +98,9 @@ class ImageRequest(BaseModel):
     # /openapi.json. Only fixed ranges are stated here, and every number's proto type (_number).
     prompt: str = Field(description="Text description of the desired image(s). Must not be empty.")
     model: str | None = Field(
-        None, description="Served model name or one of its aliases (e.g. `gpt-image-1`). Defaults to it."
+        None, description="Served model name or one of its aliases (e.g. `gpt-image-1`). Defaults to it. Or, as in "
+        "vLLM, a LoRA adapter's name (a `GET /v1/models` card with a `parent`): the served model with that adapter at "
+        "its default scale."
     )
     n: int | None = _number("n", "Number of images to generate (1 to 10 by default).", ge=1, default=1)
     size: str | None = Field(
@@ -113,6 +148,7 @@ class ImageRequest(BaseModel):
         "`aggressive`; faster, further from the uncached image. Overrides `quality`, whose profile picks one "
         "otherwise (by default `low`: aggressive, `medium`: balanced, `high` and `auto`: off).",
     )
+    loras: list[LoraRef] | None = Field(None, description=LORAS_DESCRIPTION)
 
 
 class ImageGenerationRequest(ImageRequest):
@@ -145,6 +181,9 @@ class ImageEditRequest(ImageRequest):
         "`image_edit.completed` event per image (with that image's usage), instead of one JSON body.",
     )
     input_fidelity: Literal["high", "low"] | None = _ignored("the model always follows the references as it can.")
+    loras: list[LoraRef] | None = Field(
+        None, description=LORAS_DESCRIPTION + ' In the form, one field holding the JSON array, e.g. '
+        '`loras=[{"name": "watercolor", "scale": 0.8}]`.')
 
 
 class ImageData(BaseModel):
@@ -252,6 +291,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    # vLLM's fields, set on a LoRA adapter's card: the adapter itself, and the served model it runs on.
+    root: str | None = Field(None, description="A LoRA adapter's own name; null for the served model and aliases.")
+    parent: str | None = Field(None, description="A LoRA adapter's base: the served model; null otherwise.")
 
 
 class ModelList(BaseModel):

@@ -34,7 +34,7 @@ def _worker(w: gateway_service_pb2.WorkerStatus, index: int) -> dict[str, Any]:
     return {"index": index, "role": _ROLES.get(w.role, "unknown"),
             "state": gateway_service_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower(),
             "address": w.address, "job": w.current_job, "stuck": w.stuck, "held_elsewhere": w.held_elsewhere,
-            "health": w.health}
+            "health": w.health, "loras": list(w.loras_loaded)}
 
 
 @router.get("/status", include_in_schema=False)
@@ -133,7 +133,8 @@ function render(data) {
       cell(row, w.state, w.state);
       cell(row, w.job || (w.held_elsewhere ? "another gateway's job" : ""), "job");
       const health = w.health && !["ok", "serving"].includes(w.health) ? w.health : "";
-      cell(row, [w.stuck ? "stuck" : "", health].filter(Boolean).join(", "));
+      const adapters = w.loras && w.loras.length ? "adapters: " + w.loras.join(", ") : "";
+      cell(row, [w.stuck ? "stuck" : "", health, adapters].filter(Boolean).join("; "));
     }
     root.appendChild(table);
   }

@@ -14,11 +14,12 @@ from typing import Any
 from glmimage.v1 import common_pb2, gateway_service_pb2
 from glmimage.wire import formats, sizes
 from services.runtime.admission import Admitted, check_generate, check_partial_images
-from services.runtime.limits import MAX_ASPECT, SIZE_MULTIPLE, Limits, check_reference_images
+from services.runtime.errors import InvalidArgument
+from services.runtime.limits import MAX_ASPECT, SIZE_MULTIPLE, Limits, check_loras, check_reference_images
 
 from .errors import APIError
 from .limits import as_api_error
-from .schemas import ImageRequest
+from .schemas import ImageRequest, LoraRef
 from .settings import RestSettings
 
 # API name by ImageFormat value, as the gateway answers (a view of glmimage.wire.formats, for the stream's events).
@@ -116,16 +117,37 @@ class Generation:
         return {"size": size, "quality": self.quality, "background": "opaque", "output_format": output_format}
 
 
+def model_not_found(model: str, settings: RestSettings) -> APIError:
+    return APIError(404, f"model {model!a} does not exist; available: {', '.join(settings.model_names)}, or a "
+                    "LoRA adapter that GET /v1/models lists", param="model", code="model_not_found")
+
+
+def lora_refs(loras: Sequence[LoraRef], adapter: str | None, limits: Limits) -> list[LoraRef]:
+    """A request's adapters, checked by the limits model: ``loras`` as given (so that an error's index is the
+    client's), then the one `model` names (``adapter``) at its default scale."""
+    check_loras(loras, limits)
+    if adapter is None:
+        return list(loras)
+    for i, ref in enumerate(loras):
+        if ref.name == adapter:
+            raise InvalidArgument(f"loras[{i}].name", f"{adapter!r} is the model already")
+    if len(loras) >= limits.max_loras_per_request:
+        why = " (this server serves no LoRA adapters)" if limits.max_loras_per_request == 0 else ""
+        raise APIError(400, f"model {adapter!r} is a LoRA adapter: with it the request names {len(loras) + 1}; a "
+                       f"request takes at most {limits.max_loras_per_request}{why}",
+                       param="loras" if loras else "model", code="invalid_value")
+    return [*loras, LoraRef(name=adapter)]
+
+
 def admit(body: ImageRequest, settings: RestSettings, limits: Limits, *, rid: str,
           metadata: tuple[tuple[str, str], ...], references: Sequence[bytes] = (),
-          events: str = "image_generation") -> Generation:
+          events: str = "image_generation", adapter: str | None = None) -> Generation:
     """The request checked once, in one pass, or APIError: this front's own rules (model names, what it does not
     support), then the gateway's admission under the limits in force on the one request built here (an edit's
-    ``references`` included, each header read once)."""
-    if body.model is not None and body.model not in settings.model_names:
-        available = ", ".join(settings.model_names)
-        raise APIError(404, f"model {body.model!a} does not exist; available: {available}",
-                       param="model", code="model_not_found")
+    ``references`` included, each header read once). ``adapter``: the LoRA adapter `model` names, as the route
+    resolved it (adapters.model_adapter)."""
+    if body.model is not None and body.model not in settings.model_names and body.model != adapter:
+        raise model_not_found(body.model, settings)
     try:
         body.prompt.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates from JSON \ud800 escapes; protobuf would reject them
@@ -162,6 +184,8 @@ def admit(body: ImageRequest, settings: RestSettings, limits: Limits, *, rid: st
             seed=body.seed,
             reference_images=[common_pb2.ReferenceImage(data=data) for data in references],
             step_cache=common_pb2.StepCache.Value(f"STEP_CACHE_{step_cache.upper()}"),
+            loras=[common_pb2.LoraRef(name=ref.name, scale=ref.scale)
+                   for ref in lora_refs(body.loras or (), adapter, limits)],
         )
         admitted = check_generate(request, limits, default_height=height, default_width=width,
                                   reference_sizes=reference_sizes)

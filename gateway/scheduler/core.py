@@ -109,6 +109,13 @@ class Scheduler:
         # queue or an AR worker changed), else from _ar_recheck_at on (a waiting group's batch delay expires).
         self._ar_dirty = False
         self._ar_recheck_at = NEVER
+        # LoRA placement (see _dispatch_by_affinity): active requests naming adapters, the learned cost of a job's
+        # loads and time of a job (None until a job has told), and when a job waiting for a busy holder stops
+        # waiting (a Tick then places it elsewhere).
+        self._lora_requests = 0
+        self._load_cost = config.lora_load_cost
+        self._job_time: float | None = None
+        self._affinity_recheck_at = NEVER
         # Event type -> its handler, in the order of the Event union (handle() looks up the exact type).
         self._handlers: dict[type, Callable[[Any, list[Action]], None]] = {
             RequestArrived: self._on_arrived,
@@ -187,6 +194,9 @@ class Scheduler:
         if self._pending_ar and self._pool.free_ar_server() is not None:
             delay = self.config.ar_batch_delay
             candidates.extend(q.oldest()[0] + delay for q in self._pending_ar.values())
+        # A job waiting for a busy holder of its adapters while a denoiser is free: placed when its wait ends.
+        if self._affinity_recheck_at < NEVER and self._denoise_q.first is not None and self._pool.idle:
+            candidates.append(self._affinity_recheck_at)
         return min(candidates) if candidates else None
 
     def snapshot(self) -> Snapshot:
@@ -273,9 +283,12 @@ class Scheduler:
             attempt_base=base,
             outputs=[Output(index=i, attempt=base) for i in range(ev.n)],
             solo=ev.solo,
+            loras=ev.loras,
         )
         self._active[rid] = req
         self.counters.admitted += 1
+        if req.loras:
+            self._lora_requests += 1
         self._enqueue_ar(req, front=False)
         if ev.deadline is not None and ev.deadline <= self._now:
             # Admitted and ended at once, so every admitted request still ends exactly once.
@@ -332,6 +345,8 @@ class Scheduler:
         if found is None:
             return
         req, out = found
+        if req.loras:  # (plain jobs: no learning, nothing on the hot path)
+            self._learn_job(ev.now - out.started_at, ev.lora_load_s)
         out.state = DONE
         out.worker = None
         out.result = ev.result
@@ -351,6 +366,9 @@ class Scheduler:
         if found is None:
             return
         req, out = found
+        w = self._pool.members.get(ev.worker)
+        if req.loras and w is not None:  # whether it loaded them is unknown: its occupancy stream will say
+            self._pool.set_loras(w, w.loras - req.loras)
         out.state, out.worker = IDLE, None
         if ev.retryable:
             self._retry_output(req, out, "denoise_failed", ev.message, actions)
@@ -364,7 +382,9 @@ class Scheduler:
         w = self._pool.members.get(ev.worker)
         held = w is not None and w.role is DENOISER and w.job == ev.job
         found = self._take_job(ev.job, ev.worker)
-        if held and (ev.sequence is None or ev.sequence >= w.occupancy_seq):
+        # (Not for one that was draining: _take_job has just forgotten it, and a forgotten worker holds nothing.)
+        member = held and self._pool.members.get(ev.worker) is w
+        if member and (ev.sequence is None or ev.sequence >= w.occupancy_seq):
             # Busy until its stream says free; a free state newer than the refusal already came (stale).
             self._pool.hold_elsewhere(w, True)
             if ev.sequence is not None:
@@ -383,6 +403,10 @@ class Scheduler:
             if ev.sequence <= w.occupancy_seq:
                 return  # older than what a refusal or the stream already said
             w.occupancy_seq = ev.sequence
+        if ev.loras is not None:
+            # What it holds now, plus what a job of ours it runs will have loaded by its end.
+            running = self._active.get(w.job.request_id) if w.job is not None else None
+            self._pool.set_loras(w, ev.loras | running.loras if running is not None else ev.loras)
         self._pool.hold_elsewhere(w, ev.elsewhere)
         if not w.elsewhere:
             self._pool.offer(w)
@@ -437,6 +461,7 @@ class Scheduler:
         w.not_serving = False
         self._recount(w)
         self._pool.hold_elsewhere(w, False)  # its occupancy stream broke too; it says again when it is back
+        self._pool.set_loras(w, frozenset())  # (it may come back as a new process, holding none)
         # It refused the call before running it (a credential is checked first): no attempt was used.
         charge = ev.why is not WorkerDown.CREDENTIAL_REFUSED
         # Client-facing: which stage, never which address (the driver logs that with the request ids).
@@ -522,6 +547,8 @@ class Scheduler:
         """Remove an active request from every queue and cancel its in-flight denoise jobs."""
         del self._active[req.request_id]
         self._ended = True
+        if req.loras:
+            self._lora_requests -= 1
         if req.stage is PENDING_AR:
             q = self._pending_ar[req.queue_key]
             q.remove(req)
@@ -693,6 +720,7 @@ class Scheduler:
 
     def _enqueue_output(self, req: Request, out: Output, front: bool) -> None:
         out.state = QUEUED
+        out.queued_at = self._now
         self._denoise_q.push((_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
 
     def _live_output(self, job: JobId, worker: str) -> tuple[Request, Output] | None:
@@ -741,17 +769,85 @@ class Scheduler:
 
     def _dispatch_denoise(self, actions: list[Action]) -> None:
         # One output per free denoiser, so a request's n outputs fan out to n workers at once.
+        # (While a request names adapters, or a denoiser holds some, which plain jobs then keep off.)
+        if (self._lora_requests or self._pool.holders) and self.config.lora_affinity:
+            self._dispatch_by_affinity(actions)
+            return
         queue, pool = self._denoise_q, self._pool
         while queue.first is not None and pool.idle:  # (no entry left in the idle heap: none is free)
             w = pool.take_free_denoiser()
             if w is None:
                 return
-            _, _, index, rid = queue.pop()
-            req = self._active[rid]
-            out = req.outputs[index]
-            attempt = out.attempt = out.attempt + 1
-            out.state = INFLIGHT
-            address = out.worker = w.address
-            job = w.job = JobId(rid, index, attempt)
-            self.counters.denoise_dispatches += 1
-            actions.append(DispatchDenoise(job, address, req.ar_outputs[index]))
+            self._start_job(w, queue.pop(), actions)
+
+    def _start_job(self, w: Worker, key: _QueueKey, actions: list[Action]) -> None:
+        _, _, index, rid = key
+        req = self._active[rid]
+        out = req.outputs[index]
+        attempt = out.attempt = out.attempt + 1
+        out.state = INFLIGHT
+        out.started_at = self._now
+        address = out.worker = w.address
+        job = w.job = JobId(rid, index, attempt)
+        if req.loras and not req.loras <= w.loras:
+            self._pool.set_loras(w, w.loras | req.loras)  # loaded by the time the job ends
+        self.counters.denoise_dispatches += 1
+        actions.append(DispatchDenoise(job, address, req.ar_outputs[index]))
+
+    def _dispatch_by_affinity(self, actions: list[Action]) -> None:
+        """The denoise pass while some request names LoRA adapters, in queue order like the plain pass: a job goes
+        to a free denoiser holding all its adapters; where none is free, it waits (is passed over, for the jobs
+        behind it) while a busy holder is expected to free up before a load would end, at most one load's time
+        from when it was queued, so a popular adapter's jobs never hold up the others, nor plain jobs; else it
+        loads on the free denoiser holding most of its adapters (Pool.take_denoiser_for)."""
+        queue, pool, now = self._denoise_q, self._pool, self._now
+        passed: list[_QueueKey] = []
+        waiting: dict[frozenset[str], int] = {}  # adapter set -> jobs passed over in this pass, waiting for holders
+        recheck = NEVER
+        while queue.first is not None and pool.idle:
+            key = queue.pop()
+            req = self._active[key[3]]
+            want = req.loras
+            holders = pool.holders_of(want) if want else None
+            w = pool.take_denoiser_for(want, holders)
+            if w is None:
+                queue.push(key)
+                break
+            if want and not want <= w.loras and holders:
+                until = req.outputs[key[2]].queued_at + self._load_cost
+                ahead = waiting.get(want, 0)
+                if now < until and self._holder_free_by(holders, ahead) < until:
+                    waiting[want] = ahead + 1
+                    passed.append(key)
+                    recheck = min(recheck, until)
+                    continue
+            self._start_job(w, key, actions)
+        for key in passed:
+            queue.push(key)
+        self._affinity_recheck_at = recheck
+
+    def _holder_free_by(self, holders: list[Worker], ahead: int) -> float:
+        """When a busy holder should be free for a job with ``ahead`` jobs of its adapters before it (passed over
+        in this pass): from the learned time of a job; never, before a job has told it, or with no busy holder of
+        this gateway's (another gateway's job gives no start time)."""
+        job_time = self._job_time
+        if job_time is None:
+            return NEVER
+        starts = []
+        for w in holders:
+            if w.ready and w.job is not None and not w.elsewhere:
+                live = self._live_output(w.job, w.address)
+                if live is not None:
+                    starts.append(live[1].started_at)
+        if not starts:
+            return NEVER
+        starts.sort()
+        rounds, slot = divmod(ahead, len(starts))
+        return starts[slot] + job_time * (rounds + 1)
+
+    def _learn_job(self, seconds: float, load_s: float) -> None:
+        """Learn a job's time without its loads, and the time of its loads if it loaded (moving averages)."""
+        if load_s > 0:
+            self._load_cost += 0.25 * (load_s - self._load_cost)
+        run = max(seconds - load_s, 0.0)
+        self._job_time = run if self._job_time is None else self._job_time + 0.25 * (run - self._job_time)

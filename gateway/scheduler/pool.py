@@ -47,6 +47,9 @@ class Worker:
     # The state it is counted under in Pool.standing while it takes no work (DRAINING or UNHEALTHY; None: it is ready,
     # or not a member).
     standing: WorkerState | None = None
+    # Denoisers: the LoRA adapters it holds, as its occupancy stream last said, plus those of the job it runs for
+    # this gateway (loaded by the time it ends); kept by Pool.set_loras with the index Pool.holders.
+    loras: frozenset[str] = frozenset()
 
     def busy(self) -> bool:
         return self.job is not None or bool(self.batches)
@@ -59,7 +62,7 @@ class Pool:
     """The members (a removed worker stays one until it has drained), and the counts and heap kept over them."""
 
     __slots__ = ("members", "by_role", "ar_servers", "ready_ar", "ready_denoisers", "held_elsewhere", "standing",
-                 "idle", "_ar_room", "_added", "_clock", "_seed", "_lap", "_at")
+                 "idle", "holders", "_ar_room", "_added", "_clock", "_seed", "_lap", "_at")
 
     def __init__(self, ar_max_inflight_batches: int, pick_seed: str | None = None) -> None:
         self.members: dict[str, Worker] = {}
@@ -79,6 +82,8 @@ class Pool:
         # Heap of denoisers that may be free, by their place in the rotation (lap, rank): the next one after the
         # last taken, without scanning the pool. Validated lazily when it reaches the top (see take_free_denoiser).
         self.idle: list[tuple[int, int, Worker]] = []
+        # Adapter name -> the denoisers holding it (Worker.loras), so that a job's holders are found without a scan.
+        self.holders: dict[str, set[Worker]] = {}
         self._ar_room = ar_max_inflight_batches
         self._added = itertools.count(1)
         self._clock = itertools.count(1)  # logical clock for least-recently-used choices (AR servers)
@@ -110,6 +115,21 @@ class Pool:
         del self.by_role[w.role][w.address]
         self.recount(w, member=False)
         self.hold_elsewhere(w, False)
+        self.set_loras(w, frozenset())
+
+    def set_loras(self, w: Worker, loras: frozenset[str]) -> None:
+        """Set the adapters w holds, keeping the index by adapter."""
+        if loras == w.loras:
+            return
+        holders = self.holders
+        for name in w.loras - loras:
+            owners = holders[name]
+            owners.discard(w)
+            if not owners:
+                del holders[name]
+        for name in loras - w.loras:
+            holders.setdefault(name, set()).add(w)
+        w.loras = loras
 
     def hold_elsewhere(self, w: Worker, held: bool) -> None:
         """Set whether another gateway's job holds w's slot, keeping the count of such members."""
@@ -190,6 +210,46 @@ class Pool:
                 return w
         return None
 
+    def holders_of(self, want: frozenset[str]) -> list[Worker]:
+        """The members that hold every adapter of ``want`` (non-empty), by rank: from the rarest adapter's holders."""
+        sets = [self.holders.get(name) for name in want]
+        if not all(sets):
+            return []
+        rarest = min(sets, key=len)  # type: ignore[arg-type]
+        return sorted((w for w in rarest if want <= w.loras), key=lambda w: w.rank)
+
+    def take_denoiser_for(self, want: frozenset[str], holders: list[Worker] | None = None) -> Worker | None:
+        """A free denoiser for a job naming ``want``, taken (the caller dispatches to it): the one in ``holders``
+        (from holders_of) that comes next in the rotation, if any is free; else, among every free one, the one that
+        holds most of them, then the fewest others (a plain job, want empty: the one holding fewest, which keeps
+        the holders for the jobs that need them), then the next in the rotation. None: none is free.
+
+        It walks the idle heap (the free denoisers, short when the pool is busy), dropping entries that are no
+        longer free as take_free_denoiser does; the entry of the one taken stays and is dropped when it reaches the
+        top (its worker is busy by then)."""
+        if holders:
+            for w in holders:
+                if w.offered and w.ready and w.job is None and not w.elsewhere:
+                    return w
+        heap = self.idle
+        best: Worker | None = None
+        best_key: tuple[int, int, int, int] = (0, 0, 0, 0)
+        live: list[tuple[int, int, Worker]] = []
+        for entry in heap:
+            lap, rank, w = entry
+            if not (w.ready and w.job is None and not w.elsewhere):
+                w.offered = False
+                continue
+            live.append(entry)
+            held = w.loras
+            key = (-len(held & want), len(held - want), lap, rank)
+            if best is None or key < best_key:
+                best, best_key = w, key
+        if len(live) != len(heap):
+            heapq.heapify(live)
+            heap[:] = live
+        return best
+
     def free_ar_server(self) -> Worker | None:
         """The AR worker with room that holds the fewest batches, then was used least recently (then joined first).
         (A loop, not min() over a list with a key function: this runs for every batch and every next_wakeup().)"""
@@ -241,4 +301,4 @@ class Pool:
             state = WorkerState.BUSY
         else:
             state = WorkerState.AVAILABLE
-        return WorkerSnapshot(w.address, w.role, state, inflight, w.job, held_elsewhere=w.elsewhere)
+        return WorkerSnapshot(w.address, w.role, state, inflight, w.job, held_elsewhere=w.elsewhere, loras=w.loras)

@@ -35,6 +35,8 @@ class Output:
     worker: str | None = None
     result: object = None
     refusals: int = 0  # dispatches a denoiser refused as busy with another gateway's job: not attempts used
+    queued_at: float = 0.0  # when it last entered the denoise queue (LoRA placement bounds its wait from here)
+    started_at: float = 0.0  # when its current attempt was dispatched (the denoise time is learned from it)
 
 
 @dataclass(slots=True, eq=False)  # identity equality: deque.remove must not confuse two requests
@@ -55,6 +57,7 @@ class Request:
     solo: bool = False
     ar_outputs: tuple[object, ...] = ()
     done: int = 0
+    loras: frozenset[str] = frozenset()  # the adapters its denoise jobs name
 
     @property
     def queue_key(self) -> tuple[int, int, int]:

@@ -81,6 +81,13 @@ class SchedulerConfig:
     # The reference deployment's policy, kept as the benchmark baseline: a request's outputs run one after
     # another instead of fanning out (the next output starts when the previous one is done).
     serial_outputs: bool = False
+    # LoRA placement: a job naming adapters goes to a free denoiser that holds them all; where none is free, it
+    # waits for a busy holder only when that one is expected to free up before a load elsewhere would end (and
+    # never longer than one load), else it loads on the free denoiser that holds most of them. Off: the next free
+    # denoiser, as for a plain job (the random-placement baseline of bench/lora_sim.py).
+    lora_affinity: bool = True
+    # Seconds one job's adapter loads take, until a job that loaded says (DenoiseSucceeded.lora_load_s): learned.
+    lora_load_cost: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_queued_outputs < 1:
@@ -95,6 +102,8 @@ class SchedulerConfig:
             raise ValueError("ar_retries must be >= 0")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if not self.lora_load_cost >= 0:
+            raise ValueError("lora_load_cost must be >= 0")
 
 
 @dataclass(frozen=True, order=True)
@@ -120,6 +129,8 @@ class RequestArrived:
     deadline: float | None = None  # absolute, same monotonic clock as ``now``
     # Its AR batch holds it alone (an edit: its reference images make its prompt unlike any other's).
     solo: bool = False
+    # The LoRA adapters its denoise jobs name (placement only: the driver sends the scales).
+    loras: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -148,6 +159,8 @@ class DenoiseSucceeded:
     job: JobId
     worker: str
     result: object
+    # Of the job's time, the seconds its denoiser spent loading adapter files (0: it held them all).
+    lora_load_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -187,6 +200,8 @@ class DenoiserOccupancy:
     # Grows with every change of the denoiser's state; a state older than one already applied is ignored. None:
     # not ordered (the stream broke or does not exist): applied as is.
     sequence: int | None = None
+    # The LoRA adapters it holds loaded; None: not said (the stream broke, or an older denoiser).
+    loras: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -348,6 +363,7 @@ class WorkerSnapshot:
     inflight: int  # AR: batches in flight; denoiser: 0 or 1
     current_job: JobId | None  # denoisers only
     held_elsewhere: bool = False  # a denoiser whose slot another gateway's job holds
+    loras: frozenset[str] = frozenset()  # denoisers: the adapters it holds, or will once its current job has loaded
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import struct
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -35,7 +36,7 @@ import torch
 
 from services.denoiser import metrics
 from services.runtime.errors import InvalidArgument
-from services.runtime.limits import MAX_LORA_SCALE, Limits, check_lora_name, check_loras
+from services.runtime.limits import MAX_LORA_SCALE, Limits, check_lora_name, check_lora_names, check_loras
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class AdapterInfo:
     path: Path  # the safetensors file
     default_scale: float = 1.0
     description: str = ""
+    size_bytes: int = 0  # of the weights file, when found
 
 
 class AdapterError(ValueError):
@@ -96,9 +98,13 @@ class AdapterDirectory:
         path = self._weights(name)
         if path is None:
             return None
+        try:
+            size = path.stat().st_size
+        except OSError:  # gone since the look-up
+            return None
         sidecar = self.root / f"{name}.json"
         if not sidecar.is_file():
-            return AdapterInfo(name, path)
+            return AdapterInfo(name, path, size_bytes=size)
         try:
             if sidecar.stat().st_size > SIDECAR_MAX_BYTES:
                 raise AdapterError(f"has a sidecar {sidecar.name} over {SIDECAR_MAX_BYTES} bytes")
@@ -113,7 +119,21 @@ class AdapterDirectory:
                 or abs(scale) > MAX_LORA_SCALE or not isinstance(description, str)):
             raise AdapterError(f"has a sidecar {sidecar.name} that is not an object with a numeric \"scale\" in "
                                f"[{-MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}] and a string \"description\"")
-        return AdapterInfo(name, path, float(scale), description)
+        return AdapterInfo(name, path, float(scale), description, size)
+
+    def listing(self) -> list[AdapterInfo]:
+        """Every adapter a job may name, by name, read afresh (names, stats and sidecars; never weights). One whose
+        sidecar fails its checks is left out: any job naming it is refused."""
+        out = []
+        for name in self.names():
+            try:
+                info = self.find(name)
+            except AdapterError as exc:
+                log.warning("LoRA adapter %s left out of the listing: it %s", name, exc)
+                continue
+            if info is not None:  # None: removed since names()
+                out.append(info)
+        return out
 
 
 def _valid_name(name: str) -> bool:
@@ -260,10 +280,13 @@ class AdapterCache:
         self.targets = linear_targets(transformer)
         self._lru: OrderedDict[str, Loaded] = OrderedDict()
         self._ids = itertools.count()
+        # What loaded() answers, replaced whole at every change: other threads (ListLoras on the event loop) read it
+        # while the worker thread edits the LRU.
+        self._names: tuple[str, ...] = ()
 
     def loaded(self) -> tuple[str, ...]:
-        """Names loaded, least recently used first."""
-        return tuple(self._lru)
+        """Names loaded, least recently used first (any thread)."""
+        return self._names
 
     def resolve(self, refs: Sequence[LoraRef]) -> tuple[LoraRef, ...]:
         """Check a job's adapters and fill each default scale: InvalidArgument naming ``loras`` or ``loras[i]``.
@@ -271,48 +294,99 @@ class AdapterCache:
         check_loras(refs, self.limits)
         out = []
         for i, ref in enumerate(refs):
-            info = self._find(ref.name, i)
+            info = self._find(ref.name, f"loras[{i}]", f"loras[{i}].name")
             out.append(LoraRef(ref.name, info.default_scale if ref.scale is None else ref.scale))
         return tuple(out)
 
-    def _find(self, name: str, index: int) -> AdapterInfo:
+    def check_names(self, names: Sequence[str]) -> None:
+        """Check a LoadLoras request's names (how many, each one's form, each in the directory): InvalidArgument
+        naming ``names`` or ``names[i]``. Reads only names and sidecars, like ``resolve``."""
+        check_lora_names(names, self.limits)
+        for i, name in enumerate(names):
+            self._find(name, f"names[{i}]", f"names[{i}]")
+
+    def _find(self, name: str, field: str, unknown_field: str) -> AdapterInfo:
         try:
             info = self.directory.find(name)
         except AdapterError as exc:
-            raise InvalidArgument(f"loras[{index}]", f"adapter {name!r} {exc}") from None
+            raise InvalidArgument(field, f"adapter {name!r} {exc}") from None
         if info is None:
-            raise InvalidArgument(f"loras[{index}].name", f"no adapter {name!r} on this denoiser")
+            raise InvalidArgument(unknown_field, f"no adapter {name!r} on this denoiser")
         return info
 
-    def activate(self, refs: Sequence[LoraRef]) -> None:
-        """Make the transformer run exactly ``refs`` (resolved) for the next job, loading what is missing."""
+    def activate(self, refs: Sequence[LoraRef]) -> float:
+        """Make the transformer run exactly ``refs`` (resolved) for the next job, loading what is missing; the
+        seconds spent loading files (0 when all were loaded)."""
         active = [(i, ref) for i, ref in enumerate(refs) if ref.scale]
         if not active:
             base_only(self.transformer)
-            return
-        keep = {ref.name for _, ref in active}
-        adapters = [self._ensure(ref.name, i, keep) for i, ref in active]
+            return 0.0
+        adapters, seconds = self._ensure([(ref.name, f"loras[{i}]", f"loras[{i}].name") for i, ref in active])
         self.transformer.enable_lora()
         self.transformer.set_adapters(adapters, weights=[float(ref.scale) for _, ref in active])
+        return seconds
 
-    def _ensure(self, name: str, index: int, keep: set[str]) -> str:
-        info = self._find(name, index)  # again: the file may have gone since validation
-        signature = _signature(info.path)
-        entry = self._lru.get(name)
-        if entry is not None and entry.signature == signature:
-            metrics.LORA_HITS.inc()
-            self._lru.move_to_end(name)
-            return entry.adapter
-        metrics.LORA_MISSES.inc()
-        if entry is not None:  # the file was replaced: its old layers go
-            self._evict(name)
+    def preload(self, names: Sequence[str]) -> tuple[str, ...]:
+        """LoadLoras: load ``names`` (checked by check_names) ahead of the jobs that name them, counted as a job's
+        would be; what is loaded afterwards. Leaves the transformer's active adapters to the next job's activate."""
+        self._ensure([(name, f"names[{i}]", f"names[{i}]") for i, name in enumerate(names)])
+        return self._names
+
+    def unload(self, names: Sequence[str]) -> tuple[str, ...]:
+        """UnloadLoras: drop those of ``names`` that are loaded (the others are not an error); what stays loaded."""
+        for name in names:
+            if name in self._lru:
+                self._evict(name)
+        return self._names
+
+    def _ensure(self, wanted: Sequence[tuple[str, str, str]]) -> tuple[list[str], float]:
+        """Peft's adapter names for ``wanted`` (name, field naming it, field naming it when unknown), each loaded and
+        now the most recently used, and the seconds spent loading files. Every file missing is read and checked
+        before any touches the model, so a bad one (InvalidArgument naming its field) leaves nothing half-loaded."""
+        hits: dict[str, str] = {}
+        pending: list[tuple[str, str, AdapterInfo, tuple[int, int], dict[str, torch.Tensor], int]] = []
+        started: float | None = None
+        for name, field, unknown_field in wanted:
+            info = self._find(name, field, unknown_field)  # again: the file may have gone since validation
+            try:
+                signature = _signature(info.path)
+            except OSError:
+                raise InvalidArgument(unknown_field, f"no adapter {name!r} on this denoiser") from None
+            entry = self._lru.get(name)
+            if entry is not None and entry.signature == signature:
+                metrics.LORA_HITS.inc()
+                hits[name] = entry.adapter
+                continue
+            metrics.LORA_MISSES.inc()
+            started = time.perf_counter() if started is None else started
+            if entry is not None:  # the file was replaced: its old layers go
+                self._evict(name)
+            try:
+                state, rank = read_adapter(info.path, self.targets, self.limits)
+            except (AdapterError, OSError) as exc:
+                why = str(exc) if isinstance(exc, AdapterError) else "cannot be read"
+                log.warning("refused LoRA adapter %s (%s): %s", name, info.path, why)
+                raise InvalidArgument(field, f"adapter {name!r} {why}") from None
+            pending.append((name, field, info, signature, state, rank))
+        keep = {name for name, _, _ in wanted}
+        added: list[str] = []
         try:
-            state, rank = read_adapter(info.path, self.targets, self.limits)
-        except (AdapterError, OSError) as exc:
-            why = str(exc) if isinstance(exc, AdapterError) else "cannot be read"
-            log.warning("refused LoRA adapter %s (%s): %s", name, info.path, why)
-            raise InvalidArgument(f"loras[{index}]", f"adapter {name!r} {why}") from None
-        while len(self._lru) >= self.capacity:
+            for name, field, info, signature, state, rank in pending:
+                self._load(name, field, info, signature, state, rank, keep)
+                added.append(name)
+        except InvalidArgument:
+            for name in added:  # all or nothing
+                self._evict(name)
+            raise
+        for name, _, _ in wanted:  # the order named: the last one the most recently used
+            self._lru.move_to_end(name)
+        self._changed()
+        adapters = [hits[name] if name in hits else self._lru[name].adapter for name, _, _ in wanted]
+        return adapters, 0.0 if started is None else time.perf_counter() - started
+
+    def _load(self, name: str, field: str, info: AdapterInfo, signature: tuple[int, int],
+              state: dict[str, torch.Tensor], rank: int, keep: set[str]) -> None:
+        while len(self._lru) >= self.capacity:  # a request names at most capacity adapters: one not kept is here
             self._evict(next(n for n in self._lru if n not in keep))
         loaded = Loaded(name, f"lora{next(self._ids)}", signature, rank)
         try:
@@ -323,19 +397,24 @@ class AdapterCache:
             log.exception("loading LoRA adapter %s failed", name)
             if loaded.adapter in (getattr(self.transformer, "peft_config", None) or {}):
                 self.transformer.delete_adapters(loaded.adapter)
-            raise InvalidArgument(f"loras[{index}]", f"adapter {name!r} could not be loaded into this DiT") from None
+            raise InvalidArgument(field, f"adapter {name!r} could not be loaded into this DiT") from None
         self._lru[name] = loaded
+        self._changed()
         metrics.LORA_LOADS.inc()
-        metrics.LORAS_LOADED.set(len(self._lru))
         log.info("loaded LoRA adapter %s (rank %d) from %s", name, rank, info.path)
-        return loaded.adapter
 
     def _evict(self, name: str) -> None:
         entry = self._lru.pop(name)
-        self.transformer.delete_adapters(entry.adapter)
+        with warnings.catch_warnings():  # the next job sets its own adapters: which one peft activates is moot
+            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+            self.transformer.delete_adapters(entry.adapter)
+        self._changed()
         metrics.LORA_EVICTIONS.inc()
-        metrics.LORAS_LOADED.set(len(self._lru))
         log.info("evicted LoRA adapter %s", name)
+
+    def _changed(self) -> None:
+        self._names = tuple(self._lru)
+        metrics.LORAS_LOADED.set(len(self._names))
 
 
 def base_only(transformer: torch.nn.Module) -> None:

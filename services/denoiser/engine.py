@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from services.denoiser.adapters import AdapterCache, AdapterDirectory, LoraRef, base_only
+from services.denoiser.adapters import AdapterCache, AdapterDirectory, AdapterInfo, LoraRef, base_only
 from services.denoiser.compiled import CompileCounter, CompileSettings, WarmUpJob, compile_blocks, warm_up_plan
 from services.denoiser.conditioning import (
     check_codes,
@@ -40,6 +40,7 @@ from services.runtime.limits import (
     SEED_SPACE,
     Limits,
     check_guidance,
+    check_lora_names,
     check_output_compression,
     check_partial_images,
     check_prompt,
@@ -99,6 +100,7 @@ class DenoiseResult:
     encode_seconds: float
     prepare_seconds: float = 0.0  # of denoise_seconds: before the first step (glyphs, an edit's references)
     steps_cached: int = 0  # of steps_completed, those extrapolated (step_cache)
+    lora_load_seconds: float = 0.0  # of prepare_seconds: loading adapter files the job named and were not loaded
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class JobControl:
     steps_cached: int = 0  # of steps_done, those the step cache extrapolated
     step_seconds: list[float] = field(default_factory=list)
     prepare_seconds: float | None = None  # from the start of denoise() to its first step
+    lora_load_seconds: float = 0.0  # of prepare_seconds: loading adapter files
 
     def emit(self, event: JobEvent) -> None:
         if self.on_event is not None:
@@ -223,6 +226,43 @@ class DenoiseEngine:
         seed = job.seed if job.seed is not None else secrets.randbelow(SEED_SPACE)
         return replace(job, steps=steps, guidance_scale=guidance, seed=seed, loras=loras)
 
+    # ---- adapters outside a job (DenoiserService.ListLoras/LoadLoras/UnloadLoras) ----
+
+    def available_loras(self) -> list[AdapterInfo]:
+        """Every adapter of the directory, by name, read afresh (never the weights); empty without --lora-dir."""
+        return [] if self.adapters is None else self.adapters.directory.listing()
+
+    def loras_loaded(self) -> tuple[str, ...]:
+        """The adapters held loaded, least recently used first (any thread)."""
+        return () if self.adapters is None else self.adapters.loaded()
+
+    def check_lora_names(self, names: Sequence[str], load: bool) -> None:
+        """Check a LoadLoras (``load``) or UnloadLoras request's names on the caller's thread: InvalidArgument naming
+        ``names`` or ``names[i]``. A load must name adapters of the directory, at most max_loras_per_request."""
+        if not load:
+            check_lora_names(names, None)
+        elif self.adapters is None:
+            if names:
+                raise InvalidArgument("names", "this denoiser serves no LoRA adapters (no --lora-dir)")
+        else:
+            self.adapters.check_names(names)
+
+    def load_loras(self, names: Sequence[str]) -> tuple[str, ...]:
+        """Load checked adapters ahead of the jobs naming them (on the worker thread, between jobs): all of them,
+        or none with InvalidArgument naming ``names[i]``; what is loaded afterwards, least recently used first."""
+        if self.adapters is None or not names:
+            return self.loras_loaded()
+        # Outside inference mode, as in denoise(): peft's layers must stay tensors later loads and deletes may edit.
+        with torch.inference_mode(False), torch.no_grad():
+            return self.adapters.preload(names)
+
+    def unload_loras(self, names: Sequence[str]) -> tuple[str, ...]:
+        """Drop those of ``names`` that are loaded (on the worker thread, between jobs); what stays loaded."""
+        if self.adapters is None:
+            return ()
+        with torch.inference_mode(False), torch.no_grad():
+            return self.adapters.unload(names)
+
     @torch.inference_mode()
     def run(self, job: DenoiseJob, control: JobControl | None = None) -> DenoiseResult:
         """Denoise, decode and encode a validated job; raises Cancelled or DeadlineExceeded once control asks, and
@@ -239,7 +279,8 @@ class DenoiseEngine:
         return DenoiseResult(image=data, output_format=job.output_format, height=job.height, width=job.width,
                              steps_completed=control.steps_done, seed=job.seed, denoise_seconds=t1 - t0,
                              decode_seconds=t2 - t1, encode_seconds=t3 - t2,
-                             prepare_seconds=control.prepare_seconds or 0.0, steps_cached=control.steps_cached)
+                             prepare_seconds=control.prepare_seconds or 0.0, steps_cached=control.steps_cached,
+                             lora_load_seconds=control.lora_load_seconds)
 
     @torch.inference_mode()
     def denoise(self, job: DenoiseJob, control: JobControl | None = None) -> torch.Tensor:
@@ -287,7 +328,7 @@ class DenoiseEngine:
         # Outside inference mode: peft's new layers must stay ordinary tensors that later loads and deletes may edit.
         with torch.inference_mode(False), torch.no_grad():
             if self.adapters is not None:
-                self.adapters.activate(job.loras)
+                control.lora_load_seconds = self.adapters.activate(job.loras)
             else:
                 base_only(self.pipe.transformer)
         hook = self.pipe.transformer.register_forward_pre_hook(on_transformer_call, with_kwargs=True)

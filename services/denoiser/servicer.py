@@ -1,7 +1,9 @@
 """DenoiserService over gRPC: batch 1, refusing rather than queueing, and stopping work nobody waits for.
 
 Denoise and DenoiseStream share one code path (`_execute`): the stream only adds the events the worker
-thread hands over to the event loop.
+thread hands over to the event loop. LoadLoras and UnloadLoras edit the DiT, so they too run on the worker thread
+holding the slot (`_admin`), but they wait for it rather than being refused: an operator's preload is worth a wait,
+and a job refused meanwhile goes to another denoiser at once.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from opentelemetry import trace
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
 from glmimage.wire import formats
 from services.denoiser import metrics
-from services.denoiser.adapters import LoraRef
+from services.denoiser.adapters import AdapterInfo, LoraRef
 from services.denoiser.encoding import ImageFormat
 from services.denoiser.engine import (
     DenoiseEngine,
@@ -39,6 +41,10 @@ from services.runtime.executor import SerialExecutor
 from services.runtime.limits import DENOISER_CAPABILITIES, DENOISER_FIELDS, check_id
 
 log = logging.getLogger(__name__)
+
+# WatchOccupancy's request_id while LoadLoras/UnloadLoras hold the slot (owner empty: no gateway's job).
+LOADING_LORAS = "loras:load"
+UNLOADING_LORAS = "loras:unload"
 
 # A cancel this close to the call's deadline is the deadline: the caller's own timer fires first and its cancel
 # arrives before this server's copy of the deadline (which starts when the call arrives) has passed; on a loaded
@@ -84,7 +90,13 @@ def result_to_proto(r: DenoiseResult) -> denoiser_service_pb2.DenoiseResponse:
         timings=denoiser_service_pb2.DenoiseTimings(denoise_seconds=r.denoise_seconds,
                                                    decode_seconds=r.decode_seconds,
                                                    encode_seconds=r.encode_seconds,
-                                                   prepare_seconds=r.prepare_seconds))
+                                                   prepare_seconds=r.prepare_seconds,
+                                                   lora_load_seconds=r.lora_load_seconds))
+
+
+def lora_info_to_proto(info: AdapterInfo) -> common_pb2.LoraInfo:
+    return common_pb2.LoraInfo(name=info.name, description=info.description, default_scale=info.default_scale,
+                               size_bytes=info.size_bytes)
 
 
 def event_to_proto(event: JobEvent) -> denoiser_service_pb2.DenoiseStreamResponse:
@@ -154,6 +166,64 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         async for message in self.occupancy.messages():
             yield message
 
+    async def ListLoras(self, request, context: grpc.aio.ServicerContext):
+        # Off the event loop: a directory on a network file system may be slow to list.
+        available = await asyncio.to_thread(self.engine.available_loras)
+        return denoiser_service_pb2.DenoiserServiceListLorasResponse(
+            available=[lora_info_to_proto(info) for info in available], loaded=self.engine.loras_loaded())
+
+    async def LoadLoras(self, request, context: grpc.aio.ServicerContext):
+        names = tuple(request.names)
+        self.engine.check_lora_names(names, load=True)
+        loaded = await self._admin(LOADING_LORAS, self.engine.load_loras, names) if names else \
+            self.engine.loras_loaded()
+        return denoiser_service_pb2.DenoiserServiceLoadLorasResponse(loaded=loaded)
+
+    async def UnloadLoras(self, request, context: grpc.aio.ServicerContext):
+        names = tuple(request.names)
+        self.engine.check_lora_names(names, load=False)
+        # Through the slot unless it is free and none is loaded: a job in flight may be loading one of them.
+        held = self._busy or not set(names).isdisjoint(self.engine.loras_loaded())
+        loaded = await self._admin(UNLOADING_LORAS, self.engine.unload_loras, names) if names and held else \
+            self.engine.loras_loaded()
+        return denoiser_service_pb2.DenoiserServiceUnloadLorasResponse(loaded=loaded)
+
+    async def _admin(self, marker: str, fn: Callable[[tuple[str, ...]], tuple[str, ...]],
+                     names: tuple[str, ...]) -> tuple[str, ...]:
+        """Run ``fn(names)`` on the worker thread holding the slot, as a job would (shown busy, owner empty and
+        request_id ``marker``), after any job holding it: the call's deadline bounds the wait. A caller that goes
+        away once it runs does not stop it: the slot frees when the thread returns."""
+        while self._busy:
+            await self._idle.wait()
+        self._take_slot("", marker)
+        work = asyncio.ensure_future(self.executor.run(fn, names))
+        work.add_done_callback(self._admin_done)
+        return await asyncio.shield(work)
+
+    def _admin_done(self, work: asyncio.Future) -> None:
+        # The error is read here: its caller may be gone, and asyncio would only say it was never retrieved.
+        error = None if work.cancelled() else work.exception()
+        if error is not None and not isinstance(error, InvalidArgument):
+            log.warning("adapter call failed on the worker thread: %r", error)
+        self._free_slot()
+
+    def _take_slot(self, owner: str, request_id: str) -> None:
+        self._busy = True
+        self._idle.clear()
+        self.occupancy.take(owner, request_id)
+        metrics.BUSY.inc()
+        self._holding += 1  # its own count of holders of the slot, kept apart from the flag that guards it
+        if self._holding > self._holding_max:
+            self._holding_max = self._holding
+            metrics.BUSY_MAX.set(self._holding)
+
+    def _free_slot(self) -> None:
+        self._busy = False
+        self._idle.set()
+        self.occupancy.release(self.engine.loras_loaded())
+        self._holding -= 1
+        metrics.BUSY.dec()
+
     async def Denoise(self, request, context: grpc.aio.ServicerContext):
         result = await self._execute(request, 0, context)
         return result_to_proto(result)
@@ -212,14 +282,7 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
             # once, not a failed attempt) and order this refusal against the occupancy stream it follows.
             raise ResourceExhausted("busy: this denoiser runs one job at a time", reason=DENOISER_BUSY,
                                     info={"owner": held.owner, "sequence": str(held.sequence)})
-        self._busy = True
-        self._idle.clear()
-        self.occupancy.take(request.owner, request.request_id)
-        metrics.BUSY.inc()
-        self._holding += 1  # its own count of jobs holding the slot, kept apart from the flag that guards it
-        if self._holding > self._holding_max:
-            self._holding_max = self._holding
-            metrics.BUSY_MAX.set(self._holding)
+        self._take_slot(request.owner, request.request_id)
         control = JobControl(deadline=rpc_deadline(context), on_event=emit)
         record = JobRecord(steps=job.steps, partial_images=job.partial_images, control=control)
         self.current_job = record
@@ -240,6 +303,7 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         # The call's server span (services.runtime.server; non-recording with traces off): the job's stages.
         trace.get_current_span().set_attributes({
             "glmimage.denoise.prepare_seconds": result.prepare_seconds,
+            "glmimage.denoise.lora_load_seconds": result.lora_load_seconds,
             "glmimage.denoise.denoise_seconds": result.denoise_seconds,
             "glmimage.denoise.decode_seconds": result.decode_seconds,
             "glmimage.denoise.encode_seconds": result.encode_seconds,
@@ -284,9 +348,4 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
         metrics.STEPS.labels(StepKind.FULL).inc(record.control.steps_done - record.control.steps_cached)
         self.current_job = None
         self.last_job = record
-        self._busy = False
-        self._idle.set()
-        adapters = self.engine.adapters
-        self.occupancy.release(adapters.loaded() if adapters is not None else None)
-        self._holding -= 1
-        metrics.BUSY.dec()
+        self._free_slot()

@@ -8,7 +8,7 @@ themselves are the workers' own, from services.runtime.limits.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from glmimage.v1 import common_pb2, gateway_service_pb2
@@ -16,6 +16,7 @@ from services.runtime.errors import InvalidArgument
 from services.runtime.limits import (
     Limits,
     check_guidance,
+    check_loras,
     check_n,
     check_output_compression,
     check_partial_images,
@@ -28,7 +29,7 @@ from services.runtime.limits import (
     model_size,
 )
 
-__all__ = ["Admitted", "check_generate", "check_partial_images"]
+__all__ = ["Admitted", "LoraChoice", "check_generate", "check_partial_images", "lora_refs"]
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,25 @@ class Admitted:
         return bool(self.request.reference_images)
 
 
+@dataclass(frozen=True)
+class LoraChoice:
+    """A LoraRef as the checks read it: ``scale`` None when unset on the wire (the adapter's default)."""
+
+    name: str
+    scale: float | None
+
+
+def lora_refs(refs: Iterable[common_pb2.LoraRef]) -> list[LoraChoice]:
+    return [LoraChoice(ref.name, ref.scale if ref.HasField("scale") else None) for ref in refs]
+
+
 def check_generate(r: gateway_service_pb2.GenerateImagesRequest, limits: Limits, *, default_height: int,
-                   default_width: int, reference_sizes: Sequence[tuple[int, int]] | None = None) -> Admitted:
+                   default_width: int, reference_sizes: Sequence[tuple[int, int]] | None = None,
+                   known_loras: Container[str] | None = None) -> Admitted:
     """The request admitted, or InvalidArgument naming the first field past ``limits``. ``reference_sizes``: what
     check_reference_images answered for these very images, when the caller needed their sizes first (REST's
-    `size: auto`), so that no header is read twice."""
+    `size: auto`), so that no header is read twice. ``known_loras``: the adapter names the pool serves (the
+    gateway's catalogue); None: not checked here (the gateway behind checks them)."""
     check_prompt(r.prompt, limits)
     n = check_n(r.n, limits)
     if (r.height == 0) != (r.width == 0):
@@ -64,6 +79,13 @@ def check_generate(r: gateway_service_pb2.GenerateImagesRequest, limits: Limits,
     check_output_compression(r.output_compression if r.HasField("output_compression") else None)
     check_steps(r.num_inference_steps, limits)
     check_step_cache(r.step_cache, limits)
+    loras = lora_refs(r.loras)
+    check_loras(loras, limits)
+    if known_loras is not None:
+        for i, ref in enumerate(loras):
+            if ref.name not in known_loras:
+                raise InvalidArgument("loras", f"loras[{i}]: no adapter named {ref.name!r} is served here (ListLoras, "
+                                               "or GET /v1/models on the REST front, lists those that are)")
     check_guidance(r.guidance_scale if r.HasField("guidance_scale") else None, limits)
     check_seed(r.seed if r.HasField("seed") else None, n)
     if r.HasField("sampling"):  # a bad value reaching the AR would stall a shared batch

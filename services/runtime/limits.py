@@ -301,6 +301,21 @@ def check_loras(refs: Sequence[Any], limits: Limits) -> None:
                                                        f"{MAX_LORA_SCALE:g}, got {float_text(ref.scale)}")
 
 
+def check_lora_names(names: Sequence[str], limits: Limits | None, field: str = "names") -> None:
+    """The adapter names of a LoadLoras/UnloadLoras request: each name's form (``names[i]``), no name twice, and with
+    ``limits`` (a load: what one job could name at once) how many (``names``). Torch-free, for the gateway too."""
+    if limits is not None and len(names) > limits.max_loras_per_request:
+        why = " (this server serves no LoRA adapters)" if limits.max_loras_per_request == 0 else ""
+        raise InvalidArgument(field, f"{len(names)} adapters; a request takes at most "
+                                     f"{limits.max_loras_per_request}{why}")
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        check_lora_name(name, f"{field}[{i}]")
+        if name in seen:
+            raise InvalidArgument(f"{field}[{i}]", f"{name!r} is already {field}[{seen[name]}]")
+        seen[name] = i
+
+
 def check_partial_images(count: int, limits: Limits) -> None:
     if not 0 <= count <= limits.max_partial_images:
         raise InvalidArgument("partial_images", f"must be between 0 and {limits.max_partial_images}, got {count}")

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.rest import __main__ as rest_main
 from gateway.rest.app import RestSettings, create_app
+from glmimage.v1 import common_pb2
 from glmimage.v1 import gateway_service_pb2 as gw
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
 from tests.support.certs import Pki
@@ -67,6 +68,27 @@ async def test_models(client: httpx.AsyncClient) -> None:
     assert body["object"] == "list"
     assert [m["id"] for m in body["data"]] == ["glm-image", "gpt-image-1", "dall-e-3"]
     assert all(m["object"] == "model" for m in body["data"])
+
+
+async def test_models_lists_the_adapters_the_gateway_shows_the_caller_s_key(backend: Backend) -> None:
+    # The gateway checks keys (REST forwards the caller's): a list read with one key is never shown to another.
+    backend.servicer.required_authorization = "Bearer gw-key"
+    backend.servicer.loras = [common_pb2.LoraInfo(name="tiny-style")]
+    async with rest_client(RestSettings(gateway_address=backend.address)) as c:
+        good = (await c.get("/v1/models", headers={"Authorization": "Bearer gw-key"})).json()
+        bad = (await c.get("/v1/models", headers={"Authorization": "Bearer other"})).json()
+        assert_error(await c.get("/v1/models/tiny-style", headers={"Authorization": "Bearer other"}), 404, "model",
+                     "model_not_found")
+        assert_error(await generate(c, {"prompt": "x", "model": "tiny-style"},
+                                    headers={"Authorization": "Bearer other"}), 401, None, "unauthenticated")
+        resp = await generate(c, {"prompt": "x", "model": "tiny-style"}, headers={"Authorization": "Bearer gw-key"})
+        assert resp.status_code == 200, resp.text
+    assert [m["id"] for m in good["data"]][-1] == "tiny-style" and good["data"][-1]["parent"] == "glm-image"
+    assert [m["id"] for m in bad["data"]] == ["glm-image", "gpt-image-1", "dall-e-3"]
+    keys = [m["authorization"] for m in backend.servicer.list_loras_calls]
+    assert list(dict.fromkeys(keys)) == ["Bearer gw-key", "Bearer other"]  # re-read only past the TTL or retry
+    [(request, _)] = backend.servicer.calls
+    assert [ref.name for ref in request.loras] == ["tiny-style"]
 
 
 async def test_retrieve_model_with_the_sdk(app: FastAPI, backend: Backend) -> None:

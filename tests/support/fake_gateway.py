@@ -1,7 +1,8 @@
 """The scripted GatewayService of the SDK and CLI tests, on a real (threaded) gRPC server.
 
 It records every call with its metadata and can fail the next calls of a method with chosen status codes; some
-prompts have special behaviour ("block", "midstream", "invalid"). Its images are not images: ``fake_image`` names
+prompts have special behaviour ("block", "midstream", "invalid"). ListLoras answers with ``loras``, and a request
+naming an adapter not among them is refused as the gateway refuses it. Its images are not images: ``fake_image`` names
 what they hold, so a test can tell which prompt, index and seed an output came from. An edit (reference images)
 counts IMAGE_TOKENS_PER_REFERENCE prompt tokens per reference, reported as image_tokens.
 """
@@ -19,6 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
+from services.runtime.details import rich_status
+from services.runtime.errors import InvalidArgument
 
 DEFAULT_STEPS = 4
 IMAGE_TOKENS_PER_REFERENCE = 64
@@ -46,11 +49,15 @@ class FakeGateway(gateway_service_pb2_grpc.GatewayServiceServicer):
     # Prompts with special behaviour: "block" waits until the client goes away; "midstream" fails after one event.
     cancelled: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # The LoRA adapters ListLoras answers with; a request naming another is refused as the gateway's admission
+    # refuses it (INVALID_ARGUMENT, field "loras").
+    loras: list[common_pb2.LoraInfo] = field(default_factory=list)
 
     def reset(self) -> None:
         with self.lock:
             self.calls.clear()
             self.fail.clear()
+            self.loras = []
         self.cancelled.clear()
 
     def methods(self) -> list[str]:
@@ -62,6 +69,12 @@ class FakeGateway(gateway_service_pb2_grpc.GatewayServiceServicer):
             code = self.fail[method].pop(0) if self.fail[method] else None
         if code is not None:
             context.abort(code, f"injected {code.name}")
+
+    def _check_loras(self, request: gateway_service_pb2.GenerateImagesRequest, context: grpc.ServicerContext) -> None:
+        known = {info.name for info in self.loras}
+        for ref in request.loras:
+            if ref.name not in known:
+                context.abort_with_status(rich_status(InvalidArgument("loras", f"unknown adapter {ref.name!r}")))
 
     def _block_until_cancelled(self, context: grpc.ServicerContext) -> None:
         gone = threading.Event()
@@ -95,6 +108,7 @@ class FakeGateway(gateway_service_pb2_grpc.GatewayServiceServicer):
 
     def GenerateImages(self, request, context):
         self._enter("GenerateImages", request, context)
+        self._check_loras(request, context)
         if request.prompt == "block":
             self._block_until_cancelled(context)
             context.abort(grpc.StatusCode.CANCELLED, "client went away")
@@ -105,6 +119,7 @@ class FakeGateway(gateway_service_pb2_grpc.GatewayServiceServicer):
     def GenerateImagesStream(self, request, context):
         self._enter("GenerateImagesStream", request, context)
         r = request.request
+        self._check_loras(r, context)
         if r.prompt == "block":
             # Registered before the first message: a client that leaves right after it may be gone before grpc asks
             # this generator for the next one (then it never resumes), and the cancel must still be seen.
@@ -135,6 +150,10 @@ class FakeGateway(gateway_service_pb2_grpc.GatewayServiceServicer):
                                                       role=gateway_service_pb2.WORKER_ROLE_DENOISER,
                                                       state=gateway_service_pb2.WORKER_STATE_BUSY, inflight=1,
                                                       current_job="req-1/0#1")])
+
+    def ListLoras(self, request, context):
+        self._enter("ListLoras", request, context)
+        return gateway_service_pb2.ListLorasResponse(loras=self.loras)
 
     def AddWorker(self, request, context):
         self._enter("AddWorker", request, context)

@@ -81,6 +81,10 @@ class FakeGateway(gw_grpc.GatewayServiceServicer):
             gw.WorkerStatus(address="ar:1", role=gw.WORKER_ROLE_AR, state=gw.WORKER_STATE_AVAILABLE),
             gw.WorkerStatus(address="dn:1", role=gw.WORKER_ROLE_DENOISER, state=gw.WORKER_STATE_BUSY),
         ]
+        # ListLoras: the adapters it answers with (none), or this abort; its calls' metadata.
+        self.loras: list[common_pb2.LoraInfo] = []
+        self.abort_list_loras: tuple | None = None
+        self.list_loras_calls: list[dict[str, str]] = []
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> dict[str, str]:
         metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
@@ -159,6 +163,16 @@ class FakeGateway(gw_grpc.GatewayServiceServicer):
         if self.required_authorization is not None and metadata.get("authorization") != self.required_authorization:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
         return gw.GetStatusResponse(workers=self.workers, active_requests=0)
+
+
+    async def ListLoras(self, request: gw.ListLorasRequest, context: grpc.aio.ServicerContext) -> gw.ListLorasResponse:
+        metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        self.list_loras_calls.append(metadata)
+        if self.required_authorization is not None and metadata.get("authorization") != self.required_authorization:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
+        if self.abort_list_loras is not None:
+            await _abort(context, self.abort_list_loras)
+        return gw.ListLorasResponse(loras=self.loras)
 
 
 async def _abort(context: grpc.aio.ServicerContext, abort: tuple) -> None:

@@ -354,9 +354,18 @@ class CheckedScheduler(RuleBasedStateMachine):
                 assert x.state is WorkerState.DRAINING
             else:
                 assert x.state in (WorkerState.AVAILABLE, WorkerState.BUSY)
-        # Work conservation.
-        if snap.pending_denoise_outputs:
-            assert not any(x.role is DN and x.state is WorkerState.AVAILABLE for x in snap.workers)
+        # Work conservation: a job waits while a denoiser is free only if it names adapters that no free denoiser
+        # holds, and for less than one load's time since it was queued (LoRA placement waits for a busy holder that
+        # long at most); so neither a plain job nor one of a less popular adapter waits behind others' loads. (The
+        # queue is read from the scheduler itself: the model does not follow adapters.)
+        free = [x for x in snap.workers if x.role is DN and x.state is WorkerState.AVAILABLE]
+        if snap.pending_denoise_outputs and free:
+            assert self.cfg.lora_affinity
+            for _, _, index, rid in s._denoise_q:
+                req = s._active[rid]
+                assert req.loras, f"plain job {rid}/{index} queued while a denoiser is free"
+                assert not any(req.loras <= x.loras for x in free), f"{rid}/{index} passed over a free holder"
+                assert self.now < req.outputs[index].queued_at + s._load_cost, f"{rid}/{index} waited too long"
         if snap.pending_ar_requests and any(
             x.role is AR and x.state is WorkerState.AVAILABLE for x in snap.workers
         ):
@@ -431,7 +440,9 @@ class CheckedScheduler(RuleBasedStateMachine):
         wname = self.w.dn_rpcs.pop(j)
         self.w.delivered.append((j, wname))
         if outcome == "ok":
-            return self.send(DenoiseSucceeded(now, j, wname, _result(j, wname)))
+            # Some jobs say they loaded adapters, so the learned load cost moves.
+            load = 0.002 * (j.attempt % 3)
+            return self.send(DenoiseSucceeded(now, j, wname, _result(j, wname), lora_load_s=load))
         return self.send(DenoiseFailed(now, j, wname, "dn boom", outcome == "retry"))
 
     # ------------------------------------------------------------------------------------------------ drain
