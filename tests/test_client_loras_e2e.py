@@ -97,13 +97,15 @@ def test_list_load_and_unload_reach_the_denoiser(client: Client, admin: Client) 
     # The denoiser's occupancy stream carries what it holds into GetStatus.
     until(lambda: all(TINY_LORA in w.loras_loaded for w in client.status().workers if w.role == "denoiser"), 30,
           "GetStatus to show the adapter loaded")
-    # An unknown name: refused as a whole (INVALID_ARGUMENT on names), or by each denoiser in its placement.
-    try:
-        refused = admin.load_loras(["no-such-adapter"])
-    except GlmImageError as exc:
-        assert exc.code == grpc.StatusCode.INVALID_ARGUMENT and "names" in exc.details, exc
-    else:
-        assert refused and all("no-such-adapter" in p.error or "names" in p.error for p in refused), refused
+    # Named by address (the admin role sees them); an unknown name or address is refused naming the field.
+    (address,) = [w.address for w in admin.status().workers if w.role == "denoiser"]
+    (placement,) = admin.unload_loras(TINY_LORA, workers=[address])
+    assert (placement.worker, placement.error) == (address, "") and TINY_LORA not in placement.loaded
+    for call, field in ((lambda: admin.load_loras(["no-such-adapter"]), "names[0]"),
+                        (lambda: admin.load_loras(TINY_LORA, workers=["10.9.9.9:1"]), "workers[0]")):
+        with pytest.raises(GlmImageError) as caught:
+            call()
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and field in caught.value.details
 
 
 def test_cli_lora_flag_and_loras_commands(gateway: str, client: Client, tmp_path: Path) -> None:
@@ -117,5 +119,14 @@ def test_cli_lora_flag_and_loras_commands(gateway: str, client: Client, tmp_path
     loaded = glmimage("loras", "load", TINY_LORA, "--address", gateway, "--api-key", ADMIN_KEY, cwd=tmp_path)
     assert loaded.returncode == 0, loaded.stderr
     assert TINY_LORA in loaded.stdout.splitlines()[1]
+    elsewhere = glmimage("loras", "load", TINY_LORA, "--worker", "10.9.9.9:1", "--address", gateway,
+                         "--api-key", ADMIN_KEY, cwd=tmp_path)
+    assert elsewhere.returncode == 1 and "INVALID_ARGUMENT: workers[0]" in elsewhere.stderr, elsewhere.stderr
+
+    def status_column() -> list[str]:  # GetStatus learns it from the denoiser's occupancy stream: soon, not at once
+        status = glmimage("status", "--address", gateway, cwd=tmp_path)
+        return [ln.split()[-1] for ln in status.stdout.splitlines() if ln.startswith("denoiser")]
+
+    until(lambda: status_column() == [TINY_LORA], 30, "glmimage status to show the adapter loaded", step=0.2)
     refused = glmimage("generate", PROMPT, "--lora", "no-such-adapter", "--address", gateway, cwd=tmp_path)
     assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr and "loras" in refused.stderr
