@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -15,6 +16,7 @@ from glmimage.results import Limits, Status, WorkerInfo
 from glmimage.v1 import common_pb2
 from tests.support.certs import Pki
 from tests.support.fake_gateway import FakeServer, fake_image, serve_fake
+from tests.support.fake_lora_gateway import ADMIN_KEY, BROKEN, DENOISERS, sent_loras, serve_fake_loras
 from tests.support.programs import glmimage
 
 
@@ -68,10 +70,10 @@ def test_status_prints_queues_and_workers(fake: FakeServer, tmp_path: Path) -> N
     lines = out.stdout.splitlines()
     assert re.fullmatch(r"pending denoise outputs +3", next(ln for ln in lines if ln.startswith("pending denoise")))
     header = next(ln for ln in lines if ln.startswith("ROLE"))
-    assert header.split() == ["ROLE", "ADDRESS", "STATE", "INFLIGHT", "JOB"]
+    assert header.split() == ["ROLE", "ADDRESS", "STATE", "INFLIGHT", "JOB", "LORAS"]
     rows = [ln.split() for ln in lines[lines.index(header) + 1:]]
-    assert rows == [["ar", "10.0.0.1:50051", "available", "0", "-"],
-                    ["denoiser", "10.0.0.2:50061", "busy", "1", "req-1/0#1"]]
+    assert rows == [["ar", "10.0.0.1:50051", "available", "0", "-", "-"],
+                    ["denoiser", "10.0.0.2:50061", "busy", "1", "req-1/0#1", "-"]]
     as_json = json.loads(glmimage("status", "--json", "--address", fake.address, cwd=tmp_path).stdout)
     assert as_json["active_requests"] == 4 and as_json["workers"][1]["current_job"] == "req-1/0#1"
 
@@ -85,10 +87,12 @@ def test_status_without_the_admin_role_lists_workers_by_position() -> None:
                                             health="refuses the gateway's credential")])
     lines = format_status(status).splitlines()
     header = next(ln for ln in lines if ln.startswith("ROLE"))
-    assert [ln.split(maxsplit=4) for ln in lines[lines.index(header) + 1:]] == [
-        ["ar", "#0", "busy", "1", "-"], ["denoiser", "#1", "busy", "1", "(another caller's)"],
-        ["denoiser", "#2", "busy", "1", "mine/0#1"], ["denoiser", "#3", "busy", "0", "(another gateway's)"],
-        ["denoiser", "#4", "unhealthy", "0", "-"]]
+    # The JOB column may hold spaces; LORAS, the last, never does.
+    assert [[*ln.split(maxsplit=4)[:4], *ln.split(maxsplit=4)[4].rsplit(maxsplit=1)]
+            for ln in lines[lines.index(header) + 1:]] == [
+        ["ar", "#0", "busy", "1", "-", "-"], ["denoiser", "#1", "busy", "1", "(another caller's)", "-"],
+        ["denoiser", "#2", "busy", "1", "mine/0#1", "-"], ["denoiser", "#3", "busy", "0", "(another gateway's)", "-"],
+        ["denoiser", "#4", "unhealthy", "0", "-", "-"]]
 
 
 def test_errors_exit_non_zero_without_retrying_bad_input(fake: FakeServer, tmp_path: Path) -> None:
@@ -198,3 +202,101 @@ def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
         main(["generate", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
     assert "(default 1)" in shown and "(default 600)" in shown and "(default: the current one)" in shown
+
+
+# --- LoRA adapters (the scripted gateway of tests/support/fake_lora_gateway.py) -------------------------------------
+
+
+@pytest.fixture()
+def lora_gw() -> Iterator[FakeServer]:
+    with serve_fake_loras() as srv:
+        yield srv
+
+
+def test_generate_and_edit_send_each_lora(lora_gw: FakeServer, tmp_path: Path) -> None:
+    done = glmimage("generate", "a fox", "--lora", "tiny-style:0.5", "--lora", "ink", "-o", "out",
+                    "--address", lora_gw.address, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sent_loras(lora_gw) == [("tiny-style", 0.5), ("ink", None)]
+    assert (tmp_path / "out" / "image-0.png").read_bytes() == b"PNG:a fox:tiny-style=0.5,ink=-"
+    (tmp_path / "ref.png").write_bytes(b"\x89PNG\r\n\x1a\nref")
+    done = glmimage("edit", "ref.png", "-p", "blue", "--size", "64x64", "--lora", "ink:-1", "--stream", "-o", "e",
+                    "--address", lora_gw.address, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert lora_gw.servicer.calls[-1].method == "GenerateImagesStream"
+    assert sent_loras(lora_gw) == [("ink", -1.0)]
+    done = glmimage("generate", "a fox", "-o", "plain", "--address", lora_gw.address, cwd=tmp_path)
+    assert done.returncode == 0 and sent_loras(lora_gw) == []
+
+
+@pytest.mark.parametrize("value", ["", ":1", "ink:", "ink:strong", "ink:1:2", "ink:nan"])
+def test_a_malformed_lora_is_a_usage_error_naming_the_flag(lora_gw: FakeServer, tmp_path: Path,
+                                                           value: str) -> None:
+    for command in (["generate", "a fox"], ["edit", "ref.png", "-p", "blue"]):
+        done = glmimage(*command, "--lora", value, "--address", lora_gw.address, cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert f"argument --lora: {value!r} is not NAME[:SCALE]" in done.stderr
+    assert lora_gw.servicer.calls == []
+
+
+def test_an_unknown_lora_is_the_gateways_error_naming_loras(lora_gw: FakeServer, tmp_path: Path) -> None:
+    done = glmimage("generate", "a fox", "--lora", "nope", "--address", lora_gw.address, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "glmimage: error: INVALID_ARGUMENT: loras[0]: unknown LoRA adapter 'nope'" in done.stderr
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_loras_list_as_a_table_and_as_json(lora_gw: FakeServer, tmp_path: Path) -> None:
+    done = glmimage("loras", "list", "--address", lora_gw.address, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "DEFAULT_SCALE", "BYTES", "DESCRIPTION"]
+    assert lines[1].split(maxsplit=3) == ["tiny-style", "1", "12345", "a demo style"]
+    assert lines[2].split() == ["ink", "0.75", "2048"]
+    assert "WORKER" not in done.stdout  # placement is the admin role's
+    admin = glmimage("--api-key", ADMIN_KEY, "loras", "list", "--address", lora_gw.address, cwd=tmp_path)
+    assert admin.returncode == 0, admin.stderr
+    tail = admin.stdout.splitlines()[4:]
+    assert [ln.split() for ln in tail] == [["WORKER", "LOADED", "ERROR"], [DENOISERS[0], "tiny-style", "-"],
+                                           [DENOISERS[1], "-", "-"]]
+    doc = json.loads(glmimage("loras", "list", "--json", "--api-key", ADMIN_KEY, "--address", lora_gw.address,
+                              cwd=tmp_path).stdout)
+    assert doc["loras"][0] == {"name": "tiny-style", "description": "a demo style", "default_scale": 1.0,
+                               "size_bytes": 12345}
+    assert doc["placement"][0] == {"worker": DENOISERS[0], "loaded": ["tiny-style"], "error": ""}
+
+
+def test_loras_load_and_unload(lora_gw: FakeServer, tmp_path: Path) -> None:
+    admin = ("--api-key", ADMIN_KEY, "--address", lora_gw.address)
+    done = glmimage("loras", "load", "ink", "tiny-style", "--worker", DENOISERS[1], *admin, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    request = lora_gw.servicer.calls[-1].request
+    assert (list(request.names), list(request.workers)) == (["ink", "tiny-style"], [DENOISERS[1]])
+    assert [ln.split() for ln in done.stdout.splitlines()] == [["WORKER", "LOADED", "ERROR"],
+                                                              [DENOISERS[1], "ink,tiny-style", "-"]]
+    done = glmimage("loras", "unload", "tiny-style", "--json", *admin, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert list(lora_gw.servicer.calls[-1].request.workers) == []
+    assert json.loads(done.stdout) == [{"worker": DENOISERS[0], "loaded": [], "error": ""},
+                                       {"worker": DENOISERS[1], "loaded": ["ink"], "error": ""}]
+    status = glmimage("status", *admin, cwd=tmp_path)
+    assert [ln.split()[-1] for ln in status.stdout.splitlines() if ln.startswith("denoiser")] == ["-", "ink"]
+    # A denoiser that could not: its row says why, stderr too, and the exit code is 1.
+    done = glmimage("loras", "load", "ink", "--worker", DENOISERS[0], "--worker", BROKEN, *admin, cwd=tmp_path)
+    assert done.returncode == 1
+    assert f"glmimage: error: {BROKEN}: UNAVAILABLE: the denoiser is not reachable" in done.stderr
+    assert done.stdout.splitlines()[1].split() == [DENOISERS[0], "ink", "-"]
+    # Without the admin role, or with an unknown name: the gateway's refusal.
+    done = glmimage("loras", "unload", "ink", "--retries", "0", "--address", lora_gw.address, cwd=tmp_path)
+    assert done.returncode == 1 and "PERMISSION_DENIED" in done.stderr
+    done = glmimage("loras", "load", "nope", *admin, cwd=tmp_path)
+    assert done.returncode == 1 and "INVALID_ARGUMENT: names[0]" in done.stderr
+    usage = glmimage("loras", "load", *admin, cwd=tmp_path)
+    assert usage.returncode == 2 and "NAME" in usage.stderr
+
+
+def test_status_shows_each_denoisers_loras() -> None:
+    status = Status(0, 0, 0, 0, [WorkerInfo("a:1", "ar", "available", 0, ""),
+                                 WorkerInfo("d:1", "denoiser", "available", 0, "", loras_loaded=["x", "y"])])
+    rows = format_status(status).splitlines()[-2:]
+    assert [r.split()[-1] for r in rows] == ["-", "x,y"]

@@ -78,3 +78,18 @@ def test_node_client_reports_grpc_errors(node: str, stack: dict[str, str], tmp_p
     assert done.returncode == 1
     assert "INVALID_ARGUMENT" in done.stderr
     assert not (tmp_path / "x-0.png").exists()
+
+
+def test_node_client_lora_gives_the_sdks_image(node: str, stack: dict[str, str], tmp_path: Path) -> None:
+    # Needs the gateway to forward GenerateImagesRequest.loras; tiny-style is the tiny model's demo adapter.
+    out = tmp_path / "styled.png"
+    done = run_node(node, "--address", stack["gateway"], "--prompt", PROMPT, "--size", "64x64", "--seed", "3",
+                    "--steps", "6", "--lora", "tiny-style:0.5", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    with Client(stack["gateway"], timeout=120) as client:
+        styled = client.generate(PROMPT, size="64x64", seed=3, steps=6, loras=["tiny-style:0.5"])
+        base = client.generate(PROMPT, size="64x64", seed=3, steps=6)
+    assert styled.images == [out.read_bytes()] != base.images
+    refused = run_node(node, "--address", stack["gateway"], "--prompt", PROMPT, "--lora", "no-such-adapter",
+                       "--out", str(tmp_path / "x.png"))
+    assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr and "loras" in refused.stderr

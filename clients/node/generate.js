@@ -6,8 +6,10 @@
 //
 //   node generate.js --address 127.0.0.1:50050 --prompt "a red STOP sign" --size 256x256 --out out.png
 //   node generate.js --image a.png --image b.png --prompt "make the sign blue" --size 256x256 --out edit.png
+//   node generate.js --prompt "a red STOP sign" --lora tiny-style:0.8 --out styled.png
 //
-// Each --image makes the call an edit: the file goes as it is, as one of the request's reference_images.
+// Each --image makes the call an edit: the file goes as it is, as one of the request's reference_images. Each
+// --lora NAME[:SCALE] adds a LoRA adapter the denoiser runs with (the request's loras).
 // Writes the image(s) and prints {"files", "width", "height", "seeds", "usage"} as JSON on stdout.
 'use strict';
 
@@ -24,10 +26,23 @@ const PROTO_DIR = path.join(PROTO_ROOT, 'glmimage', 'v1');
 // Denoising steps extrapolated instead of computed (glmimage.v1.StepCache); unset means off.
 const STEP_CACHE_LEVELS = ['off', 'balanced', 'aggressive'];
 
+// One --lora: NAME or NAME:SCALE (glmimage.v1.LoraRef). Adapter names never hold a ':'. Without SCALE the scale is
+// left unset, so the adapter's own default applies (0 would switch it off); the gateway checks names and ranges.
+function parseLora(text) {
+  const at = text.indexOf(':');
+  const name = at < 0 ? text : text.slice(0, at);
+  const scale = at < 0 ? undefined : text.slice(at + 1);
+  if (!name || (scale !== undefined && !/^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$/.test(scale))) {
+    return usage(`--lora must be NAME[:SCALE], SCALE a number (e.g. tiny-style:0.8), got ${text}`);
+  }
+  return scale === undefined ? { name } : { name, scale: Number(scale) };
+}
+
 function usage(message) {
   if (message) console.error(`generate.js: ${message}`);
   (message ? console.error : console.log)('usage: node generate.js --prompt TEXT [--address HOST:PORT[,HOST:PORT...]] [--size WxH] [-n N] [--seed S]\n' +
-    '                   [--steps K] [--step-cache off|balanced|aggressive] [--image REF.png ...] [--out FILE.png]\n' +
+    '                   [--steps K] [--step-cache off|balanced|aggressive] [--lora NAME[:SCALE] ...]\n' +
+    '                   [--image REF.png ...] [--out FILE.png]\n' +
     '                   [--api-key KEY] [--timeout SECONDS]\n' +
     '                   [--tls-ca CA.pem [--tls-cert CERT.pem --tls-key KEY.pem]]');
   process.exit(message ? 2 : 0);
@@ -46,6 +61,7 @@ function parse() {
         seed: { type: 'string' },
         steps: { type: 'string' },
         'step-cache': { type: 'string' },
+        lora: { type: 'string', multiple: true },
         image: { type: 'string', short: 'i', multiple: true },
         out: { type: 'string', short: 'o', default: 'out.png' },
         'api-key': { type: 'string', default: process.env.GLMIMAGE_API_KEY },
@@ -68,7 +84,8 @@ function parse() {
   if (v['step-cache'] !== undefined && !STEP_CACHE_LEVELS.includes(v['step-cache'])) {
     usage(`--step-cache must be one of ${STEP_CACHE_LEVELS.join(', ')}, got ${v['step-cache']}`);
   }
-  return { ...v, prompt, width: Number(size[1]), height: Number(size[2]), n: Number(v.n), images: readImages(v.image ?? []) };
+  const loras = (v.lora ?? []).map(parseLora);
+  return { ...v, prompt, loras, width: Number(size[1]), height: Number(size[2]), n: Number(v.n), images: readImages(v.image ?? []) };
 }
 
 // An edit's reference files, read as they are (never decoded here); a file that cannot be read is a usage error.
@@ -161,6 +178,7 @@ function main() {
   if (args.seed !== undefined) request.seed = Number(args.seed);
   if (args.steps !== undefined) request.num_inference_steps = Number(args.steps);
   if (args['step-cache'] !== undefined) request.step_cache = `STEP_CACHE_${args['step-cache'].toUpperCase()}`;
+  request.loras = args.loras;
   // Reference images make it an edit (bytes fields take Buffers); the gateway checks their headers.
   request.reference_images = args.images.map((data) => ({ data }));
   const metadata = new grpc.Metadata();

@@ -3,7 +3,9 @@
     glmimage generate "a red STOP sign" -n 2 --size 512x512 -o out/
     glmimage generate "a red STOP sign" --stream --partial-images 2 -o out/
     glmimage edit photo.png -p "make the sign blue" --size 512x512 -o out/
+    glmimage generate "a red STOP sign" --lora tiny-style:0.8 -o out/
     glmimage status
+    glmimage loras list
 
 Printing is this module's interface; errors go to stderr with a non-zero exit code.
 """
@@ -30,6 +32,9 @@ from glmimage.client import (
     GenerationResult,
     GlmImageError,
     Limits,
+    Lora,
+    LoraCatalogue,
+    LoraPlacement,
     PartialImage,
     Progress,
     RetryPolicy,
@@ -97,7 +102,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("status", parents=[conn], help="show the gateway's queues and workers")
     sub.add_parser("limits", parents=[conn], help="show the limits in force (what the gateway refuses past)")
+
+    loras = sub.add_parser("loras", help="the LoRA adapters requests may name; load or unload them (admin role)")
+    loras_sub = loras.add_subparsers(dest="loras_command", required=True)
+    loras_sub.add_parser("list", parents=[conn],
+                         help="the adapters, and which denoiser holds which loaded (admin role)")
+    for verb, what in (("load", "load adapters on denoisers ahead of the requests that name them"),
+                       ("unload", "drop adapters from the denoisers' memory (the files stay)")):
+        p = loras_sub.add_parser(verb, parents=[conn], help=f"admin role: {what}")
+        p.add_argument("names", nargs="+", metavar="NAME", help="adapter names, as `glmimage loras list` shows them")
+        p.add_argument("--worker", action="append", default=[], metavar="ADDR",
+                       help="a denoiser's address, repeatable (default: every denoiser of the pool)")
     return parser
+
+
+def lora_arg(text: str) -> Lora:
+    """argparse type of --lora: a bad value is a usage error (exit 2) naming the flag."""
+    try:
+        return Lora.parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME[:SCALE], SCALE a finite number "
+                                         "(e.g. tiny-style or tiny-style:0.8)") from None
 
 
 def _image_args(parser: argparse.ArgumentParser) -> None:
@@ -121,6 +146,9 @@ def _image_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-cache", choices=STEP_CACHE_LEVELS, default=None,
                         help="denoising steps extrapolated instead of computed: faster, further from the uncached "
                         "image (default off)")
+    parser.add_argument("--lora", type=lora_arg, action="append", default=[], metavar="NAME[:SCALE]",
+                        help="a LoRA adapter the denoiser runs with, repeatable; SCALE -4 to 4, 0 off (default: "
+                        "none; without SCALE the adapter's own default; `glmimage loras list` names them)")
     parser.add_argument("--stream", action="store_true", help="stream progress (a progress bar on stderr)")
     parser.add_argument("--partial-images", type=int, default=0, choices=range(4), metavar="{0-3}",
                         help="with --stream: previews per image, written as <name>-<i>.partial-<k>.<ext> "
@@ -169,7 +197,8 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
     else:
         run, stream = client.generate, client.generate_stream
     kwargs = dict(n=args.n, size=args.size, output_format=args.format, output_compression=args.compression,
-                  seed=args.seed, steps=args.steps, guidance=args.guidance, step_cache=args.step_cache)
+                  seed=args.seed, steps=args.steps, guidance=args.guidance, step_cache=args.step_cache,
+                  loras=args.lora)
     ext = {"jpeg": "jpg"}.get(args.format or "png", args.format or "png")
     planned = [args.output_dir / f"{args.name}-{i}.{ext}" for i in range(args.n)]
     if args.stream:
@@ -229,13 +258,15 @@ def _refuse_to_overwrite(paths: list[Path], force: bool) -> None:
 
 
 def format_status(status: Status) -> str:
-    """The queues, then one row per worker, as aligned plain-text tables."""
+    """The queues, then one row per worker (a denoiser's loaded LoRA adapters last), as aligned plain-text
+    tables."""
     queues = [("pending AR requests", status.pending_ar_requests), ("pending AR outputs", status.pending_ar_outputs),
               ("pending denoise outputs", status.pending_denoise_outputs), ("active requests", status.active_requests)]
     lines = [_table(["QUEUE", "DEPTH"], [[name, str(v)] for name, v in queues]), ""]
     # Without the admin role the gateway shows no addresses and only the caller's own jobs: workers by position.
-    rows = [[w.role, w.address or f"#{i}", w.state, str(w.inflight), _job(w)] for i, w in enumerate(status.workers)]
-    lines.append(_table(["ROLE", "ADDRESS", "STATE", "INFLIGHT", "JOB"], rows) if rows else "no workers")
+    rows = [[w.role, w.address or f"#{i}", w.state, str(w.inflight), _job(w), ",".join(w.loras_loaded) or "-"]
+            for i, w in enumerate(status.workers)]
+    lines.append(_table(["ROLE", "ADDRESS", "STATE", "INFLIGHT", "JOB", "LORAS"], rows) if rows else "no workers")
     return "\n".join(lines)
 
 
@@ -283,7 +314,37 @@ def _limits(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
-COMMANDS = {"generate": _generate, "edit": _generate, "status": _status, "limits": _limits}
+def format_loras(catalogue: LoraCatalogue) -> str:
+    """The adapters, then (admin role) what each denoiser holds loaded."""
+    rows = [[info.name, f"{info.default_scale:g}", str(info.size_bytes), info.description]
+            for info in catalogue.loras]
+    lines = [_table(["NAME", "DEFAULT_SCALE", "BYTES", "DESCRIPTION"], rows) if rows else "no adapters"]
+    if catalogue.placement:
+        lines += ["", format_placement(catalogue.placement)]
+    return "\n".join(lines)
+
+
+def format_placement(placement: list[LoraPlacement]) -> str:
+    rows = [[p.worker, ",".join(p.loaded) or "-", p.error or "-"] for p in placement]
+    return _table(["WORKER", "LOADED", "ERROR"], rows) if rows else "no denoisers"
+
+
+def _loras(args: argparse.Namespace, client: Client) -> int:
+    """loras list / load / unload. A load or unload that some denoiser could not do exits 1, after the table."""
+    if args.loras_command == "list":
+        catalogue = client.list_loras()
+        print(json.dumps(asdict(catalogue), indent=2) if args.json else format_loras(catalogue))
+        return 0
+    call = client.load_loras if args.loras_command == "load" else client.unload_loras
+    placement = call(args.names, args.worker)
+    print(json.dumps([asdict(p) for p in placement], indent=2) if args.json else format_placement(placement))
+    for p in placement:
+        if p.error:
+            print(f"glmimage: error: {p.worker}: {p.error}", file=sys.stderr)
+    return 1 if any(p.error for p in placement) else 0
+
+
+COMMANDS = {"generate": _generate, "edit": _generate, "status": _status, "limits": _limits, "loras": _loras}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

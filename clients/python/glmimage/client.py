@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import time
@@ -33,6 +34,9 @@ from glmimage.results import (
     Completed,
     GenerationResult,
     Limits,
+    LoraCatalogue,
+    LoraInfo,
+    LoraPlacement,
     PartialImage,
     Progress,
     Status,
@@ -40,6 +44,7 @@ from glmimage.results import (
     Usage,
     WorkerInfo,
     event_from_proto,
+    placements_from_proto,
 )
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from glmimage.wire import formats, sizes
@@ -50,8 +55,8 @@ from glmimage.wire.keepalive import message_size_options
 # The result types (glmimage.results), TlsConfig (glmimage.wire.channels) and FORMATS (glmimage.wire.formats) are
 # re-exported here, where callers have always found them.
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_RETRY", "FORMATS", "NO_RETRY", "AsyncClient", "Client", "Completed",
-           "GenerationResult", "GlmImageError", "Limits", "PartialImage", "Progress", "RetryPolicy", "Status",
-           "StreamEvent",
+           "GenerationResult", "GlmImageError", "Limits", "Lora", "LoraCatalogue", "LoraInfo", "LoraInput",
+           "LoraPlacement", "PartialImage", "Progress", "RetryPolicy", "Status", "StreamEvent",
            "ImageInput", "ImageOptions", "TlsConfig", "Usage", "WorkerInfo", "build_request",
            "build_stream_request", "parse_size", "read_images"]
 
@@ -123,6 +128,50 @@ def parse_size(size: str | Sequence[int] | None) -> tuple[int, int]:
     return int(width), int(height)
 
 
+@dataclass(frozen=True)
+class Lora:
+    """A LoRA adapter a generation runs with: a name from `Client.list_loras` and the scale of its update (None: the
+    adapter's default; 0 switches it off; the gateway admits -4 to 4 and refuses an unknown name, naming loras)."""
+
+    name: str
+    scale: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Lora:
+        """``"NAME"`` or ``"NAME:SCALE"`` (what the CLI's --lora takes). Adapter names never hold a ':'."""
+        name, sep, scale = text.partition(":")
+        if not name or (sep and not scale):
+            raise ValueError(f"loras: {text!r} is not NAME[:SCALE], e.g. tiny-style or tiny-style:0.8")
+        if not sep:
+            return cls(name)
+        try:
+            value = float(scale)
+        except ValueError:
+            raise ValueError(f"loras: {text!r}: the scale {scale!r} is not a number") from None
+        if not math.isfinite(value):
+            raise ValueError(f"loras: {text!r}: the scale must be a finite number")
+        return cls(name, value)
+
+
+# An adapter for ``loras=``: a Lora, or its "NAME[:SCALE]" string as shorthand.
+LoraInput = Lora | str
+
+
+def lora_refs(loras: LoraInput | Sequence[LoraInput]) -> list[common_pb2.LoraRef]:
+    """The LoraRefs of ``loras`` (one may be passed alone), in order. Only the form is checked here: names, count,
+    duplicates and ranges are the gateway's to judge (INVALID_ARGUMENT on loras), against its own directory."""
+    items = [loras] if isinstance(loras, Lora | str) else list(loras)
+    refs = []
+    for item in items:
+        lora = Lora.parse(item) if isinstance(item, str) else item
+        if not isinstance(lora, Lora):
+            raise TypeError(f"loras: each must be a Lora or a 'NAME[:SCALE]' string, got {type(item).__name__}")
+        # Unset, not 0, when no scale is given: the adapter's own default applies (0 would switch it off).
+        refs.append(common_pb2.LoraRef(name=lora.name) if lora.scale is None
+                    else common_pb2.LoraRef(name=lora.name, scale=lora.scale))
+    return refs
+
+
 # A reference image of an edit: a path, the file's bytes, or a binary file object (read to its end).
 ImageInput = str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes]
 
@@ -138,6 +187,7 @@ class ImageOptions(TypedDict, total=False):
     steps: int | None
     guidance: float | None
     step_cache: str | None
+    loras: LoraInput | Sequence[LoraInput]
 
 
 def read_images(images: ImageInput | Sequence[ImageInput]) -> list[bytes]:
@@ -165,16 +215,17 @@ def _read_image(image: ImageInput) -> bytes:
 def build_request(prompt: str, *, n: int = 1, size: str | Sequence[int] | None = None,
                   output_format: str | None = None, output_compression: int | None = None,
                   seed: int | None = None, steps: int | None = None, guidance: float | None = None,
-                  request_id: str = "", images: Sequence[bytes] = (), step_cache: str | None = None
-                  ) -> gateway_service_pb2.GenerateImagesRequest:
+                  request_id: str = "", images: Sequence[bytes] = (), step_cache: str | None = None,
+                  loras: LoraInput | Sequence[LoraInput] = ()) -> gateway_service_pb2.GenerateImagesRequest:
     """A GenerateImagesRequest; ``images`` (encoded files, see `read_images`) make it an edit. ``step_cache``:
-    ``off``, ``balanced`` or ``aggressive`` (None: off)."""
+    ``off``, ``balanced`` or ``aggressive`` (None: off). ``loras``: the adapters the DiT runs with (`Lora`s or
+    ``"NAME[:SCALE]"`` strings; none: the base model)."""
     width, height = parse_size(size)
     fmt = common_pb2.IMAGE_FORMAT_UNSPECIFIED if output_format is None else formats.by_name(output_format).proto
     req = gateway_service_pb2.GenerateImagesRequest(
         prompt=prompt, n=n, height=height, width=width, output_format=fmt, num_inference_steps=steps or 0,
         request_id=request_id, reference_images=[common_pb2.ReferenceImage(data=data) for data in images],
-        step_cache=step_cache_value(step_cache))
+        step_cache=step_cache_value(step_cache), loras=lora_refs(loras))
     if output_compression is not None:
         req.output_compression = output_compression
     if seed is not None:
@@ -200,6 +251,26 @@ def build_stream_request(prompt: str, *, partial_images: int = 0, **fields: Any
                          ) -> gateway_service_pb2.GenerateImagesStreamRequest:
     return gateway_service_pb2.GenerateImagesStreamRequest(request=build_request(prompt, **fields),
                                                            partial_images=partial_images)
+
+
+def _names(names: str | Sequence[str], method: str) -> list[str]:
+    """Adapter names for LoadLoras/UnloadLoras: one may be passed alone (not as its characters); none is an error."""
+    items = [names] if isinstance(names, str) else list(names)
+    if not items:
+        raise ValueError(f"{method} needs at least one adapter name")
+    return items
+
+
+def build_load_loras(names: str | Sequence[str], workers: str | Sequence[str] = ()
+                     ) -> gateway_service_pb2.LoadLorasRequest:
+    return gateway_service_pb2.LoadLorasRequest(names=_names(names, "load_loras"),
+                                                workers=[workers] if isinstance(workers, str) else list(workers))
+
+
+def build_unload_loras(names: str | Sequence[str], workers: str | Sequence[str] = ()
+                       ) -> gateway_service_pb2.UnloadLorasRequest:
+    return gateway_service_pb2.UnloadLorasRequest(names=_names(names, "unload_loras"),
+                                                  workers=[workers] if isinstance(workers, str) else list(workers))
 
 
 def build_add_worker(address: str, role: str) -> gateway_service_pb2.AddWorkerRequest:
@@ -298,11 +369,13 @@ class Client(_Base):
     def generate(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
                  output_format: str | None = None, output_compression: int | None = None, seed: int | None = None,
                  steps: int | None = None, guidance: float | None = None, step_cache: str | None = None,
-                 timeout: float | None = None, request_id: str | None = None) -> GenerationResult:
-        """Generate ``n`` images; ``size`` is ``"WxH"`` or ``(w, h)`` (None: the gateway default)."""
+                 loras: LoraInput | Sequence[LoraInput] = (), timeout: float | None = None,
+                 request_id: str | None = None) -> GenerationResult:
+        """Generate ``n`` images; ``size`` is ``"WxH"`` or ``(w, h)`` (None: the gateway default). ``loras``:
+        adapters the DiT runs with, as `Lora`s or ``"NAME[:SCALE]"`` strings (`list_loras` names them)."""
         req = build_request(prompt, n=n, size=size, output_format=output_format,
                             output_compression=output_compression, seed=seed, steps=steps, guidance=guidance,
-                                   step_cache=step_cache)
+                            step_cache=step_cache, loras=loras)
         return self._generate(req, timeout, request_id)
 
     def edit(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, timeout: float | None = None,
@@ -320,7 +393,8 @@ class Client(_Base):
     def generate_stream(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
                         partial_images: int = 0, output_format: str | None = None,
                         output_compression: int | None = None, seed: int | None = None, steps: int | None = None,
-                        guidance: float | None = None, step_cache: str | None = None, timeout: float | None = None,
+                        guidance: float | None = None, step_cache: str | None = None,
+                        loras: LoraInput | Sequence[LoraInput] = (), timeout: float | None = None,
                         request_id: str | None = None) -> Iterator[StreamEvent]:
         """Yield Progress and PartialImage events, then one Completed. Stopping the iteration cancels the call.
 
@@ -329,7 +403,7 @@ class Client(_Base):
         """
         req = build_stream_request(prompt, partial_images=partial_images, n=n, size=size, output_format=output_format,
                                    output_compression=output_compression, seed=seed, steps=steps, guidance=guidance,
-                                   step_cache=step_cache)
+                                   step_cache=step_cache, loras=loras)
         return self._stream(req, timeout, request_id)
 
     def edit_stream(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, partial_images: int = 0,
@@ -384,6 +458,24 @@ class Client(_Base):
         req = gateway_service_pb2.RemoveWorkerRequest(address=address)
         self._call("RemoveWorker", self._stub.RemoveWorker, req, timeout, None)
 
+    def list_loras(self, *, timeout: float | None = None) -> LoraCatalogue:
+        """The adapters requests may name; with the admin role also which denoiser holds which loaded."""
+        resp = self._call("ListLoras", self._stub.ListLoras, gateway_service_pb2.ListLorasRequest(), timeout, None)
+        return LoraCatalogue.from_proto(resp)
+
+    def load_loras(self, names: str | Sequence[str], workers: str | Sequence[str] = (), *,
+                   timeout: float | None = None) -> list[LoraPlacement]:
+        """Admin role: load adapters on ``workers`` (denoiser addresses; none: every denoiser that takes work) ahead
+        of the requests that name them. A denoiser that could not says so in its placement's ``error``."""
+        resp = self._call("LoadLoras", self._stub.LoadLoras, build_load_loras(names, workers), timeout, None)
+        return placements_from_proto(resp.placement)
+
+    def unload_loras(self, names: str | Sequence[str], workers: str | Sequence[str] = (), *,
+                     timeout: float | None = None) -> list[LoraPlacement]:
+        """Admin role: drop adapters from the denoisers' memory (the files stay); placements as for `load_loras`."""
+        resp = self._call("UnloadLoras", self._stub.UnloadLoras, build_unload_loras(names, workers), timeout, None)
+        return placements_from_proto(resp.placement)
+
 
 class AsyncClient(_Base):
     """asyncio client for GatewayService (grpc.aio). Create it inside the event loop that uses it."""
@@ -414,11 +506,11 @@ class AsyncClient(_Base):
     async def generate(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
                        output_format: str | None = None, output_compression: int | None = None,
                        seed: int | None = None, steps: int | None = None, guidance: float | None = None,
-                       step_cache: str | None = None, timeout: float | None = None,
-                       request_id: str | None = None) -> GenerationResult:
+                       step_cache: str | None = None, loras: LoraInput | Sequence[LoraInput] = (),
+                       timeout: float | None = None, request_id: str | None = None) -> GenerationResult:
         req = build_request(prompt, n=n, size=size, output_format=output_format,
                             output_compression=output_compression, seed=seed, steps=steps, guidance=guidance,
-                                   step_cache=step_cache)
+                            step_cache=step_cache, loras=loras)
         return await self._generate(req, timeout, request_id)
 
     async def edit(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, timeout: float | None = None,
@@ -435,12 +527,13 @@ class AsyncClient(_Base):
     def generate_stream(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
                         partial_images: int = 0, output_format: str | None = None,
                         output_compression: int | None = None, seed: int | None = None, steps: int | None = None,
-                        guidance: float | None = None, step_cache: str | None = None, timeout: float | None = None,
+                        guidance: float | None = None, step_cache: str | None = None,
+                        loras: LoraInput | Sequence[LoraInput] = (), timeout: float | None = None,
                         request_id: str | None = None) -> AsyncIterator[StreamEvent]:
         """As `Client.generate_stream`, as an async iterator."""
         req = build_stream_request(prompt, partial_images=partial_images, n=n, size=size, output_format=output_format,
                                    output_compression=output_compression, seed=seed, steps=steps, guidance=guidance,
-                                   step_cache=step_cache)
+                                   step_cache=step_cache, loras=loras)
         return self._stream(req, timeout, request_id)
 
     def edit_stream(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, partial_images: int = 0,
@@ -493,3 +586,19 @@ class AsyncClient(_Base):
     async def remove_worker(self, address: str, *, timeout: float | None = None) -> None:
         req = gateway_service_pb2.RemoveWorkerRequest(address=address)
         await self._call("RemoveWorker", self._stub.RemoveWorker, req, timeout, None)
+
+    async def list_loras(self, *, timeout: float | None = None) -> LoraCatalogue:
+        resp = await self._call("ListLoras", self._stub.ListLoras, gateway_service_pb2.ListLorasRequest(),
+                                timeout, None)
+        return LoraCatalogue.from_proto(resp)
+
+    async def load_loras(self, names: str | Sequence[str], workers: str | Sequence[str] = (), *,
+                         timeout: float | None = None) -> list[LoraPlacement]:
+        resp = await self._call("LoadLoras", self._stub.LoadLoras, build_load_loras(names, workers), timeout, None)
+        return placements_from_proto(resp.placement)
+
+    async def unload_loras(self, names: str | Sequence[str], workers: str | Sequence[str] = (), *,
+                           timeout: float | None = None) -> list[LoraPlacement]:
+        resp = await self._call("UnloadLoras", self._stub.UnloadLoras, build_unload_loras(names, workers),
+                                timeout, None)
+        return placements_from_proto(resp.placement)

@@ -4,6 +4,7 @@ Shared by `Client` and `AsyncClient` (glmimage.client), so both parse every repl
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -117,6 +118,7 @@ class WorkerInfo:
     stuck: bool = False  # connected but making no progress (hung, or a call to it timed out), not gone
     held_elsewhere: bool = False  # a denoiser busy with another gateway's job
     health_detail: str = ""  # what the worker said, e.g. its refusal of the gateway's credential (admin role only)
+    loras_loaded: list[str] = field(default_factory=list)  # a denoiser's adapters in memory, least recently used first
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ class Status:
         return cls(s.pending_ar_requests, s.pending_ar_outputs, s.pending_denoise_outputs, s.active_requests,
                    [WorkerInfo(w.address, _ROLE_NAMES.get(w.role, "unspecified"),
                                _STATE_NAMES.get(w.state, "unspecified"), w.inflight, w.current_job, w.health,
-                               w.stuck, w.held_elsewhere, w.health_detail)
+                               w.stuck, w.held_elsewhere, w.health_detail, list(w.loras_loaded))
                     for w in s.workers])
 
 
@@ -163,6 +165,49 @@ class Limits:
     @classmethod
     def from_proto(cls, m: common_pb2.Limits) -> Limits:
         return cls(**{f.name: getattr(m, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """An adapter requests may name (`Lora`), as its sidecar describes it."""
+
+    name: str
+    description: str  # empty without a sidecar
+    default_scale: float  # what a Lora without a scale runs at (a float32 on the wire)
+    size_bytes: int  # of its weights file
+
+    @classmethod
+    def from_proto(cls, m: common_pb2.LoraInfo) -> LoraInfo:
+        return cls(m.name, m.description, m.default_scale, m.size_bytes)
+
+
+@dataclass(frozen=True)
+class LoraPlacement:
+    """One denoiser's adapters in memory (least recently used first), and why it could not do what was asked."""
+
+    worker: str
+    loaded: list[str] = field(default_factory=list)
+    error: str = ""  # empty when it could
+
+
+def placements_from_proto(placement: Iterable[gateway_service_pb2.LoraPlacement]) -> list[LoraPlacement]:
+    return [LoraPlacement(p.worker, list(p.loaded), p.error) for p in placement]
+
+
+@dataclass(frozen=True)
+class LoraCatalogue:
+    """ListLoras: the adapters by name, and (admin role only; empty otherwise) each denoiser's loaded ones."""
+
+    loras: list[LoraInfo] = field(default_factory=list)
+    placement: list[LoraPlacement] = field(default_factory=list)
+
+    @classmethod
+    def from_proto(cls, r: gateway_service_pb2.ListLorasResponse) -> LoraCatalogue:
+        return cls([LoraInfo.from_proto(m) for m in r.loras], placements_from_proto(r.placement))
+
+    @property
+    def names(self) -> list[str]:
+        return [info.name for info in self.loras]
 
 
 def event_from_proto(msg: gateway_service_pb2.GenerateImagesStreamResponse) -> StreamEvent | None:
