@@ -31,7 +31,7 @@ BIN       := $(VENV)/bin
 RUN_STAMP := $(VENV)/.installed-run-$(TORCH_VERSION)
 DEV_STAMP := $(VENV)/.installed-dev-$(TORCH_VERSION)
 
-.PHONY: help venv run test lint protos tiny bench bench-compare soak clean tools
+.PHONY: help venv run test lint protos tiny bench bench-compare soak clean tools screenshots
 
 # Each benchmark module writes bench/results/<name>.json; run them one after another on a quiet machine.
 BENCHES ?= ar denoiser speed_modes compile edits scheduler_sim multi_gateway_sim scheduler_micro gateway e2e reconnect receive_flood edit_soak
@@ -53,6 +53,7 @@ help:
 	@echo "make bench   run the benchmarks; results in bench/results/*.json"
 	@echo "make bench-compare BASE=<rev>  gateway overhead, BASE vs HEAD side by side (bench/results/compare_gateway.json)"
 	@echo "make soak    10 minutes of mixed load with random denoiser kills (bench/results/soak.json)"
+	@echo "make screenshots  the docs' pictures of the pool page and the dashboard, made by their tests (docs/images/)"
 	@echo "make clean   remove .venv and the test caches"
 
 venv: $(DEV_STAMP)
@@ -103,6 +104,11 @@ lint: $(DEV_STAMP)
 
 protos: $(DEV_STAMP)
 	$(BIN)/python protos/gen_python.py
+
+# The docs' pictures, made by the tests that check what they show: the live pool page in headless Chromium, and the
+# Grafana dashboard drawn from its own queries over a real Prometheus (docs/images/).
+screenshots: $(DEV_STAMP) tools
+	GLMIMAGE_SCREENSHOTS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_status_page.py tests/test_dashboard.py
 
 bench: $(DEV_STAMP)
 	@for b in $(BENCHES); do \

@@ -59,6 +59,8 @@ def draw(prometheus: str, dashboard: dict[str, Any], out: Path, *, window_s: flo
     end = time.time()
     start, step = end - window_s, max(window_s / 120, 1.0)
     lines = 0
+    for row in (p for p in dashboard["panels"] if p.get("type") == "row"):  # the section headings
+        fig.text(0.01, 1 - (row["gridPos"]["y"] + 0.6) / rows, row["title"], fontsize=11, weight="bold")
     for panel in panels:
         grid = panel["gridPos"]
         # Grid units to figure fractions (y grows downwards in Grafana).
