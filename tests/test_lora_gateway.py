@@ -64,11 +64,13 @@ def pool(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         addr = {name: procs.procs[name].address for name in ("ar", "d0", "d1")}
         procs.start("gateway", "gateway", ["--ar", addr["ar"], "--denoiser", addr["d0"], "--denoiser", addr["d1"]],
                     env={ENV_KEYS: USER_KEY, ENV_ADMIN_KEYS: ADMIN_KEY})
+        # The REST front in front of it, forwarding each client's key.
+        procs.start("rest", "rest", ["--gateway-address", procs.procs["gateway"].address])
         channel = grpc.insecure_channel(procs.procs["gateway"].address)
         stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
         until(lambda: [w.state for w in stub.GetStatus(pb.GetStatusRequest(), metadata=USER).workers]
               == [pb.WORKER_STATE_AVAILABLE] * 3, 60, "every worker available")
-        yield {"stub": stub, "procs": procs, "addr": addr, "root": root}
+        yield {"stub": stub, "procs": procs, "addr": addr, "root": root, "rest": procs.procs["rest"].address}
         channel.close()
     finally:
         procs.close()
@@ -174,6 +176,12 @@ def test_a_bad_adapter_file_is_refused_with_the_field_named_and_the_pool_keeps_s
     # And through the admin's preload: refused, nothing loaded anywhere.
     err = _refused(stub.LoadLoras, pb.LoadLorasRequest(names=[name]), metadata=ADMIN)
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and _violations(err) == ["names[0]"], err.details()
+    # And through the REST front: a 400 naming the adapter's place in the body, never a 5xx.
+    answer = httpx.post(f"http://{pool['rest']}/v1/images/generations", timeout=120,
+                        headers={"Authorization": f"Bearer {USER_KEY}"},
+                        json={"prompt": "x", "size": "64x64", "num_inference_steps": 2, "loras": [{"name": name}]})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "loras[0]", answer.text
+    assert name in answer.json()["error"]["message"]
     assert _generate(stub, seed=5) == base
     status = stub.GetStatus(pb.GetStatusRequest(), metadata=ADMIN)
     assert all(w.state == pb.WORKER_STATE_AVAILABLE for w in status.workers)

@@ -182,3 +182,25 @@ def test_the_learned_costs_move_towards_what_jobs_say() -> None:
     assert s._job_time == 2.0 and 1.0 < s._load_cost < 2.0
     assert s.counters.denoise_dispatches == 1
     assert job("r1") == d.job
+
+
+def test_a_later_job_holding_its_adapters_goes_first_but_passes_a_waiting_one_for_a_load_at_most() -> None:
+    # Both denoisers hold B and run B jobs; queued: H (naming A, which nobody holds), then two B jobs.
+    s = pool(lora_load_cost=2.0)
+    (b0,) = submit(s, "b0", B)
+    (b1,) = submit(s, "b1", B, now=0.1)
+    assert submit(s, "h", A, now=0.2) == [] and submit(s, "j1", B, now=0.3) == [] and submit(s, "j2", B, now=0.4) == []
+    # The first to free up serves j1 without a load, ahead of h: h would have loaded A over B there.
+    (first,) = finish(s, b0, 1.0)
+    assert (first.job.request_id, first.worker) == ("j1", b0.worker)
+    # h has been held back since then; once that is a load's time, it goes at its turn, ahead of j2's hit.
+    (second,) = finish(s, b1, 1.0 + 2.0 + 0.1)
+    assert (second.job.request_id, second.worker) == ("h", b1.worker)
+
+
+def test_a_job_no_later_hit_can_use_loads_at_once_on_an_idle_pool() -> None:
+    # Nothing to wait for and nobody to serve instead: held back for nothing would only add a load's time.
+    s = pool(lora_load_cost=5.0)
+    learned(s)
+    (d,) = submit(s, "r1", B, now=10.0)
+    assert d.job.request_id == "r1"

@@ -78,6 +78,10 @@ _EVENT_TYPES: tuple[type, ...] = get_args(Event)
 _QueueKey = tuple[int, int, int, str]
 _FRONT, _FRESH = 0, 1
 
+# LoRA placement looks this many jobs that would have to load ahead at a time for later jobs that would not (see
+# _dispatch_by_affinity): the pass stays short with a long queue.
+_AFFINITY_WINDOW = 256
+
 # How many ended request ids remember their highest attempt number. A reused id continues above it, so a late
 # result of the previous incarnation cannot pass the fencing check of the new one.
 _ATTEMPT_MEMORY = 4096
@@ -720,7 +724,7 @@ class Scheduler:
 
     def _enqueue_output(self, req: Request, out: Output, front: bool) -> None:
         out.state = QUEUED
-        out.queued_at = self._now
+        out.passed_at = None
         self._denoise_q.push((_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
 
     def _live_output(self, job: JobId, worker: str) -> tuple[Request, Output] | None:
@@ -795,34 +799,64 @@ class Scheduler:
         actions.append(DispatchDenoise(job, address, req.ar_outputs[index]))
 
     def _dispatch_by_affinity(self, actions: list[Action]) -> None:
-        """The denoise pass while some request names LoRA adapters, in queue order like the plain pass: a job goes
-        to a free denoiser holding all its adapters; where none is free, it waits (is passed over, for the jobs
-        behind it) while a busy holder is expected to free up before a load would end, at most one load's time
-        from when it was queued, so a popular adapter's jobs never hold up the others, nor plain jobs; else it
-        loads on the free denoiser holding most of its adapters (Pool.take_denoiser_for)."""
-        queue, pool, now = self._denoise_q, self._pool, self._now
-        passed: list[_QueueKey] = []
-        waiting: dict[frozenset[str], int] = {}  # adapter set -> jobs passed over in this pass, waiting for holders
+        """The denoise pass while some request names LoRA adapters, or some denoiser holds one.
+
+        In queue order, over a window of the queue at a time, while a denoiser is free:
+        1. a job goes to a free denoiser that holds all its adapters (a hit), even past jobs ahead of it that would
+           have to load: that saves a load, and a denoiser that holds nothing they need serves them as well;
+           a plain job goes at its turn, to the free denoiser holding fewest adapters (the holders stay free);
+        2. a job that must load and was passed over for one load's time already (``Output.passed_at``) loads at its
+           turn, before any later job's hit: how long affinity may hold a job back is one load, however long the
+           queue (counting from when it was queued would let no job wait once the queue is longer than a load);
+        3. then, in order, each job that would load: it waits for a busy denoiser holding its adapters if that one
+           should free up before the bound of (2) ends (passed over: the jobs behind it go on), else it loads on
+           the free denoiser that holds most of its adapters and fewest others (Pool.take_denoiser_for).
+        So a popular adapter's jobs never hold up the others, nor plain jobs, for longer than a load."""
+        queue, pool, now, bound = self._denoise_q, self._pool, self._now, self._load_cost
+        kept: list[_QueueKey] = []  # popped and left queued, pushed back at the end
         recheck = NEVER
         while queue.first is not None and pool.idle:
-            key = queue.pop()
-            req = self._active[key[3]]
-            want = req.loras
-            holders = pool.holders_of(want) if want else None
-            w = pool.take_denoiser_for(want, holders)
-            if w is None:
-                queue.push(key)
-                break
-            if want and not want <= w.loras and holders:
-                until = req.outputs[key[2]].queued_at + self._load_cost
-                ahead = waiting.get(want, 0)
-                if now < until and self._holder_free_by(holders, ahead) < until:
-                    waiting[want] = ahead + 1
-                    passed.append(key)
-                    recheck = min(recheck, until)
+            # Steps 1 and 2 over the next window of the queue; the jobs that would load, for step 3.
+            loading: list[tuple[_QueueKey, frozenset[str], int]] = []
+            dispatched = 0  # dispatches so far in this window: a job set aside before one of them was passed over
+            while queue.first is not None and pool.idle and len(loading) < _AFFINITY_WINDOW:
+                key = queue.pop()
+                req = self._active[key[3]]
+                want = req.loras
+                w = pool.take_denoiser_for(want, pool.holders_of(want) if want else None)
+                if w is None:
+                    kept.append(key)
+                    break
+                passed_at = req.outputs[key[2]].passed_at
+                if not want or want <= w.loras or (passed_at is not None and now >= passed_at + bound):
+                    self._start_job(w, key, actions)
+                    dispatched += 1
+                else:
+                    loading.append((key, want, dispatched))
+            # Step 3.
+            waiting: dict[frozenset[str], int] = {}  # adapter set -> its jobs waiting for a holder in this pass
+            for key, want, before in loading:
+                out = self._active[key[3]].outputs[key[2]]
+                holders = pool.holders_of(want)
+                w = pool.take_denoiser_for(want, holders) if pool.idle else None
+                if w is None:
+                    if dispatched > before and out.passed_at is None:
+                        out.passed_at = now  # later jobs' hits took the free denoisers it could have loaded on
+                    kept.append(key)
                     continue
-            self._start_job(w, key, actions)
-        for key in passed:
+                until = (now if out.passed_at is None else out.passed_at) + bound
+                ahead = waiting.get(want, 0)
+                if not want <= w.loras and holders and now < until \
+                        and self._holder_free_by(holders, ahead) < until:
+                    waiting[want] = ahead + 1
+                    if out.passed_at is None:
+                        out.passed_at = now
+                    recheck = min(recheck, until)
+                    kept.append(key)
+                    continue
+                self._start_job(w, key, actions)
+                dispatched += 1
+        for key in kept:
             queue.push(key)
         self._affinity_recheck_at = recheck
 

@@ -35,7 +35,9 @@ class Output:
     worker: str | None = None
     result: object = None
     refusals: int = 0  # dispatches a denoiser refused as busy with another gateway's job: not attempts used
-    queued_at: float = 0.0  # when it last entered the denoise queue (LoRA placement bounds its wait from here)
+    # When LoRA placement first held it back while a denoiser was free (None: not since it was queued): it is not
+    # held back longer than a load from then.
+    passed_at: float | None = None
     started_at: float = 0.0  # when its current attempt was dispatched (the denoise time is learned from it)
 
 

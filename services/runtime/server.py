@@ -56,9 +56,9 @@ def request_id_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str |
 # Long-lived infrastructure streams (health Watch) must neither count as work nor hold a drain open.
 # The denoiser's occupancy stream is one too: a draining denoiser keeps publishing while its last job finishes.
 _INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.", "/glmimage.v1.DenoiserService/WatchOccupancy")
-# Housekeeping polls (the REST front follows the gateway's limits, the gateway its workers'): no span of their own
-# unless the caller traces them.
-_QUIET_SUFFIXES = ("/GetLimits", "/GetStatus")
+# Housekeeping polls (the REST front follows the gateway's limits and adapters, the gateway its workers'): no span of
+# their own unless the caller traces them.
+_QUIET_SUFFIXES = ("/GetLimits", "/GetStatus", "/ListLoras")
 _TRACER = tracing.tracer("glmimage.server")
 # How long the infrastructure streams get to end before the server stops (they end at once unless hung).
 STREAMS_CLOSE_SECONDS = 1.0

@@ -365,7 +365,8 @@ class CheckedScheduler(RuleBasedStateMachine):
                 req = s._active[rid]
                 assert req.loras, f"plain job {rid}/{index} queued while a denoiser is free"
                 assert not any(req.loras <= x.loras for x in free), f"{rid}/{index} passed over a free holder"
-                assert self.now < req.outputs[index].queued_at + s._load_cost, f"{rid}/{index} waited too long"
+                passed_at = req.outputs[index].passed_at
+                assert passed_at is not None and self.now < passed_at + s._load_cost, f"{rid}/{index} waited too long"
         if snap.pending_ar_requests and any(
             x.role is AR and x.state is WorkerState.AVAILABLE for x in snap.workers
         ):
