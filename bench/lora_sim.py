@@ -466,7 +466,8 @@ def main_run(args: argparse.Namespace) -> dict[str, Any]:
         "sweep": [{k: v for k, v in s.items() if k != "runs"} for s in sweep],
     }
     if args.plain_extra > 0:
-        out["target_with_plain"] = run_load(args.target, seeds, costs, args, args.plain_extra)
+        extra = run_load(args.target, seeds, costs, args, args.plain_extra)
+        out["target_with_plain"] = {k: v for k, v in extra.items() if k != "runs"}  # (medians suffice here)
     # How the answer moves with the load cost (slower storage, larger adapters): the target load and an overload.
     out["load_cost_sensitivity"] = []
     for load_s in args.sensitivity:
