@@ -262,7 +262,8 @@ def simulate(policy: str, reqs: list[Arrival], costs: Costs, warmup: float, wind
     def perform(now: float, actions: list) -> None:
         nonlocal failed, loading_jobs, with_match, after_a_load
         # Jobs dispatched in this turn are no longer waiting: what stays is the queue the scheduler passed over.
-        since = {a.job.request_id: waiting.pop(a.job.request_id) for a in actions if isinstance(a, DispatchDenoise)}
+        since = {a.job.request_id: waiting.pop(a.job.request_id, now)
+                 for a in actions if isinstance(a, DispatchDenoise)}
         for a in actions:
             if isinstance(a, DispatchArBatch):
                 push(now + costs.ar_s, ("ar", a))
