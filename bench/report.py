@@ -412,6 +412,146 @@ def edit_soak(d: dict) -> str:
             "| references | requests | succeeded | median latency |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
+def _lora_row(label: str, m: dict) -> str:
+    return (f"| {label} | {_f(m['throughput_vs_bound'], 3)} | {_f(m['latency_p50'], 1)} s | "
+            f"{_f(m['latency_p95'], 1)} s | {_f(m['loads_per_request'], 3)} | "
+            f"{_f(m['max_p95_over_median_adapter_p95'], 3)} | {_f(m['max_p95_over_median_latency'], 3)} |")
+
+
+def _lora_notes(d: dict) -> str:
+    t, st = d["target"]["median"], d["setup"]
+    over = next((s["median"] for s in d["sweep"] if s["load"] == 1.1), None)
+    worst = max(d["load_cost_sensitivity"], key=lambda x: (x["load"], x["load_s"]), default=None)
+    out = [f"Reading: at the measured load cost a load is {st['load_s'] / st['denoise_s']:.1%} of a denoise, so both "
+           f"policies meet the done-when with room and the random baseline does too: the checks do not tell the "
+           f"policies apart at realistic sizes. Affinity loads less ({_f(t['affinity']['loads_per_request'], 3)} "
+           f"against {_f(t['random']['loads_per_request'], 3)} per request at the target load), which shows in "
+           f"latency only when loads are dear (the 3 and 6 s rows). The latency check holds for any policy here: every "
+           f"adapter's requests see the same queue, and a load adds at most one load time to a job. The largest "
+           f"adapter p95 over the p50 of all requests is {_f(t['bound']['max_p95_over_median_latency'], 2)} even with "
+           f"no adapters at all: at this load it measures the queueing of an M/D/14 pool, not placement."]
+    if over is not None and worst is not None:
+        out.append(
+            f"What limits affinity (gateway/scheduler/core.py, _dispatch_by_affinity): a job waits for a busy holder "
+            f"only until queued_at + the learned load cost, counted from when it was queued, and the pass hands each "
+            f"free denoiser to the job at the head of the queue. Once the queue's wait exceeds one load, which is "
+            f"always the case at saturation, no job waits and the head job loads on whichever denoiser frees up: "
+            f"affinity is then random placement ({_f(over['affinity']['loads_per_request'], 3)} against "
+            f"{_f(over['random']['loads_per_request'], 3)} loads per request at offered load 1.1, and "
+            f"{_f(worst['median']['affinity']['throughput_vs_bound'], 3)} against "
+            f"{_f(worst['median']['random']['throughput_vs_bound'], 3)} of the bound with {worst['load_s']} s loads), "
+            f"though each denoiser holds {st['lru_capacity']} of the {st['adapters']} adapters and almost every load "
+            f"happened while a job that denoiser held was left waiting behind the head (the sweep's last column). "
+            f"Capacity is where the placement matters and where this rule gives up.")
+    return "\n\n".join(out) + "\n"
+
+
+def lora_sim(d: dict) -> str:
+    st, cost, t = d["setup"], d["load_cost"], d["target"]
+    head = ("| policy | throughput / bound | p50 latency | p95 latency | loads per request | max adapter p95 / median "
+            "adapter p95 | max adapter p95 / p50 of all |\n|---|---|---|---|---|---|---|")
+    rows = [_lora_row(p, t["median"][p]) for p in ("bound", "affinity", "random")]
+    names = list(t["median"]["affinity"]["per_adapter"])
+    total = sum(t["median"]["bound"]["per_adapter"][n]["count"] for n in names)
+    per = ["| adapter | requests (share) | affinity p50 / p95 | random p50 / p95 | no adapters p50 / p95 |",
+           "|---|---|---|---|---|"]
+    for n in names:
+        stats = [t["median"][p]["per_adapter"][n] for p in ("affinity", "random", "bound")]
+        cells = [f"{_f(x['p50'], 1)} / {_f(x['p95'], 1)} s" for x in stats]
+        count = t["median"]["bound"]["per_adapter"][n]["count"]
+        per.append(f"| {n} | {count:.0f} ({count / total:.1%}) | " + " | ".join(cells) + " |")
+    met = []
+    for p, c in d["checks"].items():
+        met.append(f"- {p}: throughput / bound >= 0.9: {'met' if c['throughput_vs_bound >= 0.9'] else 'MISSED'} "
+                   f"({c['seeds meeting throughput']}/{c['seeds']} seeds); max adapter p95 <= 2x median adapter p95: "
+                   f"{'met' if c['max adapter p95 <= 2 x median adapter p95'] else 'MISSED'} "
+                   f"({c['seeds meeting p95']}/{c['seeds']} seeds)")
+    sweep = ["| offered load | throughput / bound, affinity (random) | loads per request, affinity (random) | "
+             "p95 latency, affinity (random, no adapters) | loads while a waiting job matched, affinity (random) |",
+             "|---|---|---|---|---|"]
+
+    def share(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0%}"
+
+    for s in d["sweep"]:
+        a, r, b = (s["median"][p] for p in ("affinity", "random", "bound"))
+        sweep.append(f"| {s['load']} | {_f(a['throughput_vs_bound'], 3)} ({_f(r['throughput_vs_bound'], 3)}) | "
+                     f"{_f(a['loads_per_request'], 3)} ({_f(r['loads_per_request'], 3)}) | {_f(a['latency_p95'], 1)} s "
+                     f"({_f(r['latency_p95'], 1)} s, {_f(b['latency_p95'], 1)} s) | "
+                     f"{share(a['loads_with_a_match_waiting'])} ({share(r['loads_with_a_match_waiting'])}) |")
+    sens = ["| s per load | offered load | throughput / bound, affinity (random) | loads per request, affinity "
+            "(random) | p50 / p95 latency, affinity | p50 / p95 latency, random | max adapter p95 / median adapter "
+            "p95, affinity (random) | loads after waiting one load, affinity |", "|---|---|---|---|---|---|---|---|"]
+    for x in d["load_cost_sensitivity"]:
+        a, r = x["median"]["affinity"], x["median"]["random"]
+        sens.append(f"| {x['load_s']} | {x['load']} | {_f(a['throughput_vs_bound'], 3)} "
+                    f"({_f(r['throughput_vs_bound'], 3)}) | {_f(a['loads_per_request'], 3)} "
+                    f"({_f(r['loads_per_request'], 3)}) | {_f(a['latency_p50'], 1)} / {_f(a['latency_p95'], 1)} s | "
+                    f"{_f(r['latency_p50'], 1)} / {_f(r['latency_p95'], 1)} s | "
+                    f"{_f(a['max_p95_over_median_adapter_p95'], 3)} ({_f(r['max_p95_over_median_adapter_p95'], 3)}) | "
+                    f"{share(a['loads_after_waiting_a_load'])} |")
+    plain = ""
+    if "target_with_plain" in d:
+        tp = d["target_with_plain"]
+        cells = "; ".join(f"{p} {_f(x['p50'], 1)} / {_f(x['p95'], 1)} s"
+                          for p, x in ((p, tp["median"][p]["plain"]) for p in ("bound", "affinity", "random")))
+        plain = (f"\nWith {tp['plain_share']:.0%} plain requests at the target load, the plain ones' p50 / p95: "
+                 f"{cells}; "
+                 f"loads per request, affinity {_f(tp['median']['affinity']['loads_per_request'], 3)} (random "
+                 f"{_f(tp['median']['random']['loads_per_request'], 3)}); throughput / bound, affinity "
+                 f"{_f(tp['median']['affinity']['throughput_vs_bound'], 3)} (random "
+                 f"{_f(tp['median']['random']['throughput_vs_bound'], 3)}).\n")
+    if cost["source"] == "--load-seconds":
+        costs = f"One adapter load: **{cost['load_s']} s**, given with --load-seconds."
+    else:
+        fit, real = cost["fit"], cost["real_adapter"]
+        costs = (f"One adapter load: **{cost['load_s']:.3f} s**, from the tiny model scaled to the real size: the "
+                 f"denoiser's own AdapterCache (read, check, load_lora_adapter, LRU eviction) timed on the tiny DiT "
+                 f"(CPU, {cost['torch_threads']} torch thread, least of {cost.get('repeats', '?')} misses each) over "
+                 f"{len(cost['points'])} adapters of ranks {sorted({p['rank'] for p in cost['points']})} on "
+                 f"{sorted({p['modules'] for p in cost['points']})} linear layers "
+                 f"({min(p['bytes'] for p in cost['points'])}-{max(p['bytes'] for p in cost['points'])} bytes), "
+                 f"fitted as {fit['fixed_s'] * 1e3:.2f} ms + {fit['per_module_s'] * 1e3:.3f} ms per layer + "
+                 f"{fit['per_byte_s'] * 1e9:.2f} ns per byte ({fit['byte_rate_mb_per_s']} MB/s), at a rank-"
+                 f"{real['rank']} adapter on to_q, to_k, to_v and to_out of the real DiT's 30 blocks (inner dim 4096: "
+                 f"diffusers' GlmImageTransformer2DModel with 32 heads of 128 has 6.93e9 parameters, DESIGN.md's "
+                 f"6.9B): {real['modules']} layers, {real['params'] / 1e6:.1f}M parameters, "
+                 f"{real['bytes'] / 1e6:.1f} MB in bf16. Measured {cost['when']} on this shared CPU box; a GPU "
+                 f"denoiser also copies the weights to the device (~5 ms for that size over PCIe at 25 GB/s).")
+    return ("## LoRA placement, simulated (issue 23)\n\n" + _header(d) +
+            f"\nThe real pure scheduler (gateway/scheduler/core.py) in virtual time: 1 AR server ({st['ar_s']} s per "
+            f"batch of up to {st['ar_batch_max_outputs']}, {st['ar_inflight']} in flight: never the bottleneck) and "
+            f"{st['denoisers']} denoisers, each with the denoiser's adapter LRU (--max-loaded-loras "
+            f"{st['lru_capacity']}): a job pays one load per adapter its denoiser lacks, evicting the least recently "
+            f"used, then its denoise; at its end the denoiser reports DenoiseSucceeded(lora_load_s) and its "
+            f"occupancy (free, the adapters it holds, the next sequence number). Requests: Poisson, n=1, each naming "
+            f"one of {st['adapters']} adapters drawn Zipf (s={st['zipf_s']}). One arrival sequence per seed runs "
+            f"under three policies: no adapters (the bound: what the pool completes), affinity (lora_affinity=True) "
+            f"and random (lora_affinity=False: the next free denoiser in the scheduler's rotation, blind to "
+            f"adapters). The scheduler starts from its default load estimate ({st['scheduler_lora_load_cost_initial']}"
+            f" s) and learns the rest. {st['warmup_s']:.0f} s warm-up, {st['window_s']:.0f} s measured, seeds "
+            f"{st['seeds']}, medians over seeds.\n\n"
+            f"Costs (reference seconds): a denoise is **{st['denoise_s']} s**, the reference deployment's 30 DiT steps "
+            f"at batch 1 (DESIGN.md, the sglang table; the figure bench/scheduler_sim.py and multi_gateway_sim.py "
+            f"use). {costs}\n\n"
+            f"Definitions: throughput = requests completed in the window per second, over the no-adapter run's on the "
+            f"same arrivals. Latency = arrival to completion, of the requests completed in the window. The p95 check: "
+            f"the largest of the {st['adapters']} adapters' p95 over the median of the {st['adapters']} p95s (each "
+            f"seed's own, then the median over seeds), <= 2; also shown: the largest adapter p95 over the p50 of all "
+            f"requests.\n\n"
+            f"At the target offered load, {st['target_load']} of the no-adapter capacity "
+            f"({st['denoisers']}/{st['denoise_s']} = {st['capacity_img_per_s']} img/s):\n\n" + head + "\n" +
+            "\n".join(rows) + "\n\n" + "\n".join(met) + "\n\n" + "\n".join(per) + "\n" + plain +
+            "\nOffered load sweep (the last point is beyond capacity: its throughput is the policy's capacity; "
+            "\"loads while a waiting job matched\": of the jobs that loaded, the share that did while a job left "
+            "waiting named only adapters that denoiser held):\n\n" + "\n".join(sweep) +
+            "\n\nThe same at other load costs (slower storage, larger adapters); \"loads after waiting one load\": "
+            "of the affinity jobs that loaded, the share that had already waited at least one load's time for a "
+            "denoiser:\n\n" + "\n".join(sens) + "\n\n" + _lora_notes(d) +
+            "\n![LoRA placement: throughput, loads per request, per-adapter p95, capacity against load cost]"
+            "(bench/results/lora_sim.png)\n")
+
+
 def main() -> None:
     parts = ["# Benchmarks\n\nGenerated by `python -m bench.report` from `bench/results/*.json` (`make bench` writes "
              "them). The machine is a shared 2-core CPU box, so absolute figures are noisy; ratios are measured side "
@@ -419,7 +559,8 @@ def main() -> None:
     for name, fn in (("ar", ar), ("denoiser", denoiser), ("speed_modes", speed_modes), ("compile", compile_),
                      ("edits", edits),
                      ("scheduler_sim", scheduler_sim),
-                     ("multi_gateway_sim", multi_gateway_sim), ("scheduler_micro", scheduler_micro),
+                     ("multi_gateway_sim", multi_gateway_sim), ("lora_sim", lora_sim),
+                     ("scheduler_micro", scheduler_micro),
                      ("gateway", gateway), ("compare_gateway", compare_gateway), ("e2e", e2e), ("reconnect", reconnect),
                      ("soak", soak), ("receive_flood", receive_flood), ("edit_soak", edit_soak)):
         d = _load(name)

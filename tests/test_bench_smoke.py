@@ -1,6 +1,8 @@
-"""The multi-gateway simulation (bench/multi_gateway_sim.py) runs end to end in a few seconds: two real gateway
-processes over the simulated pool, every request answered, and the busy collisions per dispatch read from the
-gateways' own /metrics. The figures themselves come from `make bench`; this only keeps the code path working."""
+"""The simulations run end to end in a few seconds. The multi-gateway one (bench/multi_gateway_sim.py): two real
+gateway processes over the simulated pool, every request answered, and the busy collisions per dispatch read from the
+gateways' own /metrics. The LoRA placement one (bench/lora_sim.py): the pure scheduler in virtual time, every figure
+and check there for both policies. The figures themselves come from `make bench`; this only keeps the code paths
+working."""
 from __future__ import annotations
 
 import math
@@ -8,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import multi_gateway_sim
-
-pytestmark = [pytest.mark.asyncio, pytest.mark.e2e]
+from bench import lora_sim, multi_gateway_sim
 
 
+@pytest.mark.e2e
 async def test_two_gateways_over_the_reference_pool_for_a_short_window(tmp_path: Path) -> None:
     # 0.6 s warm-up and 1.8 s measured (wall), 32 clients: far from saturation, but every figure is there.
     args = multi_gateway_sim.parse_args(["--scenarios", "g2_ar1_d14", "--window-factor", "0.15", "--repeats", "1",
@@ -30,3 +31,35 @@ async def test_two_gateways_over_the_reference_pool_for_a_short_window(tmp_path:
     assert results["targets_met"]["no errors"]
     multi_gateway_sim.plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_lora_placement_for_a_short_window(tmp_path: Path) -> None:
+    # A given load cost (no tiny model), one seed, 1,000 virtual seconds: about 1,200 requests per policy and load.
+    args = lora_sim.parse_args(["--load-seconds", "3", "--seeds", "1", "--warmup", "200", "--window", "800",
+                                "--loads", "0.875,1.1", "--sensitivity", "6", "--plain-extra", "0.25"])
+    results = lora_sim.main_run(args)
+    assert results["load_cost"] == {"source": "--load-seconds", "load_s": 3.0}
+    target = results["target"]["median"]
+    assert target["bound"]["throughput_vs_bound"] == 1 and target["bound"]["loads_per_request"] == 0
+    for policy in ("affinity", "random"):
+        m = target[policy]
+        assert m["failed"] == 0 and m["throughput"] > 0 and 0 < m["loads_per_request"] <= 1
+        assert set(m["per_adapter"]) == set(lora_sim.adapter_names())
+        assert all(a["count"] > 0 and a["p95"] >= a["p50"] > 0 for a in m["per_adapter"].values())
+        assert math.isfinite(m["max_p95_over_median_adapter_p95"]) and m["max_p95_over_median_adapter_p95"] >= 1
+        assert set(results["checks"][policy]) >= {"throughput_vs_bound >= 0.9",
+                                                  "max adapter p95 <= 2 x median adapter p95"}
+    # Placement that follows the adapters loads less than placement blind to them.
+    assert target["affinity"]["loads_per_request"] < target["random"]["loads_per_request"]
+    assert results["target_with_plain"]["median"]["affinity"]["plain"]["count"] > 0
+    assert [s["load"] for s in results["sweep"]] == [0.875, 1.1]
+    assert {(p["load_s"], p["load"]) for p in results["load_cost_sensitivity"]} == {(6.0, 0.875), (6.0, 1.1)}
+    lora_sim.plot(results, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_a_simulated_denoiser_loads_what_it_lacks_and_evicts_the_least_recently_used() -> None:
+    d = lora_sim.Denoiser(capacity=2)
+    assert d.take(frozenset({"a"})) == 1 and d.take(frozenset({"b"})) == 1
+    assert d.take(frozenset({"a"})) == 0  # a hit, now the most recently used
+    assert d.take(frozenset({"c"})) == 1 and list(d.lru) == ["a", "c"]  # b went
