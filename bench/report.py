@@ -428,7 +428,8 @@ def _lora_notes(d: dict) -> str:
            f"against {_f(t['random']['loads_per_request'], 3)} per request at the target load), which shows in "
            f"latency and capacity when loads are dear (the 3 and 6 s rows). The latency check holds for any policy "
            f"here: every adapter's requests see the same queue, and a load adds at most one load time to a job. The "
-           f"largest adapter p95 over the p50 of all requests is {_f(t['bound']['max_p95_over_median_latency'], 2)} even with "
+           f"largest adapter p95 over the p50 of all requests is "
+           f"{_f(t['bound']['max_p95_over_median_latency'], 2)} even with "
            f"no adapters at all: at this load it measures the queueing of an M/D/14 pool, not placement."]
     if over is not None and worst is not None:
         out.append(
