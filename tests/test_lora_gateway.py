@@ -65,7 +65,8 @@ def pool(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         procs.start("gateway", "gateway", ["--ar", addr["ar"], "--denoiser", addr["d0"], "--denoiser", addr["d1"]],
                     env={ENV_KEYS: USER_KEY, ENV_ADMIN_KEYS: ADMIN_KEY})
         # The REST front in front of it, forwarding each client's key.
-        procs.start("rest", "rest", ["--gateway-address", procs.procs["gateway"].address])
+        procs.start("rest", "rest", ["--gateway-address", procs.procs["gateway"].address, "--api-key", USER_KEY,
+                                     "--gateway-api-key", USER_KEY])
         channel = grpc.insecure_channel(procs.procs["gateway"].address)
         stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
         until(lambda: [w.state for w in stub.GetStatus(pb.GetStatusRequest(), metadata=USER).workers]
