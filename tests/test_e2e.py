@@ -23,6 +23,7 @@ from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc
 from services.denoiser.step_cache import DEFAULT_SCHEDULES, StepCacheLevel
 from services.model.tiny import TINY_LORA
 from tests.support.cluster import running_stack
+from tests.support.net import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +33,10 @@ PROMPT = 'a red "STOP" sign'
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     metrics = ("--ar-metrics-port", "0", "--denoiser-metrics-ports", "0,0", "--gateway-metrics-port", "0")
-    with running_stack(tmp_path_factory.mktemp("stack"), extra_args=metrics) as run:
+    # Traces on, to a collector that is down: every test here also shows that costs the serving path nothing (the
+    # exporters drop what they cannot send, in the background).
+    dead_collector = ("--otlp-endpoint", f"http://127.0.0.1:{free_port()}")
+    with running_stack(tmp_path_factory.mktemp("stack"), extra_args=metrics + dead_collector) as run:
         children = psutil.Process(run.proc.pid).children(recursive=True)
         yield {"proc": run.proc, "addresses": run.addresses, "children": children, "banner": run.banner}
 
