@@ -109,6 +109,9 @@ def _check_output(argv: list[str], role: str, stdout: str) -> None:
         events = json_documents(stdout)
         assert "completed" in events[-1] and events[-1]["completed"]["images"]
         assert any("progress" in e for e in events[:-1])
+    elif verb == "glmimage.v1.GatewayService/ListLoras":
+        (reply,) = json_documents(stdout)
+        assert "tiny-style" in [info["name"] for info in reply["loras"]]
     elif verb == "glmimage.v1.GatewayService/GetStatus":
         (reply,) = json_documents(stdout)
         roles = sorted(w["role"] for w in reply["workers"])
