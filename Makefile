@@ -9,7 +9,7 @@ TORCH_SPEC    ?= torch==$(TORCH_VERSION)
 RUN_EXTRAS    ?= server,gateway,grpcurl
 DEV_EXTRAS    ?= $(RUN_EXTRAS),dev
 PYTEST_ARGS   ?=
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 
 REST_PORT      ?= 8000
 GATEWAY_PORT   ?= 50050
@@ -89,12 +89,13 @@ tools:
 	  else echo "missing: sudo apt-get install prometheus chromium chromium-driver (tests/test_promtool.py," \
 	    "test_alerts.py, test_dashboard.py, test_status_page.py)" >&2; fi; }
 
-# Whole test files on PYTEST_WORKERS pytest-xdist workers: much of the suite's time is spent waiting on server
-# processes, idle gaps and timeouts, which a second worker fills (quiet 2-core machine: 302 s on two workers, 513 s
-# in one process; three workers 275 s, for more contention on the timing of the process tests). PYTEST_WORKERS=0 runs
-# everything in one process.
+# Whole test files on PYTEST_WORKERS pytest-xdist workers, the longest files first (tests/conftest.py's
+# LONGEST_FILES; --no-loadscope-reorder keeps that order): much of the suite's time is spent waiting on server
+# processes, idle gaps and timeouts, which more workers fill. On a 2-core machine with 1450 tests: 489 s on two
+# workers (a clean clone), 419 s on three; the process tests' timing bounds carry the margin for three. PYTEST_WORKERS=0
+# runs everything in one process.
 test: $(DEV_STAMP) tools
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: $(DEV_STAMP)
 	$(BIN)/buf lint protos

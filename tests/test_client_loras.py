@@ -1,7 +1,7 @@
 """LoRA adapters in the Python SDK and the Node client, against a scripted gateway (tests/support/fake_lora_gateway.py):
 ``loras=`` on every generate and edit method (Lora or "NAME[:SCALE]", a scale left unset unless given), list_loras,
 load_loras and unload_loras with the admin role's placement, and the gateway's refusals as GlmImageError.
-The real stack's behaviour is tests/test_client_loras_e2e.py's."""
+The real stack's behaviour is tests/test_e2e.py's (the `make run` stack)."""
 from __future__ import annotations
 
 import json

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -19,15 +20,20 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.auth import ENV_ADMIN_KEYS
+from glmimage import Client, Completed, GlmImageError, Lora
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc
 from services.denoiser.step_cache import DEFAULT_SCHEDULES, StepCacheLevel
 from services.model.tiny import TINY_LORA
 from tests.support.cluster import running_stack
 from tests.support.net import free_port
+from tests.support.programs import glmimage
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.e2e
 
 PROMPT = 'a red "STOP" sign'
+ADMIN_KEY = "sk-e2e-admin"
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +42,13 @@ def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     # Traces on, to a collector that is down: every test here also shows that costs the serving path nothing (the
     # exporters drop what they cannot send, in the background).
     dead_collector = ("--otlp-endpoint", f"http://127.0.0.1:{free_port()}")
-    with running_stack(tmp_path_factory.mktemp("stack"), extra_args=metrics + dead_collector) as run:
-        children = psutil.Process(run.proc.pid).children(recursive=True)
-        yield {"proc": run.proc, "addresses": run.addresses, "children": children, "banner": run.banner}
+    with pytest.MonkeyPatch.context() as env:
+        # LoadLoras and UnloadLoras are admin RPCs, off on a gateway without an admin key; with no user key, every
+        # other call stays open, as on `make run`.
+        env.setenv(ENV_ADMIN_KEYS, ADMIN_KEY)
+        with running_stack(tmp_path_factory.mktemp("stack"), extra_args=metrics + dead_collector) as run:
+            children = psutil.Process(run.proc.pid).children(recursive=True)
+            yield {"proc": run.proc, "addresses": run.addresses, "children": children, "banner": run.banner}
 
 
 def _generate(rest: str, **body) -> httpx.Response:
@@ -182,6 +192,114 @@ def test_openai_sdk_lora_adapter_changes_the_image_and_nothing_else(stack) -> No
         with pytest.raises(openai.BadRequestError) as caught:
             image(loras=[{"name": "../../etc/passwd"}])
         assert caught.value.body["param"].startswith("loras"), caught.value.body
+
+
+# ---- LoRA adapters through the Python SDK and the CLI (after the openai SDK's test above, which needs the pool to
+# hold no adapter yet). The scripted-gateway tests of the same calls are tests/test_client_loras.py's.
+
+# Small and few steps: the tiny model on CPU.
+BASE = dict(size="64x64", seed=5, steps=6)
+
+
+@pytest.fixture()
+def gateway(stack) -> str:
+    return stack["addresses"]["gateway"]
+
+
+@pytest.fixture()
+def client(gateway: str) -> Iterator[Client]:
+    with Client(gateway, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture()
+def admin(gateway: str) -> Iterator[Client]:
+    with Client(gateway, api_key=ADMIN_KEY, timeout=120) as c:
+        yield c
+
+
+def test_sdk_an_adapter_changes_the_image_and_the_same_request_gives_the_same_bytes(client: Client) -> None:
+    base = client.generate(PROMPT, **BASE).images
+    styled = client.generate(PROMPT, loras=[TINY_LORA], **BASE).images
+    assert styled != base
+    assert client.generate(PROMPT, loras=[Lora(TINY_LORA)], **BASE).images == styled
+    # The sidecar's scale is 1: an explicit 1 is the default; 0 switches the adapter off (the base, byte for byte);
+    # another scale is another image.
+    assert client.generate(PROMPT, loras=[f"{TINY_LORA}:1"], **BASE).images == styled
+    assert client.generate(PROMPT, loras=[f"{TINY_LORA}:0"], **BASE).images == base
+    assert client.generate(PROMPT, loras=[Lora(TINY_LORA, -1.0)], **BASE).images not in (base, styled)
+
+
+def test_sdk_the_stream_and_an_edit_take_the_adapter(client: Client) -> None:
+    styled = client.generate(PROMPT, loras=TINY_LORA, **BASE).images
+    events = list(client.generate_stream(PROMPT, loras=TINY_LORA, **BASE))
+    assert isinstance(events[-1], Completed) and events[-1].result.images == styled
+    reference = client.generate("a blue circle", **BASE).images[0]
+    plain = client.edit(io.BytesIO(reference), "make it green", **BASE).images
+    edited = client.edit(io.BytesIO(reference), "make it green", loras=[TINY_LORA], **BASE).images
+    assert edited != plain
+    assert client.edit(reference, "make it green", loras=[TINY_LORA], **BASE).images == edited
+
+
+def test_sdk_an_unknown_adapter_is_refused_naming_loras(client: Client) -> None:
+    with pytest.raises(GlmImageError) as caught:
+        client.generate(PROMPT, loras=["no-such-adapter"], **BASE)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and caught.value.attempts == 1
+    assert "loras" in caught.value.details
+    with pytest.raises(GlmImageError, match="INVALID_ARGUMENT: .*loras"):
+        list(client.generate_stream(PROMPT, loras=[TINY_LORA, TINY_LORA], **BASE))  # no name twice
+
+
+def test_sdk_list_load_and_unload_reach_the_denoisers(client: Client, admin: Client) -> None:
+    catalogue = client.list_loras()  # any caller
+    (info,) = [i for i in catalogue.loras if i.name == TINY_LORA]
+    assert info.default_scale == 1.0 and info.size_bytes > 0 and info.description  # from its sidecar
+    assert catalogue.placement == []  # the admin role's
+    assert [p.error for p in admin.list_loras().placement] == ["", ""]  # both denoisers, which answered
+
+    with pytest.raises(GlmImageError) as caught:
+        client.load_loras([TINY_LORA])
+    assert caught.value.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+    placement = admin.unload_loras([TINY_LORA])
+    assert placement and all(not p.error and TINY_LORA not in p.loaded for p in placement), placement
+    placement = admin.load_loras([TINY_LORA])
+    assert placement and all(not p.error and TINY_LORA in p.loaded for p in placement), placement
+    # The denoiser's occupancy stream carries what it holds into GetStatus.
+    until(lambda: all(TINY_LORA in w.loras_loaded for w in client.status().workers if w.role == "denoiser"), 30,
+          "GetStatus to show the adapter loaded")
+    # Named by address (the admin role sees them); an unknown name or address is refused naming the field.
+    address = [w.address for w in admin.status().workers if w.role == "denoiser"][0]
+    (placement,) = admin.unload_loras(TINY_LORA, workers=[address])
+    assert (placement.worker, placement.error) == (address, "") and TINY_LORA not in placement.loaded
+    for call, field in ((lambda: admin.load_loras(["no-such-adapter"]), "names[0]"),
+                        (lambda: admin.load_loras(TINY_LORA, workers=["10.9.9.9:1"]), "workers[0]")):
+        with pytest.raises(GlmImageError) as caught:
+            call()
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and field in caught.value.details
+
+
+def test_cli_lora_flag_and_loras_commands(gateway: str, client: Client, tmp_path: Path) -> None:
+    done = glmimage("generate", PROMPT, "--size", "64x64", "--seed", "5", "--steps", "6", "--lora", f"{TINY_LORA}:0.5",
+                    "-o", "out", "--address", gateway, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    sdk = client.generate(PROMPT, loras=[Lora(TINY_LORA, 0.5)], **BASE).images
+    assert [(tmp_path / "out" / "image-0.png").read_bytes()] == sdk != client.generate(PROMPT, **BASE).images
+    listed = glmimage("loras", "list", "--address", gateway, cwd=tmp_path)
+    assert listed.returncode == 0 and any(ln.split()[0] == TINY_LORA for ln in listed.stdout.splitlines()[1:])
+    loaded = glmimage("loras", "load", TINY_LORA, "--address", gateway, "--api-key", ADMIN_KEY, cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stderr
+    assert TINY_LORA in loaded.stdout.splitlines()[1]
+    elsewhere = glmimage("loras", "load", TINY_LORA, "--worker", "10.9.9.9:1", "--address", gateway,
+                         "--api-key", ADMIN_KEY, cwd=tmp_path)
+    assert elsewhere.returncode == 1 and "INVALID_ARGUMENT: workers[0]" in elsewhere.stderr, elsewhere.stderr
+
+    def status_column() -> list[str]:  # GetStatus learns it from the denoiser's occupancy stream: soon, not at once
+        status = glmimage("status", "--address", gateway, cwd=tmp_path)
+        return [ln.split()[-1] for ln in status.stdout.splitlines() if ln.startswith("denoiser")]
+
+    until(lambda: status_column() == [TINY_LORA] * 2, 30, "glmimage status to show the adapter loaded", step=0.2)
+    refused = glmimage("generate", PROMPT, "--lora", "no-such-adapter", "--address", gateway, cwd=tmp_path)
+    assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr and "loras" in refused.stderr
 
 
 def test_sigterm_stops_every_process(stack) -> None:
