@@ -26,13 +26,11 @@ from glmimage.client import (
     DEFAULT_ADDRESS,
     FORMATS,
     NO_RETRY,
-    STEP_CACHE_LEVELS,
     Client,
     Completed,
     GenerationResult,
     GlmImageError,
     Limits,
-    Lora,
     LoraCatalogue,
     LoraPlacement,
     PartialImage,
@@ -42,6 +40,7 @@ from glmimage.client import (
     TlsConfig,
     WorkerInfo,
 )
+from glmimage.messages import STEP_CACHE_LEVELS, Lora
 from glmimage.wire.sizes import size_arg
 
 API_KEY_ENV = "GLMIMAGE_API_KEY"
