@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Container, Sequence
 
 import grpc
 
-from gateway.workers import Worker
+from gateway.workers import Worker, WorkerHealth
 from glmimage.v1 import denoiser_service_pb2, gateway_service_pb2
 from services.runtime.errors import InvalidArgument
 from services.runtime.limits import Limits, check_lora_names
@@ -60,6 +60,15 @@ def _error(err: grpc.aio.AioRpcError) -> str:
     return f"{err.code().name}: {err.details()}"
 
 
+def _not_called(w: Worker) -> gateway_service_pb2.LoraPlacement | None:
+    """The placement of a denoiser not worth a call, or None: one that is not serving as the gateway last saw it
+    (hung, gone, draining) would only hold the admin's call until its deadline."""
+    if w.health is WorkerHealth.SERVING:
+        return None
+    return gateway_service_pb2.LoraPlacement(worker=w.address,
+                                             error=f"UNAVAILABLE: not called: it is {w.health.value}")
+
+
 class PoolLoras:
     """The calls behind the adapter RPCs of GatewayService, over the denoisers ``denoisers()`` returns."""
 
@@ -87,6 +96,8 @@ class PoolLoras:
 
     async def _read_all(self) -> list[gateway_service_pb2.LoraPlacement]:
         async def one(w: Worker) -> gateway_service_pb2.LoraPlacement:
+            if (skipped := _not_called(w)) is not None:
+                return skipped  # its listing, as it last said, stays in the catalogue's merge
             try:
                 reply = await w.read_loras()
             except grpc.aio.AioRpcError as err:
@@ -111,9 +122,12 @@ class PoolLoras:
     @staticmethod
     async def _fan_out(workers: Sequence[Worker], call: Callable[[Worker], Awaitable]
                        ) -> list[gateway_service_pb2.LoraPlacement]:
-        """Each denoiser's answer: what it holds afterwards, or its error. When every one refused the names as bad
-        input (a file that fails its checks), that refusal is the call's own: INVALID_ARGUMENT, as it said it."""
+        """Each denoiser's answer: what it holds afterwards, or its error (one not serving is not called). When every
+        one called refused the names as bad input (a file that fails its checks), that refusal is the call's own:
+        INVALID_ARGUMENT, as it said it."""
         async def one(w: Worker) -> tuple[gateway_service_pb2.LoraPlacement, grpc.aio.AioRpcError | None]:
+            if (skipped := _not_called(w)) is not None:
+                return skipped, None
             try:
                 reply = await call(w)
             except grpc.aio.AioRpcError as err:
@@ -122,9 +136,9 @@ class PoolLoras:
             return gateway_service_pb2.LoraPlacement(worker=w.address, loaded=reply.loaded), None
 
         results = await asyncio.gather(*(one(w) for w in workers))
-        errors = [err for _, err in results]
-        if errors and all(e is not None and e.code() is grpc.StatusCode.INVALID_ARGUMENT for e in errors):
-            first = errors[0]
+        called = [err for placement, err in results if err is not None or not placement.error]
+        if called and all(e is not None and e.code() is grpc.StatusCode.INVALID_ARGUMENT for e in called):
+            first = called[0]
             assert first is not None
             field, _, message = (first.details() or "").partition(": ")
             raise InvalidArgument(field if field.startswith("names") else "names", message or first.details())

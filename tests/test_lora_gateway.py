@@ -7,12 +7,14 @@ holding the tiny model's demo adapter and bad files, a gateway with user and adm
 - two sequential requests with the same adapter load it once over the pool (the scheduler's affinity);
 - a bad adapter file is refused with the field named, the denoisers keep serving, and no attempt is retried;
 - ListLoras for users (no placement), LoadLoras / UnloadLoras for the admin role only, the placement as each
-  denoiser says it.
+  denoiser says it; a hung (SIGSTOPped) denoiser holds up neither.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import grpc
@@ -213,3 +215,26 @@ def test_the_admin_preloads_and_unloads_and_a_user_key_cannot(pool) -> None:
                        (pb.LoadLorasRequest(names=[TINY_LORA], workers=[addr["ar"]]), "workers[0]")):
         err = _refused(stub.LoadLoras, bad, metadata=ADMIN)
         assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and _violations(err) == [field], err.details()
+
+
+def test_a_hung_denoiser_does_not_hold_up_the_admin_or_the_listing(pool) -> None:
+    stub, addr, procs = pool["stub"], pool["addr"], pool["procs"]
+
+    def health() -> dict[str, pb.WorkerStatus]:
+        return {w.address: w for w in stub.GetStatus(pb.GetStatusRequest(), metadata=ADMIN).workers}
+
+    os.kill(procs.procs["d1"].pid, signal.SIGSTOP)
+    try:
+        until(lambda: health()[addr["d1"]].stuck, 60, "the gateway to see d1 hung")
+        # Neither call waits on it (the calls carry no deadline of their own: the gateway's would be minutes).
+        listed = stub.ListLoras(pb.ListLorasRequest(), metadata=ADMIN, timeout=60)
+        assert TINY_LORA in [info.name for info in listed.loras]
+        shown = {p.worker: p.error for p in listed.placement}
+        assert shown[addr["d0"]] == "" and shown[addr["d1"]].startswith("UNAVAILABLE: not called: it is not answering")
+        reply = stub.LoadLoras(pb.LoadLorasRequest(names=[TINY_LORA]), metadata=ADMIN, timeout=60)
+        placement = {p.worker: p for p in reply.placement}
+        assert TINY_LORA in placement[addr["d0"]].loaded and not placement[addr["d0"]].error
+        assert placement[addr["d1"]].error.startswith("UNAVAILABLE: not called")
+    finally:
+        os.kill(procs.procs["d1"].pid, signal.SIGCONT)
+    until(lambda: health()[addr["d1"]].state == pb.WORKER_STATE_AVAILABLE, 60, "d1 to be back")
