@@ -5,13 +5,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from concurrent import futures
 
-import grpc
-
-from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
+from glmimage.v1 import gateway_service_pb2
 from services.runtime.limits import Limits
-from tests.support.fake_gateway import IMAGE_TOKENS_PER_REFERENCE, FakeGateway, FakeServer
+from tests.support.fake_gateway import IMAGE_TOKENS_PER_REFERENCE, FakeGateway, FakeServer, serve_fake
 
 __all__ = ["IMAGE_TOKENS_PER_REFERENCE", "EditGateway", "serve_edit_fake"]
 
@@ -31,12 +28,5 @@ class EditGateway(FakeGateway):
 @contextlib.contextmanager
 def serve_edit_fake() -> Iterator[FakeServer]:
     """EditGateway on an ephemeral loopback port (plaintext); stopped on exit."""
-    servicer = EditGateway()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield FakeServer(servicer, f"127.0.0.1:{port}", server)
-    finally:
-        server.stop(None)
+    with serve_fake(servicer=EditGateway()) as server:
+        yield server

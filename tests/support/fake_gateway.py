@@ -174,12 +174,13 @@ class FakeServer:
 
 
 @contextlib.contextmanager
-def serve_fake(credentials: grpc.ServerCredentials | None = None, *,
-               with_reflection: bool = False, with_health: bool = False) -> Iterator[FakeServer]:
+def serve_fake(credentials: grpc.ServerCredentials | None = None, *, with_reflection: bool = False,
+               with_health: bool = False, servicer: FakeGateway | None = None) -> Iterator[FakeServer]:
     """The scripted gateway on an ephemeral loopback port, plaintext or with `credentials`; stopped on exit.
     ``with_reflection`` serves grpc reflection too, as the real servers do, so grpcurl can call it.
-    ``with_health`` serves grpc.health.v1 (every service SERVING until the test says otherwise)."""
-    servicer = FakeGateway()
+    ``with_health`` serves grpc.health.v1 (every service SERVING until the test says otherwise). ``servicer``: a
+    FakeGateway of a test's own (a subclass scripting more), instead of a plain one."""
+    servicer = FakeGateway() if servicer is None else servicer
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
     health_servicer = None

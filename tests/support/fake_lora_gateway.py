@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
 
-from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
-from tests.support.fake_gateway import FakeGateway, FakeServer
+from glmimage.v1 import common_pb2, gateway_service_pb2
+from tests.support.fake_gateway import FakeGateway, FakeServer, serve_fake
 
 __all__ = ["ADMIN_KEY", "BROKEN", "CATALOGUE", "DENOISERS", "FakeLoraGateway", "FakeServer", "lora_image",
            "sent_loras", "serve_fake_loras"]
@@ -133,12 +132,5 @@ class FakeLoraGateway(FakeGateway):
 @contextlib.contextmanager
 def serve_fake_loras() -> Iterator[FakeServer]:
     """The scripted gateway on an ephemeral loopback port (plaintext); stopped on exit."""
-    servicer = FakeLoraGateway()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield FakeServer(servicer, f"127.0.0.1:{port}", server)
-    finally:
-        server.stop(None)
+    with serve_fake(servicer=FakeLoraGateway()) as server:
+        yield server
