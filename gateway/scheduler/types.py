@@ -24,11 +24,15 @@ __all__ = [
     "DenoiseFailed",
     "DenoiseRefusedBusy",
     "DenoiseSucceeded",
+    "BATCH",
+    "DEFAULT",
     "DenoiserOccupancy",
     "DispatchArBatch",
     "DispatchDenoise",
     "Event",
     "FailRequest",
+    "INTERACTIVE",
+    "PRIORITY_NAMES",
     "Gauges",
     "JobId",
     "RequestArrived",
@@ -131,6 +135,18 @@ class RequestArrived:
     solo: bool = False
     # The LoRA adapters its denoise jobs name (placement only: the driver sends the scales).
     loras: frozenset[str] = frozenset()
+    # Whose it is (the tenants file's name), that tenant's weight when it was admitted (its share of both stages
+    # while several tenants wait; the latest arrival's weight is the tenant's from then on), and its class within
+    # the tenant: INTERACTIVE, DEFAULT or BATCH (BATCH runs only on capacity nothing else waits for).
+    tenant: str = "default"
+    weight: float = 1.0
+    priority: int = 1
+
+
+# Priority classes (RequestArrived.priority): lower runs first within a tenant. Their names are the REST front's and
+# the tenants file's; the gRPC enum Priority is these plus one (PRIORITY_INTERACTIVE = 1).
+INTERACTIVE, DEFAULT, BATCH = 0, 1, 2
+PRIORITY_NAMES: tuple[str, ...] = ("interactive", "default", "batch")
 
 
 @dataclass(frozen=True)

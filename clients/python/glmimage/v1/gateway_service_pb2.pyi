@@ -8,6 +8,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    PRIORITY_INTERACTIVE: _ClassVar[Priority]
+    PRIORITY_DEFAULT: _ClassVar[Priority]
+    PRIORITY_BATCH: _ClassVar[Priority]
+
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
@@ -21,6 +28,10 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
     WORKER_ROLE_AR: _ClassVar[WorkerRole]
     WORKER_ROLE_DENOISER: _ClassVar[WorkerRole]
+PRIORITY_UNSPECIFIED: Priority
+PRIORITY_INTERACTIVE: Priority
+PRIORITY_DEFAULT: Priority
+PRIORITY_BATCH: Priority
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_AVAILABLE: WorkerState
 WORKER_STATE_BUSY: WorkerState
@@ -31,7 +42,7 @@ WORKER_ROLE_AR: WorkerRole
 WORKER_ROLE_DENOISER: WorkerRole
 
 class GenerateImagesRequest(_message.Message):
-    __slots__ = ("prompt", "n", "height", "width", "output_format", "output_compression", "num_inference_steps", "guidance_scale", "seed", "sampling", "request_id", "reference_images", "step_cache", "loras")
+    __slots__ = ("prompt", "n", "height", "width", "output_format", "output_compression", "num_inference_steps", "guidance_scale", "seed", "sampling", "request_id", "reference_images", "step_cache", "loras", "priority")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +57,7 @@ class GenerateImagesRequest(_message.Message):
     REFERENCE_IMAGES_FIELD_NUMBER: _ClassVar[int]
     STEP_CACHE_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     n: int
     height: int
@@ -60,7 +72,8 @@ class GenerateImagesRequest(_message.Message):
     reference_images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ReferenceImage]
     step_cache: _common_pb2.StepCache
     loras: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraRef]
-    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., step_cache: _Optional[_Union[_common_pb2.StepCache, str]] = ..., loras: _Optional[_Iterable[_Union[_common_pb2.LoraRef, _Mapping]]] = ...) -> None: ...
+    priority: Priority
+    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., step_cache: _Optional[_Union[_common_pb2.StepCache, str]] = ..., loras: _Optional[_Iterable[_Union[_common_pb2.LoraRef, _Mapping]]] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
 
 class GeneratedImage(_message.Message):
     __slots__ = ("index", "image", "seed", "usage")
@@ -133,18 +146,54 @@ class WorkerStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., inflight: _Optional[int] = ..., current_job: _Optional[str] = ..., health: _Optional[str] = ..., stuck: _Optional[bool] = ..., held_elsewhere: _Optional[bool] = ..., health_detail: _Optional[str] = ..., loras_loaded: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("pending_ar_requests", "pending_ar_outputs", "pending_denoise_outputs", "active_requests", "workers")
+    __slots__ = ("pending_ar_requests", "pending_ar_outputs", "pending_denoise_outputs", "active_requests", "workers", "tenants")
     PENDING_AR_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_AR_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_DENOISE_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     pending_ar_requests: int
     pending_ar_outputs: int
     pending_denoise_outputs: int
     active_requests: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, pending_ar_requests: _Optional[int] = ..., pending_ar_outputs: _Optional[int] = ..., pending_denoise_outputs: _Optional[int] = ..., active_requests: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStatus]
+    def __init__(self, pending_ar_requests: _Optional[int] = ..., pending_ar_outputs: _Optional[int] = ..., pending_denoise_outputs: _Optional[int] = ..., active_requests: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ...) -> None: ...
+
+class TenantStatus(_message.Message):
+    __slots__ = ("name", "weight", "pending_ar_requests", "pending_denoise_outputs", "active_requests", "inflight_images", "oldest_wait_seconds", "requests_total", "images_total", "requests_per_minute", "images_per_minute", "max_inflight_images", "remaining_requests", "remaining_images", "max_priority")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_AR_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_DENOISE_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    pending_ar_requests: int
+    pending_denoise_outputs: int
+    active_requests: int
+    inflight_images: int
+    oldest_wait_seconds: float
+    requests_total: int
+    images_total: int
+    requests_per_minute: int
+    images_per_minute: int
+    max_inflight_images: int
+    remaining_requests: int
+    remaining_images: int
+    max_priority: Priority
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., pending_ar_requests: _Optional[int] = ..., pending_denoise_outputs: _Optional[int] = ..., active_requests: _Optional[int] = ..., inflight_images: _Optional[int] = ..., oldest_wait_seconds: _Optional[float] = ..., requests_total: _Optional[int] = ..., images_total: _Optional[int] = ..., requests_per_minute: _Optional[int] = ..., images_per_minute: _Optional[int] = ..., max_inflight_images: _Optional[int] = ..., remaining_requests: _Optional[int] = ..., remaining_images: _Optional[int] = ..., max_priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
 
 class GenerateImagesStreamRequest(_message.Message):
     __slots__ = ("request", "partial_images")
