@@ -47,7 +47,7 @@ help:
 	@echo "make test    run the test suite (contracts, lint, unit, end-to-end); installs the dev tools too"
 	@echo "make venv    create .venv with everything the other targets use (serving and dev tools)"
 	@echo "make tiny    build the embedded tiny GLM-Image checkpoint (make run builds it when missing)"
-	@echo "make tools   install prometheus, promtool, chromium and chromedriver (as root, with apt-get); make test runs it"
+	@echo "make tools   install prometheus, promtool, chromium, chromedriver, redis-server (as root, apt-get); make test runs it"
 	@echo "make protos  regenerate the Python stubs from protos/"
 	@echo "make lint    buf lint (STANDARD), ruff, hadolint, stub drift and manifest checks"
 	@echo "make bench   run the benchmarks; results in bench/results/*.json"
@@ -80,14 +80,16 @@ run: $(RUN_STAMP)
 		--ar-metrics-port $(AR_METRICS_PORT) --denoiser-metrics-ports $(DENOISER_METRICS_PORTS) $(STACK_ARGS)
 
 # promtool (Debian package `prometheus`) lints every /metrics endpoint (tests/test_promtool.py). Installed only when
-# missing and only as root (CI runs as root); elsewhere the test fails and says how to install it.
+# missing and only as root (CI runs as root); elsewhere the test fails and says how to install it. redis-server
+# (Debian's) is the real quota store that tests/test_quota_store_redis.py starts.
 tools:
-	@{ command -v promtool && command -v prometheus && command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || { \
+	@{ command -v promtool && command -v prometheus && command -v chromium && command -v chromedriver \
+	  && command -v redis-server; } >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	      prometheus chromium chromium-driver; \
-	  else echo "missing: sudo apt-get install prometheus chromium chromium-driver (tests/test_promtool.py," \
-	    "test_alerts.py, test_dashboard.py, test_status_page.py)" >&2; fi; }
+	      prometheus chromium chromium-driver redis-server; \
+	  else echo "missing: sudo apt-get install prometheus chromium chromium-driver redis-server (tests/test_promtool.py," \
+	    "test_alerts.py, test_dashboard.py, test_status_page.py, test_quota_store_redis.py)" >&2; fi; }
 
 # Whole test files on PYTEST_WORKERS pytest-xdist workers, the longest files first (tests/conftest.py's
 # LONGEST_FILES; --no-loadscope-reorder keeps that order): much of the suite's time is spent waiting on server
