@@ -34,6 +34,7 @@ from .errors import APIError, error_response, from_validation_errors
 from .limits import LimitsCache, with_limits
 from .metrics import RestMetrics
 from .middleware import REQUEST_ID_HEADER, FrontMiddleware, request_id
+from .ratelimits import RATE_LIMIT_HEADERS, RETRY_AFTER_KEY
 from .routes import router
 from .schemas import (
     ImageEditCompletedEvent,
@@ -94,7 +95,9 @@ def create_app(settings: RestSettings) -> FastAPI:
         # Outside the front's layer: preflights carry no API key, and its own answers (401, 413...) get the headers.
         # Any request header (the SDK adds its x-stainless-* ones); no cookies, the API key is a header.
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER, "retry-after"], max_age=600)
+                           allow_headers=["*"], max_age=600,
+                           # What a browser's script may read: the id, when to retry, the tenant's rate limits.
+                           expose_headers=[REQUEST_ID_HEADER, RETRY_AFTER_KEY, *RATE_LIMIT_HEADERS])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:

@@ -1,6 +1,6 @@
 """What every image route does with an admitted request (translate.Generation): the gateway call's metadata
 (request id, and the client's or this front's key), the call itself, and the answer as JSON or as server-sent
-events."""
+events, with the call's rate-limit figures as headers (gateway/rest/ratelimits.py)."""
 
 from __future__ import annotations
 
@@ -43,12 +43,13 @@ async def answer(gen: translate.Generation, request: Request, settings: RestSett
     client went away first)."""
     if gen.stream:
         return await streaming.stream(gateway, gen, settings, metrics, request.receive, request.scope["state"])
-    resp = await upstream.generate(gateway, gen, settings.request_timeout, request.receive)
-    if resp is None:
+    reply = await upstream.generate(gateway, gen, settings.request_timeout, request.receive)
+    if reply is None:
         log.info("%s client disconnected; gateway call cancelled", gen.rid)
         return Response(status_code=499)
+    resp = reply.response
     metrics.images.inc(len(resp.images))
     result = translate.images_json(resp, gen, settings)
     log.info("%s done: %d image(s), %d+%d tokens", gen.rid, len(resp.images),
              resp.usage.prompt_tokens, resp.usage.completion_tokens)
-    return JSONResponse(result)
+    return JSONResponse(result, headers=reply.headers)

@@ -10,14 +10,19 @@ from typing import Any
 
 import grpc
 from fastapi.responses import JSONResponse
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from services.runtime.details import OWN_ERROR_KEY, field_violation
 from services.runtime.status import row_of
 
+from .ratelimits import quota_of, rate_limit_headers, retry_after
+
 log = logging.getLogger("glmimage.rest")
 
-# The openai SDK honours Retry-After on 429; one second is the gateway's usual backoff.
-DEFAULT_RETRY_AFTER_S = 1
+# OpenAI's `type` and `code` of a 429 from a rate limit (a tenant's quota), unlike the queue-full one's.
+RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
 
 
 class APIError(Exception):
@@ -70,7 +75,7 @@ def client_text(err: grpc.aio.AioRpcError) -> str:
 _REST_PARAM = {"height": "size", "width": "size", "prompt": "prompt", "n": "n", "seed": "seed",
                "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale",
                "output_format": "output_format", "output_compression": "output_compression",
-               "partial_images": "partial_images", "step_cache": "step_cache"}
+               "partial_images": "partial_images", "step_cache": "step_cache", "priority": "priority"}
 
 
 def rest_param(err: grpc.aio.AioRpcError) -> str | None:
@@ -90,11 +95,18 @@ def param_of(field: str) -> str | None:
 
 
 def from_rpc_error(err: grpc.aio.AioRpcError, request_id: str = "") -> APIError:
+    """A failed gateway call as the client's error, with the call's rate-limit figures as headers; a tenant's quota
+    refusal as OpenAI's (429 `rate_limit_exceeded`, the gateway's words naming the quota, Retry-After)."""
     code = err.code()
     row = row_of(code)
-    headers: dict[str, str] = {}
+    trailing = err.trailing_metadata() or ()
+    headers = rate_limit_headers(err.initial_metadata(), trailing)
     if row.http == 429:
-        headers["Retry-After"] = _retry_after(err)
+        headers["Retry-After"] = retry_after(trailing, retry_delay(err))
+    quota = quota_of(trailing) if code is grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    if quota is not None:  # only the gateway's quota check sends this key: its text is its own
+        return APIError(429, err.details() or f"the tenant's {quota} quota is used up; retry later",
+                        type=RATE_LIMIT_EXCEEDED, code=RATE_LIMIT_EXCEEDED, headers=headers)
     message = client_text(err)
     if message != err.details():  # the original goes to the log, with the request id, never to the client
         log.warning("%s gateway call failed: %s: %s", request_id or "-", code.name, err.details())
@@ -102,12 +114,18 @@ def from_rpc_error(err: grpc.aio.AioRpcError, request_id: str = "") -> APIError:
                     headers=headers)
 
 
-def _retry_after(err: grpc.aio.AioRpcError) -> str:
-    # Let the gateway suggest a backoff through trailing metadata; fall back to the default.
-    for key, value in err.trailing_metadata() or ():
-        if key == "retry-after" and isinstance(value, str) and value.isdigit():
-            return value
-    return str(DEFAULT_RETRY_AFTER_S)
+def retry_delay(err: grpc.aio.AioRpcError) -> float | None:
+    """Seconds of the google.rpc.RetryInfo in a failed call's rich status; None without one (or a status that
+    does not decode)."""
+    try:
+        status = rpc_status.from_call(err)
+    except (ValueError, DecodeError):
+        return None
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    return None
 
 
 # pydantic error type -> OpenAI-style error code.

@@ -17,6 +17,8 @@ from services.runtime.limits import MAX_LORA_NAME_CHARS, MAX_LORA_SCALE
 Quality = Literal["low", "medium", "high", "auto", "standard", "hd"]
 OutputFormat = Literal["png", "jpeg", "webp"]
 StepCache = Literal["off", "balanced", "aggressive"]
+# The priority classes, highest first (gateway.scheduler.types.PRIORITY_NAMES; the proto's Priority enum).
+Priority = Literal["interactive", "default", "batch"]
 
 FLOAT32_MAX = 3.4028234663852886e38
 # What each protobuf scalar type can hold: a REST number outside it could not even be put in the request message.
@@ -149,6 +151,12 @@ class ImageRequest(BaseModel):
         "otherwise (by default `low`: aggressive, `medium`: balanced, `high` and `auto`: off).",
     )
     loras: list[LoraRef] | None = Field(None, description=LORAS_DESCRIPTION)
+    priority: Priority | None = Field(
+        None,
+        description="Extension: the request's class, `interactive` > `default` > `batch`: within its tenant, work "
+        "waits in class order, then arrival; `batch` runs only on capacity nothing else waits for. At most the "
+        "tenant's `max_priority` (a higher one is a 400 on `priority`). Unset: `default`.",
+    )
 
 
 class ImageGenerationRequest(ImageRequest):

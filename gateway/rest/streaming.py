@@ -19,6 +19,7 @@ from . import sse
 from .errors import APIError
 from .metrics import RestMetrics
 from .middleware import OUTCOME_STATUS_KEY
+from .ratelimits import rate_limit_headers
 from .settings import RestSettings
 from .translate import FORMAT_NAMES, Generation, usage_json
 from .upstream import CallGuard, GatewayGone, Gateways, Resubmissions, unanswered
@@ -153,4 +154,6 @@ async def stream(
     if first is grpc.aio.EOF:
         guard.close()
         raise _incomplete()
-    return sse.EventStreamResponse(_stream_events(guard, first, gen, settings, metrics, state))
+    # The initial metadata (the tenant's rate-limit figures) came before the first message: the response's headers.
+    headers = rate_limit_headers(await call.initial_metadata())
+    return sse.EventStreamResponse(_stream_events(guard, first, gen, settings, metrics, state), headers=headers)

@@ -28,6 +28,9 @@ FORMAT_NAMES = {value: fmt.name for value, fmt in formats.BY_PROTO.items()}
 _QUALITY_ALIASES = {"standard": "medium", "hd": "high"}
 _READY_STATES = (gateway_service_pb2.WORKER_STATE_AVAILABLE, gateway_service_pb2.WORKER_STATE_BUSY)
 STAGES = {"ar": gateway_service_pb2.WORKER_ROLE_AR, "denoiser": gateway_service_pb2.WORKER_ROLE_DENOISER}
+# A request's `priority` -> the proto's Priority (absent: PRIORITY_UNSPECIFIED, the gateway's default class).
+PRIORITIES = {name: gateway_service_pb2.Priority.Value(f"PRIORITY_{name.upper()}")
+              for name in ("interactive", "default", "batch")}
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,7 @@ def admit(body: ImageRequest, settings: RestSettings, limits: Limits, *, rid: st
             step_cache=common_pb2.StepCache.Value(f"STEP_CACHE_{step_cache.upper()}"),
             loras=[common_pb2.LoraRef(name=ref.name, scale=ref.scale)
                    for ref in lora_refs(body.loras or (), adapter, limits)],
+            priority=PRIORITIES.get(body.priority or "", gateway_service_pb2.PRIORITY_UNSPECIFIED),
         )
         admitted = check_generate(request, limits, default_height=height, default_width=width,
                                   reference_sizes=reference_sizes)

@@ -22,6 +22,7 @@ from glmimage.wire.channels import TlsConfig, aio_channel, balanced_target
 from services.runtime import keepalive
 
 from .errors import from_rpc_error
+from .ratelimits import rate_limit_headers
 from .settings import RestSettings
 from .translate import Generation
 
@@ -285,9 +286,16 @@ def unanswered(gone: GatewayGone | None, rid: str) -> Exception:
     return from_rpc_error(gone.err, rid)
 
 
-async def generate(
-    gateways: Gateways, gen: Generation, timeout: float, receive: Receive
-) -> gateway_service_pb2.GenerateImagesResponse | None:
+@dataclass(frozen=True)
+class Reply:
+    """A gateway's answer to GenerateImages, and its call's rate-limit figures as HTTP headers (none for a tenant
+    without quotas)."""
+
+    response: gateway_service_pb2.GenerateImagesResponse
+    headers: dict[str, str]
+
+
+async def generate(gateways: Gateways, gen: Generation, timeout: float, receive: Receive) -> Reply | None:
     """Run GenerateImages; None if the HTTP client went away (the RPC is then cancelled). A gateway that fails
     it UNAVAILABLE hands it to the next one (see Resubmissions); the last failure is the answer."""
     gone: GatewayGone | None = None
@@ -297,7 +305,11 @@ async def generate(
         guard = CallGuard(gateway.stub.GenerateImages(gen.request, metadata=gen.metadata,
                                                       timeout=attempts.remaining()), receive, gen.rid, resubmit=True)
         try:
-            return await guard.wait(guard.call)
+            resp = await guard.wait(guard.call)
+            if resp is None:
+                return None
+            # Initial metadata came before the response: reading it now waits for nothing.
+            return Reply(resp, rate_limit_headers(await guard.call.initial_metadata()))
         except GatewayGone as exc:
             gone = exc
         finally:
