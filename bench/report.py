@@ -556,6 +556,74 @@ def lora_sim(d: dict) -> str:
             "(bench/results/lora_sim.png)\n")
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def tenants_sim(d: dict) -> str:
+    st = d["setup"]
+    pools = ", ".join(f"`{k}` ({p['ar_servers']} AR, {p['denoisers']} denoisers: {p['bound_img_per_s']} img/s)"
+                      for k, p in st["pools"].items())
+    fair, fifo = d["checks"]["fair"], d["checks"]["fifo"]
+    rows = ["| figure | fair | fifo (before) | target | fair |", "|---|---|---|---|---|"]
+    for a, b in zip(fair, fifo, strict=True):
+        detail = f" ({a['detail']})" if a["detail"] else ""
+        rows.append(f"| {a['figure']}{'' if a['from_issue'] else ' *'} | {a['value']}{detail} | {b['value']} | "
+                    f"{a['target']} | {'PASS' if a['pass'] else '**FAIL**'} |")
+    shares = ["| pool | stage | a (weight 1) fair / fifo | b (weight 1) fair / fifo | c (weight 2) fair / fifo | "
+              "Jain fair / fifo |", "|---|---|---|---|---|---|"]
+    for pool, s in d["shares"].items():
+        for stage in ("ar", "denoise"):
+            cells = " | ".join(f"{_pct(s['fair'][f'{stage}_shares'][t])} / {_pct(s['fifo'][f'{stage}_shares'][t])}"
+                               for t in s["weights"])
+            shares.append(f"| {pool} | {stage} | {cells} | {s['fair'][f'{stage}_jain']} / "
+                          f"{s['fifo'][f'{stage}_jain']} |")
+    flood = ["| pool | light alone p50 / p95 | beside the flood, fair: p50 / p95 (ratio) | beside the flood, fifo: p50 "
+             "/ p95 (unfinished) | throughput / bound, fair (fifo) |", "|---|---|---|---|---|"]
+    for pool, f in d["flood"].items():
+        a, r, b = f["alone"], f["fair"], f["fifo"]
+        flood.append(f"| {pool} | {a['p50']} / {a['p95']} s | {r['p50']} / {r['p95']} s ({r['p95_over_alone']}) | "
+                     f"{b['p50']} / {b['p95']} s ({b['unfinished']} of {b['count']}) | {r['throughput_vs_bound']} "
+                     f"({b['throughput_vs_bound']}) |")
+    cases = {"saturated": "beside another tenant's backlog (default class): its share",
+             "saturated_same_tenant": "beside its own tenant's backlog: its share",
+             "idle": "alone: throughput / bound",
+             "beside_light": "beside a light interactive tenant: throughput / the capacity that one leaves"}
+    keys = {"saturated": "batch_share", "saturated_same_tenant": "batch_share", "idle": "batch_vs_bound",
+            "beside_light": "batch_vs_free_capacity"}
+    batch = ["| pool | the batch tenant ... | fair | fifo |", "|---|---|---|---|"]
+    for pool, b in d["batch"].items():
+        for case, label in cases.items():
+            batch.append(f"| {pool} | {label} | {b[case]['fair'][keys[case]]} | {b[case]['fifo'][keys[case]]} |")
+    issue = [c for c in fair if c["from_issue"]]
+    verdict = (f"{sum(c['pass'] for c in issue)} of {len(issue)} of the issue's figures pass with fairness, "
+               f"{sum(c['pass'] for c in fifo if c['from_issue'])} without.")
+    return ("## Tenants: fair share, the flood, the batch class, simulated (issue 30)\n\n" + _header(d) +
+            f"\nThe real pure scheduler (gateway/scheduler/) in virtual time, as in the LoRA simulation: simulated AR "
+            f"servers (one batch of up to {st['ar_batch_max_outputs']} outputs at a time, "
+            f"{st['ar_batch_s']['1']}-{st['ar_batch_s'][str(st['ar_batch_max_outputs'])]} s for 1-"
+            f"{st['ar_batch_max_outputs']} outputs: bench/sim_backends.py's reference figures, linear between them) "
+            f"and denoisers ({st['denoise_s']} s a job, batch 1), all at {st['size']}. Pools: {pools}, so each stage "
+            f"is the contended one in one of them; the bound is min(AR servers x {st['ar_batch_max_outputs']} / AR "
+            f"time at {st['ar_batch_max_outputs']}, denoisers / {st['denoise_s']}). Each scenario also runs as "
+            f"**fifo**: every request sent as one tenant in one class, which is what the scheduler did before issue "
+            f"30. A backlogged tenant is a closed loop keeping {st['outstanding']} requests in the system (n=1). "
+            f"{st['warmup_s']:.0f} s warm-up, {st['window_s']:.0f} s measured; the flood's latencies are of the "
+            f"light tenant's requests that arrived in the window (the flood goes on for {st['tail_s']:.0f} s after "
+            f"it, and one that has not ended by then counts as infinite), pooled over seeds {st['seeds']}; the flood "
+            f"sends {st['flood']:g}x the bound, the light tenant {st['light']:g}x, both Poisson, and \"alone\" is the "
+            f"light tenant's same arrivals without the flood. The whole run took {st.get('sim_wall_s', '?')} s.\n\n"
+            f"{verdict} (* = this benchmark's own figure, not the issue's: Jain's index over throughput / weight, "
+            "the same shares with n drawn from {1, 2, 4}, a batch tenant beside its own backlog or beside light "
+            "interactive traffic.)\n\n" + "\n".join(rows) +
+            "\n\nThree backlogged tenants with weights 1:1:2, each one's share of each stage's outputs in the window "
+            "(target 25 / 25 / 50 %):\n\n" + "\n".join(shares) +
+            "\n\nA flood beside a light tenant (latency = arrival to completion):\n\n" + "\n".join(flood) +
+            "\n\nThe `batch` class:\n\n" + "\n".join(batch) +
+            "\n\n![cumulative images per tenant at 1:1:2; the light tenant's latency CDF alone and beside a flood]"
+            "(bench/results/tenants_sim.png)\n")
+
+
 def main() -> None:
     parts = ["# Benchmarks\n\nGenerated by `python -m bench.report` from `bench/results/*.json` (`make bench` writes "
              "them). The machine is a shared 2-core CPU box, so absolute figures are noisy; ratios are measured side "
@@ -563,7 +631,7 @@ def main() -> None:
     for name, fn in (("ar", ar), ("denoiser", denoiser), ("speed_modes", speed_modes), ("compile", compile_),
                      ("edits", edits),
                      ("scheduler_sim", scheduler_sim),
-                     ("multi_gateway_sim", multi_gateway_sim), ("lora_sim", lora_sim),
+                     ("multi_gateway_sim", multi_gateway_sim), ("lora_sim", lora_sim), ("tenants_sim", tenants_sim),
                      ("scheduler_micro", scheduler_micro),
                      ("gateway", gateway), ("compare_gateway", compare_gateway), ("e2e", e2e), ("reconnect", reconnect),
                      ("soak", soak), ("receive_flood", receive_flood), ("edit_soak", edit_soak)):

@@ -1,7 +1,8 @@
 """The simulations run end to end in a few seconds. The multi-gateway one (bench/multi_gateway_sim.py): two real
 gateway processes over the simulated pool, every request answered, and the busy collisions per dispatch read from the
 gateways' own /metrics. The LoRA placement one (bench/lora_sim.py): the pure scheduler in virtual time, every figure
-and check there for both policies. The figures themselves come from `make bench`; this only keeps the code paths
+and check there for both policies. The tenants one (bench/tenants_sim.py): the pure scheduler in virtual time, every
+scenario and check under both policies. The figures themselves come from `make bench`; this only keeps the code paths
 working."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import lora_sim, multi_gateway_sim
+from bench import lora_sim, multi_gateway_sim, tenants_sim
 
 
 @pytest.mark.e2e
@@ -63,3 +64,38 @@ def test_a_simulated_denoiser_loads_what_it_lacks_and_evicts_the_least_recently_
     assert d.take(frozenset({"a"})) == 1 and d.take(frozenset({"b"})) == 1
     assert d.take(frozenset({"a"})) == 0  # a hit, now the most recently used
     assert d.take(frozenset({"c"})) == 1 and list(d.lru) == ["a", "c"]  # b went
+
+
+def test_tenants_for_a_short_window(tmp_path: Path) -> None:
+    # --quick: 200 s warm-up, 600 s measured, one seed, both pools (a few seconds of wall time).
+    results = tenants_sim.main_run(tenants_sim.parse_args(["--quick"]))
+    assert set(results["shares"]) == set(results["flood"]) == set(results["batch"]) == set(tenants_sim.POOLS)
+    for policy in tenants_sim.POLICIES:
+        names = [c["figure"] for c in results["checks"][policy]]
+        assert len(names) == len(set(names)) and sum(c["from_issue"] for c in results["checks"][policy]) == 12
+        for pool in tenants_sim.POOLS:
+            s = results["shares"][pool][policy]
+            assert s["failed"] == 0 and not s["rejected"]
+            for stage in ("ar", "denoise"):
+                assert sum(s[f"{stage}_shares"].values()) == pytest.approx(1, abs=1e-3)
+            f = results["flood"][pool][policy]
+            assert f["count"] > 0 and f["throughput_vs_bound"] > 0.9  # the flood keeps the pool busy
+            assert results["batch"][pool]["idle"][policy]["batch_vs_bound"] > 0.9  # alone, it has the pool
+    # Before issue 30 (one tenant, one class): equal closed loops get equal shares, whatever their weights, and the
+    # light tenant waits behind the whole flood.
+    fifo = results["shares"]["ar_bound"]["fifo"]["denoise_shares"]
+    assert all(x == pytest.approx(1 / 3, abs=0.02) for x in fifo.values())
+    assert results["flood"]["ar_bound"]["fifo"]["unfinished"] > 0
+    assert results["batch"]["ar_bound"]["saturated"]["fifo"]["batch_share"] == pytest.approx(0.5, abs=0.02)
+    assert tenants_sim.report_lines(results)[0] == "[fair]"
+    tenants_sim.plot(results, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_tail_percentile_counts_what_never_ended_as_the_longest() -> None:
+    inf = float("inf")
+    assert tenants_sim.tail_percentile([1.0, 2.0, 3.0], 0.5) == 2.0
+    assert tenants_sim.tail_percentile([1.0, 2.0, 3.0, inf], 0.5) == 2.5
+    assert tenants_sim.tail_percentile([1.0, 2.0, 3.0, inf], 0.95) == inf
+    assert tenants_sim.quantiles([1.0, inf], points=3) == [1.0, "inf", "inf"]
+    assert tenants_sim.jain([1.0, 1.0]) == 1 and tenants_sim.jain([1.0, 0.0]) == 0.5
