@@ -7,10 +7,13 @@
 //   node generate.js --address 127.0.0.1:50050 --prompt "a red STOP sign" --size 256x256 --out out.png
 //   node generate.js --image a.png --image b.png --prompt "make the sign blue" --size 256x256 --out edit.png
 //   node generate.js --prompt "a red STOP sign" --lora tiny-style:0.8 --out styled.png
+//   node generate.js --prompt "a red STOP sign" --priority batch --out later.png
 //
 // Each --image makes the call an edit: the file goes as it is, as one of the request's reference_images. Each
-// --lora NAME[:SCALE] adds a LoRA adapter the denoiser runs with (the request's loras).
-// Writes the image(s) and prints {"files", "width", "height", "seeds", "usage"} as JSON on stdout.
+// --lora NAME[:SCALE] adds a LoRA adapter the denoiser runs with (the request's loras). --priority asks for a class
+// within the tenant's share (glmimage.v1.Priority), up to its key's max_priority.
+// Writes the image(s) and prints {"files", "width", "height", "seeds", "usage"} as JSON on stdout, with
+// "rate_limits" (the x-ratelimit-* entries of the call's initial metadata) when the gateway sent them.
 'use strict';
 
 const fs = require('node:fs');
@@ -25,6 +28,11 @@ const PROTO_DIR = path.join(PROTO_ROOT, 'glmimage', 'v1');
 
 // Denoising steps extrapolated instead of computed (glmimage.v1.StepCache); unset means off.
 const STEP_CACHE_LEVELS = ['off', 'balanced', 'aggressive'];
+// Priority classes, highest first (glmimage.v1.Priority); unset means default.
+const PRIORITIES = ['interactive', 'default', 'batch'];
+// A tenant's quotas, as the gateway reports them with an admitted call (OpenAI's header names).
+const RATE_LIMIT_KEYS = ['requests', 'images'].flatMap((kind) => ['limit', 'remaining', 'reset']
+  .map((what) => `x-ratelimit-${what}-${kind}`));
 
 // One --lora: NAME or NAME:SCALE (glmimage.v1.LoraRef). Adapter names never hold a ':'. Without SCALE the scale is
 // left unset, so the adapter's own default applies (0 would switch it off); the gateway checks names and ranges.
@@ -42,6 +50,7 @@ function usage(message) {
   if (message) console.error(`generate.js: ${message}`);
   (message ? console.error : console.log)('usage: node generate.js --prompt TEXT [--address HOST:PORT[,HOST:PORT...]] [--size WxH] [-n N] [--seed S]\n' +
     '                   [--steps K] [--step-cache off|balanced|aggressive] [--lora NAME[:SCALE] ...]\n' +
+    '                   [--priority interactive|default|batch]\n' +
     '                   [--image REF.png ...] [--out FILE.png]\n' +
     '                   [--api-key KEY] [--timeout SECONDS]\n' +
     '                   [--tls-ca CA.pem [--tls-cert CERT.pem --tls-key KEY.pem]]');
@@ -62,6 +71,7 @@ function parse() {
         steps: { type: 'string' },
         'step-cache': { type: 'string' },
         lora: { type: 'string', multiple: true },
+        priority: { type: 'string' },
         image: { type: 'string', short: 'i', multiple: true },
         out: { type: 'string', short: 'o', default: 'out.png' },
         'api-key': { type: 'string', default: process.env.GLMIMAGE_API_KEY },
@@ -83,6 +93,9 @@ function parse() {
   if (!size) usage(`--size must look like 256x256, got ${v.size}`);
   if (v['step-cache'] !== undefined && !STEP_CACHE_LEVELS.includes(v['step-cache'])) {
     usage(`--step-cache must be one of ${STEP_CACHE_LEVELS.join(', ')}, got ${v['step-cache']}`);
+  }
+  if (v.priority !== undefined && !PRIORITIES.includes(v.priority)) {
+    usage(`--priority must be one of ${PRIORITIES.join(', ')}, got ${v.priority}`);
   }
   const loras = (v.lora ?? []).map(parseLora);
   return { ...v, prompt, loras, width: Number(size[1]), height: Number(size[2]), n: Number(v.n), images: readImages(v.image ?? []) };
@@ -179,13 +192,15 @@ function main() {
   if (args.steps !== undefined) request.num_inference_steps = Number(args.steps);
   if (args['step-cache'] !== undefined) request.step_cache = `STEP_CACHE_${args['step-cache'].toUpperCase()}`;
   request.loras = args.loras;
+  if (args.priority !== undefined) request.priority = `PRIORITY_${args.priority.toUpperCase()}`;
   // Reference images make it an edit (bytes fields take Buffers); the gateway checks their headers.
   request.reference_images = args.images.map((data) => ({ data }));
   const metadata = new grpc.Metadata();
   if (args['api-key']) metadata.set('authorization', `Bearer ${args['api-key']}`);
   const deadline = new Date(Date.now() + Number(args.timeout) * 1000);
 
-  client.GenerateImages(request, metadata, { deadline }, (err, response) => {
+  let rateLimits = null;
+  const call = client.GenerateImages(request, metadata, { deadline }, (err, response) => {
     client.close();
     if (err) {
       console.error(`generate.js: ${grpc.status[err.code] ?? err.code}: ${err.details || err.message}`);
@@ -204,7 +219,13 @@ function main() {
       seeds: images.map((image) => image.seed),
       request_id: response.request_id,
       usage: response.usage,
+      ...(rateLimits ? { rate_limits: rateLimits } : {}),
     }, null, 2));
+  });
+  // The initial metadata arrives before the response, so this runs before the callback above.
+  call.on('metadata', (md) => {
+    const found = RATE_LIMIT_KEYS.filter((key) => md.get(key).length > 0);
+    if (found.length > 0) rateLimits = Object.fromEntries(found.map((key) => [key, String(md.get(key)[0])]));
   });
 }
 

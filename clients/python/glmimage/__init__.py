@@ -24,6 +24,7 @@ __all__ = [
     "LoraPlacement",
     "PartialImage",
     "Progress",
+    "RateLimits",
     "RetryPolicy",
     "Status",
     "StreamEvent",

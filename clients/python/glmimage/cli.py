@@ -4,6 +4,7 @@
     glmimage generate "a red STOP sign" --stream --partial-images 2 -o out/
     glmimage edit photo.png -p "make the sign blue" --size 512x512 -o out/
     glmimage generate "a red STOP sign" --lora tiny-style:0.8 -o out/
+    glmimage generate "a red STOP sign" --priority batch -o out/
     glmimage status
     glmimage loras list
 
@@ -35,12 +36,13 @@ from glmimage.client import (
     LoraPlacement,
     PartialImage,
     Progress,
+    RateLimits,
     RetryPolicy,
     Status,
     TlsConfig,
     WorkerInfo,
 )
-from glmimage.messages import STEP_CACHE_LEVELS, Lora
+from glmimage.messages import PRIORITIES, STEP_CACHE_LEVELS, Lora
 from glmimage.wire.sizes import size_arg
 
 API_KEY_ENV = "GLMIMAGE_API_KEY"
@@ -148,6 +150,9 @@ def _image_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", type=lora_arg, action="append", default=[], metavar="NAME[:SCALE]",
                         help="a LoRA adapter the denoiser runs with, repeatable; SCALE -4 to 4, 0 off (default: "
                         "none; without SCALE the adapter's own default; `glmimage loras list` names them)")
+    parser.add_argument("--priority", choices=PRIORITIES, default=None,
+                        help="the request's class within its tenant's share, up to the key's max_priority; batch "
+                        "runs only on otherwise idle capacity (default: default)")
     parser.add_argument("--stream", action="store_true", help="stream progress (a progress bar on stderr)")
     parser.add_argument("--partial-images", type=int, default=0, choices=range(4), metavar="{0-3}",
                         help="with --stream: previews per image, written as <name>-<i>.partial-<k>.<ext> "
@@ -197,7 +202,7 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
         run, stream = client.generate, client.generate_stream
     kwargs = dict(n=args.n, size=args.size, output_format=args.format, output_compression=args.compression,
                   seed=args.seed, steps=args.steps, guidance=args.guidance, step_cache=args.step_cache,
-                  loras=args.lora)
+                  loras=args.lora, priority=args.priority)
     ext = {"jpeg": "jpg"}.get(args.format or "png", args.format or "png")
     planned = [args.output_dir / f"{args.name}-{i}.{ext}" for i in range(args.n)]
     if args.stream:
@@ -230,7 +235,9 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
         print(json.dumps({"files": [str(p) for p in paths], "partial_files": [str(p) for p in partial_paths],
                           "seeds": result.seeds, "width": result.width, "height": result.height,
                           "output_format": result.output_format, "request_id": result.request_id,
-                          "usage": result.usage.as_dict()}, indent=2))
+                          "usage": result.usage.as_dict(),
+                          "rate_limits": None if result.rate_limits.empty else asdict(result.rate_limits)},
+                         indent=2))
         return 0
     for path, seed in zip(paths, result.seeds, strict=True):
         print(f"wrote {path}  ({result.width}x{result.height}, seed {seed})")
@@ -240,7 +247,24 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
     print(f"usage: prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
           f"total_tokens={u.total_tokens} cached_tokens={u.cached_tokens} image_tokens={u.image_tokens} "
           f"images={len(paths)}")
+    limits = format_rate_limits(result.rate_limits)
+    if limits:
+        print(limits)
     return 0
+
+
+def format_rate_limits(limits: RateLimits) -> str | None:
+    """One line for the quotas the gateway reported ("rate limits: 29/30 requests left, resets in 59s; ..."), or
+    None when it reported none. The resets are shown as the gateway wrote them."""
+    parts = []
+    for kind in ("requests", "images"):
+        limit, remaining = getattr(limits, f"limit_{kind}"), getattr(limits, f"remaining_{kind}")
+        reset = getattr(limits, f"reset_{kind}_raw")
+        if limit is None and remaining is None:
+            continue
+        part = f"{'?' if remaining is None else remaining}/{'?' if limit is None else limit} {kind} left"
+        parts.append(part if reset is None else f"{part}, resets in {reset}")
+    return f"rate limits: {'; '.join(parts)}" if parts else None
 
 
 def _partial_path(args: argparse.Namespace, image: int, partial: int, ext: str) -> Path:
@@ -343,6 +367,16 @@ def _loras(args: argparse.Namespace, client: Client) -> int:
     return 1 if any(p.error for p in placement) else 0
 
 
+def _print_refusal(exc: GlmImageError) -> None:
+    """What a quota refusal adds: which quota, when to come back, and the tenant's limits as they stood."""
+    if exc.quota:
+        wait = f"; retry after {exc.retry_after:g}s" if exc.retry_after is not None else ""
+        print(f"glmimage: quota {exc.quota} reached{wait}", file=sys.stderr)
+    limits = format_rate_limits(exc.rate_limits)
+    if limits:
+        print(f"glmimage: {limits}", file=sys.stderr)
+
+
 COMMANDS = {"generate": _generate, "edit": _generate, "status": _status, "limits": _limits, "loras": _loras}
 
 
@@ -355,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return COMMANDS[args.command](args, client)
     except GlmImageError as exc:
         print(f"glmimage: error: {exc.code.name}: {exc.details}", file=sys.stderr)
+        _print_refusal(exc)
         return 1
     except (OSError, ValueError) as exc:
         print(f"glmimage: error: {exc}", file=sys.stderr)

@@ -4,7 +4,9 @@ Only grpcio and protobuf are needed. Both clients share the same options:
 
 - ``timeout``: an overall deadline per call in seconds, retries and backoff included;
 - ``retry``: exponential backoff with jitter, on UNAVAILABLE and RESOURCE_EXHAUSTED only (the two codes that mean
-  "try again later"; anything else would fail the same way again, or must not be repeated);
+  "try again later"; anything else would fail the same way again, or must not be repeated); a refusal that says
+  when to come back (a quota's RetryInfo) is retried no earlier than that, and not at all when that is past the
+  deadline or ``retry.max_retry_after``;
 - ``tls``: server CA and optional client certificate for mutual TLS;
 - ``api_key``: sent as ``authorization: Bearer <key>`` metadata;
 - ``address``: one host:port, several (a list or "a:p,b:p", IP literals) or a ``dns:///name:port`` resolving to
@@ -22,7 +24,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar, Unpack
 
 import grpc
@@ -32,6 +34,7 @@ from glmimage.messages import (
     ImageOptions,
     Lora,
     LoraInput,
+    PriorityInput,
     build_add_worker,
     build_load_loras,
     build_request,
@@ -40,6 +43,7 @@ from glmimage.messages import (
     parse_size,
     read_images,
 )
+from glmimage.ratelimits import RateLimits, quota_of, retry_after_of
 from glmimage.results import (
     Completed,
     GenerationResult,
@@ -65,7 +69,8 @@ from glmimage.wire.keepalive import message_size_options
 # re-exported here, where callers have always found them.
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_RETRY", "FORMATS", "NO_RETRY", "AsyncClient", "Client", "Completed",
            "GenerationResult", "GlmImageError", "Limits", "Lora", "LoraCatalogue", "LoraInfo", "LoraInput",
-           "LoraPlacement", "PartialImage", "Progress", "RetryPolicy", "Status", "StreamEvent",
+           "LoraPlacement", "PartialImage", "PriorityInput", "Progress", "RateLimits", "RetryPolicy", "Status",
+           "StreamEvent",
            "ImageInput", "ImageOptions", "TlsConfig", "Usage", "WorkerInfo", "build_request",
            "build_stream_request", "parse_size", "read_images"]
 
@@ -80,13 +85,35 @@ T = TypeVar("T")
 
 
 class GlmImageError(Exception):
-    """A call failed; ``code`` is the final gRPC status, ``attempts`` how many calls were made."""
+    """A call failed; ``code`` is the final gRPC status, ``attempts`` how many calls were made.
 
-    def __init__(self, code: grpc.StatusCode, details: str, attempts: int = 1) -> None:
+    A quota refusal (RESOURCE_EXHAUSTED) also says which ``quota`` refused (``requests_per_minute``,
+    ``images_per_minute`` or ``max_inflight_images``; None for a full queue), the ``retry_after`` seconds the gateway
+    asked for, and the tenant's ``rate_limits`` as they stood (empty when the gateway reported none)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, attempts: int = 1, *,
+                 rate_limits: RateLimits | None = None, retry_after: float | None = None,
+                 quota: str | None = None) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
         self.attempts = attempts
+        self.rate_limits = RateLimits() if rate_limits is None else rate_limits
+        self.retry_after = retry_after
+        self.quota = quota
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.RpcError, attempts: int) -> GlmImageError:
+        """The error of a failed call, with what its trailing metadata says about quotas."""
+        trailing = _trailing(exc)
+        return cls(exc.code(), exc.details() or "", attempts, rate_limits=RateLimits.from_metadata(trailing),
+                   retry_after=retry_after_of(trailing), quota=quota_of(trailing))
+
+
+def _trailing(exc: grpc.RpcError) -> list[tuple[str, object]]:
+    """A failed call's trailing metadata (grpc's own failures, e.g. a refused connection, may have none)."""
+    method = getattr(exc, "trailing_metadata", None)
+    return list((method() if callable(method) else None) or ())
 
 
 # --- options -------------------------------------------------------------------------------------------------------
@@ -103,6 +130,8 @@ class RetryPolicy:
     # Fraction of each delay that is randomised, so clients rejected together do not come back together.
     jitter: float = 0.5
     codes: frozenset[grpc.StatusCode] = RETRYABLE_CODES
+    # A refusal asking for a longer wait than this (a quota's retry_after, seconds) is final at once.
+    max_retry_after: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -170,18 +199,28 @@ class _Base:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def _next_delay(self, exc: grpc.RpcError, attempt: int, deadline: float | None, method: str) -> float:
-        """Seconds to wait before retrying, or raise GlmImageError when this failure is final."""
-        code = exc.code()
-        details = exc.details() or ""
-        if code not in self.retry.codes or attempt >= self.retry.max_attempts:
-            raise GlmImageError(code, details, attempt) from None
-        delay = self.retry.backoff(attempt - 1, self._rng)
+        """Seconds to wait before retrying, or raise GlmImageError when this failure is final.
+
+        A refusal that names a wait (a quota's retry_after) is retried no earlier than that, plus the jittered
+        backoff so tenants refused together come back spread out; earlier it would only be refused again."""
+        err = GlmImageError.from_rpc(exc, attempt)
+        if err.code not in self.retry.codes or attempt >= self.retry.max_attempts:
+            raise err from None
+        if err.retry_after is not None and err.retry_after > self.retry.max_retry_after:
+            raise err from None
+        delay = (err.retry_after or 0.0) + self.retry.backoff(attempt - 1, self._rng)
         remaining = self._remaining(deadline)
         if remaining is not None and delay >= remaining:
-            raise GlmImageError(code, details, attempt) from None  # waiting would overrun the caller's deadline
-        log.info("%s: %s (%s), retry %d/%d in %.2fs", method, code.name, details, attempt,
-                 self.retry.max_attempts - 1, delay)
+            raise err from None  # waiting would overrun the caller's deadline
+        # A quota wait (seconds, the caller's own doing) is worth a warning; a busy server's short backoff is not.
+        log.log(logging.WARNING if err.quota else logging.INFO, "%s: %s (%s)%s, retry %d/%d in %.2fs", method,
+                err.code.name, err.details, f", quota {err.quota}" if err.quota else "", attempt,
+                self.retry.max_attempts - 1, delay)
         return delay
+
+
+def _with_rate_limits(event: Completed, rate_limits: RateLimits) -> Completed:
+    return Completed(replace(event.result, rate_limits=rate_limits))
 
 
 def _stream_ended_early(attempts: int) -> GlmImageError:
@@ -217,13 +256,15 @@ class Client(_Base):
     def generate(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
                  output_format: str | None = None, output_compression: int | None = None, seed: int | None = None,
                  steps: int | None = None, guidance: float | None = None, step_cache: str | None = None,
-                 loras: LoraInput | Sequence[LoraInput] = (), timeout: float | None = None,
-                 request_id: str | None = None) -> GenerationResult:
+                 loras: LoraInput | Sequence[LoraInput] = (), priority: PriorityInput | None = None,
+                 timeout: float | None = None, request_id: str | None = None) -> GenerationResult:
         """Generate ``n`` images; ``size`` is ``"WxH"`` or ``(w, h)`` (None: the gateway default). ``loras``:
-        adapters the DiT runs with, as `Lora`s or ``"NAME[:SCALE]"`` strings (`list_loras` names them)."""
+        adapters the DiT runs with, as `Lora`s or ``"NAME[:SCALE]"`` strings (`list_loras` names them).
+        ``priority``: ``interactive``, ``default`` or ``batch``, up to the tenant's max_priority (None: default).
+        The result's ``rate_limits`` are the tenant's quotas as the gateway reported them with the call."""
         req = build_request(prompt, n=n, size=size, output_format=output_format,
                             output_compression=output_compression, seed=seed, steps=steps, guidance=guidance,
-                            step_cache=step_cache, loras=loras)
+                            step_cache=step_cache, loras=loras, priority=priority)
         return self._generate(req, timeout, request_id)
 
     def edit(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, timeout: float | None = None,
@@ -235,15 +276,16 @@ class Client(_Base):
 
     def _generate(self, req: gateway_service_pb2.GenerateImagesRequest, timeout: float | None,
                   request_id: str | None) -> GenerationResult:
-        resp = self._call("GenerateImages", self._stub.GenerateImages, req, timeout, request_id)
-        return GenerationResult.from_proto(resp)
+        # with_call: the call's initial metadata carries the rate limits.
+        resp, call = self._call("GenerateImages", self._stub.GenerateImages.with_call, req, timeout, request_id)
+        return GenerationResult.from_proto(resp, RateLimits.from_metadata(call.initial_metadata()))
 
     def generate_stream(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
                         partial_images: int = 0, output_format: str | None = None,
                         output_compression: int | None = None, seed: int | None = None, steps: int | None = None,
                         guidance: float | None = None, step_cache: str | None = None,
-                        loras: LoraInput | Sequence[LoraInput] = (), timeout: float | None = None,
-                        request_id: str | None = None) -> Iterator[StreamEvent]:
+                        loras: LoraInput | Sequence[LoraInput] = (), priority: PriorityInput | None = None,
+                        timeout: float | None = None, request_id: str | None = None) -> Iterator[StreamEvent]:
         """Yield Progress and PartialImage events, then one Completed. Stopping the iteration cancels the call.
 
         A failure is retried only before the first event arrives: after that the caller has seen part of the
@@ -251,7 +293,7 @@ class Client(_Base):
         """
         req = build_stream_request(prompt, partial_images=partial_images, n=n, size=size, output_format=output_format,
                                    output_compression=output_compression, seed=seed, steps=steps, guidance=guidance,
-                                   step_cache=step_cache, loras=loras)
+                                   step_cache=step_cache, loras=loras, priority=priority)
         return self._stream(req, timeout, request_id)
 
     def edit_stream(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, partial_images: int = 0,
@@ -274,14 +316,15 @@ class Client(_Base):
                 for msg in call:
                     received = True
                     event = event_from_proto(msg)
+                    if isinstance(event, Completed):  # the initial metadata came before any message
+                        yield _with_rate_limits(event, RateLimits.from_metadata(call.initial_metadata()))
+                        return
                     if event is not None:
                         yield event
-                    if isinstance(event, Completed):
-                        return
                 raise _stream_ended_early(attempt)
             except grpc.RpcError as exc:
                 if received:
-                    raise GlmImageError(exc.code(), exc.details() or "", attempt) from None
+                    raise GlmImageError.from_rpc(exc, attempt) from None
                 delay = self._next_delay(exc, attempt, deadline, "GenerateImagesStream")
             finally:
                 call.cancel()  # no-op once finished; stops the server's work when the caller breaks early
@@ -355,10 +398,11 @@ class AsyncClient(_Base):
                        output_format: str | None = None, output_compression: int | None = None,
                        seed: int | None = None, steps: int | None = None, guidance: float | None = None,
                        step_cache: str | None = None, loras: LoraInput | Sequence[LoraInput] = (),
-                       timeout: float | None = None, request_id: str | None = None) -> GenerationResult:
+                       priority: PriorityInput | None = None, timeout: float | None = None,
+                       request_id: str | None = None) -> GenerationResult:
         req = build_request(prompt, n=n, size=size, output_format=output_format,
                             output_compression=output_compression, seed=seed, steps=steps, guidance=guidance,
-                            step_cache=step_cache, loras=loras)
+                            step_cache=step_cache, loras=loras, priority=priority)
         return await self._generate(req, timeout, request_id)
 
     async def edit(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, timeout: float | None = None,
@@ -369,19 +413,25 @@ class AsyncClient(_Base):
 
     async def _generate(self, req: gateway_service_pb2.GenerateImagesRequest, timeout: float | None,
                         request_id: str | None) -> GenerationResult:
-        resp = await self._call("GenerateImages", self._stub.GenerateImages, req, timeout, request_id)
-        return GenerationResult.from_proto(resp)
+        resp, initial = await self._call("GenerateImages", self._generate_images, req, timeout, request_id)
+        return GenerationResult.from_proto(resp, RateLimits.from_metadata(initial))
+
+    async def _generate_images(self, request: gateway_service_pb2.GenerateImagesRequest, *, timeout: float | None,
+                               metadata: Sequence[tuple[str, str]]) -> tuple[Any, Any]:
+        """GenerateImages, answered with the call's initial metadata (which carries the rate limits)."""
+        call = self._stub.GenerateImages(request, timeout=timeout, metadata=metadata)
+        return await call, await call.initial_metadata()
 
     def generate_stream(self, prompt: str, n: int = 1, size: str | Sequence[int] | None = None, *,
                         partial_images: int = 0, output_format: str | None = None,
                         output_compression: int | None = None, seed: int | None = None, steps: int | None = None,
                         guidance: float | None = None, step_cache: str | None = None,
-                        loras: LoraInput | Sequence[LoraInput] = (), timeout: float | None = None,
-                        request_id: str | None = None) -> AsyncIterator[StreamEvent]:
+                        loras: LoraInput | Sequence[LoraInput] = (), priority: PriorityInput | None = None,
+                        timeout: float | None = None, request_id: str | None = None) -> AsyncIterator[StreamEvent]:
         """As `Client.generate_stream`, as an async iterator."""
         req = build_stream_request(prompt, partial_images=partial_images, n=n, size=size, output_format=output_format,
                                    output_compression=output_compression, seed=seed, steps=steps, guidance=guidance,
-                                   step_cache=step_cache, loras=loras)
+                                   step_cache=step_cache, loras=loras, priority=priority)
         return self._stream(req, timeout, request_id)
 
     def edit_stream(self, images: ImageInput | Sequence[ImageInput], prompt: str, *, partial_images: int = 0,
@@ -404,14 +454,15 @@ class AsyncClient(_Base):
                 async for msg in call:
                     received = True
                     event = event_from_proto(msg)
+                    if isinstance(event, Completed):
+                        yield _with_rate_limits(event, RateLimits.from_metadata(await call.initial_metadata()))
+                        return
                     if event is not None:
                         yield event
-                    if isinstance(event, Completed):
-                        return
                 raise _stream_ended_early(attempt)
             except grpc.RpcError as exc:
                 if received:
-                    raise GlmImageError(exc.code(), exc.details() or "", attempt) from None
+                    raise GlmImageError.from_rpc(exc, attempt) from None
                 delay = self._next_delay(exc, attempt, deadline, "GenerateImagesStream")
             finally:
                 call.cancel()

@@ -1,5 +1,6 @@
 """The request messages of GatewayService built from Python arguments: sizes, formats, step-cache levels, LoRA
-adapters (`Lora`, ``"NAME[:SCALE]"``), reference images read from paths, bytes or files, and the admin requests.
+adapters (`Lora`, ``"NAME[:SCALE]"``), priority classes, reference images read from paths, bytes or files, and the
+admin requests.
 Shared by `Client`, `AsyncClient` and the CLI; nothing here opens a channel."""
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from glmimage.results import ROLES
 from glmimage.v1 import common_pb2, gateway_service_pb2
 from glmimage.wire import formats, sizes
 
-__all__ = ["STEP_CACHE_LEVELS", "ImageInput", "ImageOptions", "Lora", "LoraInput", "build_add_worker",
-           "build_load_loras", "build_request", "build_stream_request", "build_unload_loras", "lora_refs",
-           "parse_size", "read_images", "step_cache_value"]
+__all__ = ["PRIORITIES", "STEP_CACHE_LEVELS", "ImageInput", "ImageOptions", "Lora", "LoraInput", "PriorityInput",
+           "build_add_worker", "build_load_loras", "build_request", "build_stream_request", "build_unload_loras",
+           "lora_refs", "parse_size", "priority_value", "read_images", "step_cache_value"]
 
 
 def parse_size(size: str | Sequence[int] | None) -> tuple[int, int]:
@@ -56,6 +57,12 @@ class Lora:
 # An adapter for ``loras=``: a Lora, or its "NAME[:SCALE]" string as shorthand.
 LoraInput = Lora | str
 
+# The classes a request may ask for, highest first (the gateway admits up to its tenant's max_priority).
+PRIORITIES = ("interactive", "default", "batch")
+# A priority for ``priority=``: a name of PRIORITIES, or a glmimage.v1.Priority value.
+PriorityInput = str | int
+
+
 
 def lora_refs(loras: LoraInput | Sequence[LoraInput]) -> list[common_pb2.LoraRef]:
     """The LoraRefs of ``loras`` (one may be passed alone), in order. Only the form is checked here: names, count,
@@ -88,6 +95,7 @@ class ImageOptions(TypedDict, total=False):
     guidance: float | None
     step_cache: str | None
     loras: LoraInput | Sequence[LoraInput]
+    priority: PriorityInput | None
 
 
 def read_images(images: ImageInput | Sequence[ImageInput]) -> list[bytes]:
@@ -116,16 +124,18 @@ def build_request(prompt: str, *, n: int = 1, size: str | Sequence[int] | None =
                   output_format: str | None = None, output_compression: int | None = None,
                   seed: int | None = None, steps: int | None = None, guidance: float | None = None,
                   request_id: str = "", images: Sequence[bytes] = (), step_cache: str | None = None,
-                  loras: LoraInput | Sequence[LoraInput] = ()) -> gateway_service_pb2.GenerateImagesRequest:
+                  loras: LoraInput | Sequence[LoraInput] = (), priority: PriorityInput | None = None
+                  ) -> gateway_service_pb2.GenerateImagesRequest:
     """A GenerateImagesRequest; ``images`` (encoded files, see `read_images`) make it an edit. ``step_cache``:
     ``off``, ``balanced`` or ``aggressive`` (None: off). ``loras``: the adapters the DiT runs with (`Lora`s or
-    ``"NAME[:SCALE]"`` strings; none: the base model)."""
+    ``"NAME[:SCALE]"`` strings; none: the base model). ``priority``: ``interactive``, ``default`` or ``batch`` (or
+    the Priority enum; None: unspecified, which the gateway takes as default)."""
     width, height = parse_size(size)
     fmt = common_pb2.IMAGE_FORMAT_UNSPECIFIED if output_format is None else formats.by_name(output_format).proto
     req = gateway_service_pb2.GenerateImagesRequest(
         prompt=prompt, n=n, height=height, width=width, output_format=fmt, num_inference_steps=steps or 0,
         request_id=request_id, reference_images=[common_pb2.ReferenceImage(data=data) for data in images],
-        step_cache=step_cache_value(step_cache), loras=lora_refs(loras))
+        step_cache=step_cache_value(step_cache), loras=lora_refs(loras), priority=priority_value(priority))
     if output_compression is not None:
         req.output_compression = output_compression
     if seed is not None:
@@ -145,6 +155,21 @@ def step_cache_value(level: str | None) -> int:
     if level not in STEP_CACHE_LEVELS:
         raise ValueError(f"step_cache must be one of {', '.join(STEP_CACHE_LEVELS)}, got {level!r}")
     return common_pb2.StepCache.Value(f"STEP_CACHE_{level.upper()}")
+
+
+def priority_value(priority: PriorityInput | None) -> int:
+    """The Priority enum value of a class name or enum value (None: unspecified). Anything else is a ValueError
+    naming ``priority``, raised before any call."""
+    if priority is None:
+        return gateway_service_pb2.PRIORITY_UNSPECIFIED
+    if isinstance(priority, str) and priority in PRIORITIES:
+        return gateway_service_pb2.Priority.Value(f"PRIORITY_{priority.upper()}")
+    # bool is an int to Python, but True is no class anyone means.
+    if isinstance(priority, int) and not isinstance(priority, bool) \
+            and priority in gateway_service_pb2.Priority.values():
+        return priority
+    raise ValueError(f"priority must be one of {', '.join(PRIORITIES)} (or a glmimage.v1.Priority value), "
+                     f"got {priority!r}")
 
 
 def build_stream_request(prompt: str, *, partial_images: int = 0, **fields: Any

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from glmimage.ratelimits import RateLimits
 from glmimage.v1 import common_pb2, gateway_service_pb2
 from glmimage.wire import formats
 
@@ -41,7 +42,8 @@ class Usage:
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """Images in output order (encoded bytes), the seed of each, per-image and summed usage."""
+    """Images in output order (encoded bytes), the seed of each, per-image and summed usage, and the tenant's
+    quotas as the gateway reported them with the call (``rate_limits``; empty without quotas)."""
 
     images: list[bytes]
     seeds: list[int]
@@ -51,14 +53,16 @@ class GenerationResult:
     height: int
     output_format: str
     request_id: str = ""
+    rate_limits: RateLimits = field(default_factory=RateLimits)
 
     @classmethod
-    def from_proto(cls, r: gateway_service_pb2.GenerateImagesResponse) -> GenerationResult:
+    def from_proto(cls, r: gateway_service_pb2.GenerateImagesResponse,
+                   rate_limits: RateLimits | None = None) -> GenerationResult:
         ordered = sorted(r.images, key=lambda im: im.index)
         return cls(images=[im.image for im in ordered], seeds=[im.seed for im in ordered],
                    usage=Usage.from_proto(r.usage), image_usages=[Usage.from_proto(im.usage) for im in ordered],
                    width=r.width, height=r.height, output_format=formats.name_of(r.output_format),
-                   request_id=r.request_id)
+                   request_id=r.request_id, rate_limits=RateLimits() if rate_limits is None else rate_limits)
 
     @property
     def extension(self) -> str:
