@@ -31,7 +31,7 @@ def _exported_names() -> set[str]:
     from services.denoiser import metrics as denoiser_metrics  # noqa: F401
 
     registry = CollectorRegistry()
-    GatewayMetrics(registry)
+    GatewayMetrics(registry).quota_store(True)  # glmimage_gateway_quota_store_up: exported with --quota-store only
     from prometheus_client import REGISTRY
 
     return {family.name for reg in (registry, REGISTRY) for family in reg.collect()}

@@ -21,11 +21,12 @@ from tests.support.chart import CHART, RELEASE, by_kind, render
 from tests.support.cluster import reap, running_stack
 from tests.support.net import free_port
 from tests.support.waiting import until as _until
-from tests.test_alerts import SUFFIXES, _exported_names
+from tests.test_alerts import SUFFIXES, _exported_names, _rules
 
 DASHBOARD = CHART / "files" / "glmimage-dashboard.json"
-# The panels that may show nothing after a short, healthy run: no work was put back in a queue.
-QUIET_PANELS = {"Requeues by reason"}
+# The panels that may show nothing after a short, healthy run: no work was put back in a queue, no tenant went over a
+# quota (the stack has no tenants file), and no gateway has a quota store.
+QUIET_PANELS = {"Requeues by reason", "Quota refusals by tenant", "Quota store up"}
 SCRAPE_S = 1
 SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "images" / "dashboard.png"
 
@@ -70,6 +71,92 @@ def test_the_chart_s_dashboard_config_map_is_off_by_default_and_carries_the_file
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["metadata"]["annotations"]["grafana_folder"] == "GLM-Image"
     assert json.loads(cm["data"]["glmimage-dashboard.json"]) == json.loads(DASHBOARD.read_text())
+
+
+# ---- the Tenants row on synthetic series (promtool) ----------------------------------------------------------------
+
+# Two gateways, tenants alpha and beta, 1-minute samples: what each panel of the Tenants row must compute from them
+# (rates over 5m, summed or maxed over the gateways as the panel's title says).
+TENANT_SERIES = {
+    'glmimage_gateway_tenant_requests_total{tenant="alpha", outcome="ok", instance="gw-a"}': "0+60x10",
+    'glmimage_gateway_tenant_requests_total{tenant="alpha", outcome="ok", instance="gw-b"}': "0+120x10",
+    'glmimage_gateway_tenant_requests_total{tenant="beta", outcome="rate_limited", instance="gw-a"}': "0+30x10",
+    'glmimage_gateway_tenant_images_total{tenant="alpha", instance="gw-a"}': "0+120x10",
+    'glmimage_gateway_tenant_images_total{tenant="alpha", instance="gw-b"}': "0+60x10",
+    'glmimage_gateway_tenant_images_total{tenant="beta", instance="gw-a"}': "0+6x10",
+    'glmimage_gateway_tenant_queue_depth{tenant="alpha", stage="ar", instance="gw-a"}': "3x10",
+    'glmimage_gateway_tenant_queue_depth{tenant="alpha", stage="ar", instance="gw-b"}': "2x10",
+    'glmimage_gateway_tenant_queue_depth{tenant="alpha", stage="denoise", instance="gw-a"}': "4x10",
+    'glmimage_gateway_tenant_queue_depth{tenant="beta", stage="ar", instance="gw-a"}': "0x10",
+    'glmimage_gateway_tenant_oldest_wait_seconds{tenant="alpha", instance="gw-a"}': "30x10",
+    'glmimage_gateway_tenant_oldest_wait_seconds{tenant="alpha", instance="gw-b"}': "90x10",
+    'glmimage_gateway_tenant_oldest_wait_seconds{tenant="beta", instance="gw-a"}': "5x10",
+    # alpha: 100 waits a minute on each gateway, all between 1 and 21 s; beta: 60 a minute, all under 1 s.
+    'glmimage_gateway_tenant_queue_wait_seconds_bucket{tenant="alpha", le="1", instance="gw-a"}': "0x10",
+    'glmimage_gateway_tenant_queue_wait_seconds_bucket{tenant="alpha", le="21", instance="gw-a"}': "0+100x10",
+    'glmimage_gateway_tenant_queue_wait_seconds_bucket{tenant="alpha", le="+Inf", instance="gw-a"}': "0+100x10",
+    'glmimage_gateway_tenant_queue_wait_seconds_bucket{tenant="alpha", le="1", instance="gw-b"}': "0x10",
+    'glmimage_gateway_tenant_queue_wait_seconds_bucket{tenant="alpha", le="21", instance="gw-b"}': "0+100x10",
+    'glmimage_gateway_tenant_queue_wait_seconds_bucket{tenant="alpha", le="+Inf", instance="gw-b"}': "0+100x10",
+    'glmimage_gateway_tenant_queue_wait_seconds_bucket{tenant="beta", le="1", instance="gw-a"}': "0+60x10",
+    'glmimage_gateway_tenant_queue_wait_seconds_bucket{tenant="beta", le="21", instance="gw-a"}': "0+60x10",
+    'glmimage_gateway_tenant_queue_wait_seconds_bucket{tenant="beta", le="+Inf", instance="gw-a"}': "0+60x10",
+    'glmimage_gateway_tenant_quota_refusals_total{tenant="beta", quota="requests_per_minute", instance="gw-a"}':
+        "0+30x10",
+    # 64x64 images of 2 steps, two a second.
+    'glmimage_gateway_tenant_usage_pixel_steps_total{tenant="alpha", instance="gw-a"}': f"0+{64 * 64 * 2 * 120}x10",
+    'glmimage_gateway_quota_store_up{instance="gw-a"}': "1x10",
+    'glmimage_gateway_quota_store_up{instance="gw-b"}': "1 1 1 0x7",
+}
+TENANT_PANELS = {
+    "Requests by tenant and outcome": {'{tenant="alpha", outcome="ok"}': 3,
+                                       '{tenant="beta", outcome="rate_limited"}': 0.5},
+    "Images by tenant": {'{tenant="alpha"}': 3, '{tenant="beta"}': 0.1},
+    "Queue depth by tenant and stage": {'{tenant="alpha", stage="ar"}': 5, '{tenant="alpha", stage="denoise"}': 4,
+                                        '{tenant="beta", stage="ar"}': 0},
+    "Oldest wait by tenant": {'{tenant="alpha"}': 90, '{tenant="beta"}': 5},
+    # Linear within the (1, 21] bucket: 1 + 20 x 0.95 (a width that keeps it exact in floating point); beta's waits
+    # are all in the first bucket, (0, 1].
+    "Queue wait p95 by tenant": {'{tenant="alpha"}': 20, '{tenant="beta"}': 0.95},
+    "Quota refusals by tenant": {'{tenant="beta", quota="requests_per_minute"}': 0.5},
+    "Usage: pixel-steps by tenant": {'{tenant="alpha"}': 64 * 64 * 2 * 2},
+    "Quota store up": {'{instance="gw-a"}': 1, '{instance="gw-b"}': 0},
+}
+
+
+def _row(doc: dict, title: str) -> list[dict]:
+    """The panels of a row: those after its row panel, up to the next row."""
+    panels = doc["panels"]
+    start = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == title) + 1
+    end = next((i for i in range(start, len(panels)) if panels[i]["type"] == "row"), len(panels))
+    return panels[start:end]
+
+
+def test_the_tenants_row_computes_what_its_titles_say_on_synthetic_series(promtool: str, tmp_path: Path) -> None:
+    """Each Tenants panel's query, Grafana's variables set as "All" would set them, evaluated by promtool over series
+    of two gateways and two tenants; a new panel in the row needs a case here."""
+    panels = _row(json.loads(DASHBOARD.read_text()), "Tenants")
+    assert {p["title"] for p in panels} == set(TENANT_PANELS)
+    cases = []
+    for panel in panels:
+        (target,) = panel["targets"]
+        expr = re.sub(r"\$gateway\b", ".*", target["expr"].replace("$__rate_interval", "5m"))
+        samples = [{"labels": labels, "value": value} for labels, value in TENANT_PANELS[panel["title"]].items()]
+        cases.append({"expr": expr, "eval_time": "10m", "exp_samples": samples})
+    spec = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": [{"series": k, "values": v} for k, v in TENANT_SERIES.items()],
+        "promql_expr_test": cases}]}
+    (tmp_path / "tenants_test.yaml").write_text(json.dumps(spec))  # JSON is YAML
+    done = subprocess.run([promtool, "test", "rules", "tenants_test.yaml"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # The oldest-wait panel draws the starvation alert's bound as a line.
+    (rule,) = [r for r in _rules() if r["alert"] == "GlmImageTenantStarved"]
+    bound = float(re.fullmatch(r".*> (\d+)", rule["expr"].strip()).group(1))
+    (oldest,) = [p for p in panels if p["title"] == "Oldest wait by tenant"]
+    defaults = oldest["fieldConfig"]["defaults"]
+    assert defaults["thresholds"]["steps"][-1]["value"] == bound
+    assert defaults["custom"]["thresholdsStyle"]["mode"] == "line"
 
 
 # ---- a real Prometheus over a real stack --------------------------------------------------------------------------
