@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
 import signal
 import socket
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import uvicorn
 
+from gateway.tenants import TenantsError
 from glmimage.wire.sizes import size_arg
 from services.runtime.tracing import add_tracing_args, endpoint_from, setup_tracing
 
@@ -55,6 +58,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--admin-key", action="append", default=[],
                    help="key that may see the live pool page /status when --api-key is set (repeatable; also "
                    "GLMIMAGE_ADMIN_KEYS, comma-separated, the gateway's own variable)")
+    p.add_argument("--tenants", type=Path, default=None, metavar="FILE",
+                   help="TOML file naming each tenant and its keys (docs/operating.md#tenants), instead of "
+                   "--api-key/--admin-key: any tenant's key may call the API, an admin tenant's see /status; the "
+                   "key goes on to the gateway, which resolves the tenant (give it the same file). SIGHUP reloads it")
     p.add_argument("--gateway-auth", choices=GATEWAY_AUTH_MODES, default="forward",
                    help="how generation calls authenticate to the gateway. forward (default): with the client's own "
                    "Authorization header, so the gateway checks every caller (give both the same keys). own: with "
@@ -115,6 +122,7 @@ def settings_from_args(args: argparse.Namespace) -> RestSettings:
         quality_profiles={**_DEFAULTS.quality_profiles, **dict(args.quality)},
         api_keys=api_keys,
         admin_keys=tuple(dict.fromkeys(k for k in [*args.admin_key, *_env_list("GLMIMAGE_ADMIN_KEYS")] if k)),
+        tenants_file=args.tenants,
         request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         cors_origins=tuple(args.cors_origin),
@@ -166,9 +174,25 @@ class RestServer(uvicorn.Server):
     before the port is bound, so a signal that arrives while the front is still starting is handled the same way.
     """
 
+    # With --tenants: what SIGHUP does (re-read the file), from the start-up on.
+    on_sighup: Callable[[], object] | None = None
+
     def install_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.handle_exit)  # sets should_exit; a second SIGINT sets force_exit
+        if self.on_sighup is not None:  # until startup() takes it over, a reload signal must not end the process
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_sighup is not None:
+            # On the loop, between requests: the tenants in force change in one assignment, none is dropped.
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.on_sighup)
+        await super().startup(sockets)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_sighup is not None:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -180,10 +204,14 @@ def build_server(args: argparse.Namespace) -> RestServer:
     guards = guards_from_args(args)
     # The stdlib loop: uvloop measured no faster here (the time goes to FastAPI and the gRPC client). No
     # websockets: the API has none, and an upgraded connection would leave the slow-client guards behind.
-    config = uvicorn.Config(create_app(settings_from_args(args)), log_level=args.log_level, lifespan="on",
+    app = create_app(settings_from_args(args))  # reads the tenants file: TenantsError when it is bad
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on",
                             loop="asyncio", http=protocol_class(guards), ws="none",
                             timeout_keep_alive=guards.keep_alive_timeout)  # type: ignore[arg-type]
-    return RestServer(config)
+    server = RestServer(config)
+    if args.tenants is not None:
+        server.on_sighup = app.state.keys.reload
+    return server
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -192,7 +220,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     setup_tracing("glmimage-rest", endpoint_from(args.otlp_endpoint))
-    server = build_server(args)
+    try:
+        server = build_server(args)
+    except TenantsError as exc:  # FILE:LINE: tenants.NAME.FIELD: why; the line to fix, not a traceback
+        sys.exit(f"glmimage-rest: error: {exc}")
     server.install_handlers()
     # Bind here rather than in uvicorn so that --port 0 can report the port it got.
     sock = listen_socket(args.host, args.port)

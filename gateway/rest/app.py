@@ -31,6 +31,7 @@ from starlette.middleware.cors import CORSMiddleware
 from .adapters import AdapterCache
 from .edits import router as edits_router
 from .errors import APIError, error_response, from_validation_errors
+from .keys import FrontKeys
 from .limits import LimitsCache, with_limits
 from .metrics import RestMetrics
 from .middleware import REQUEST_ID_HEADER, FrontMiddleware, request_id
@@ -90,7 +91,9 @@ def create_app(settings: RestSettings) -> FastAPI:
     app.state.limits = LimitsCache()
     app.state.adapters = AdapterCache()
     app.state.created = int(time.time())
-    app.add_middleware(FrontMiddleware, settings=settings, metrics=metrics, router=app.router, limits=app.state.limits)
+    app.state.keys = FrontKeys(settings)  # reads a tenants file now: a bad one stops the front here
+    app.add_middleware(FrontMiddleware, settings=settings, metrics=metrics, router=app.router, limits=app.state.limits,
+                       keys=app.state.keys)
     if settings.cors_origins:
         # Outside the front's layer: preflights carry no API key, and its own answers (401, 413...) get the headers.
         # Any request header (the SDK adds its x-stainless-* ones); no cookies, the API key is a header.

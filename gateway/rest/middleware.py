@@ -21,9 +21,10 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.runtime import tracing
-from services.runtime.auth import bearer_token, key_hits
+from services.runtime.auth import bearer_token
 
 from .errors import error_response
+from .keys import FrontKeys
 from .limits import LimitsCache, edit_body_bytes
 from .metrics import RestMetrics
 from .settings import RestSettings
@@ -81,12 +82,12 @@ class FrontMiddleware:
     """
 
     def __init__(self, app: ASGIApp, settings: RestSettings, metrics: RestMetrics, router: APIRouter,
-                 limits: LimitsCache) -> None:
+                 limits: LimitsCache, keys: FrontKeys) -> None:
         self.app = app
         self.metrics = metrics
         self.router = router
         self.limits = limits
-        self.api_keys = tuple(k.encode() for k in settings.api_keys)
+        self.keys = keys  # the --api-key list or the tenants in force, read on every request (SIGHUP reloads)
         self.max_body_bytes = settings.max_body_bytes
 
     def _body_limit(self, route: tuple[str, str]) -> int:
@@ -127,8 +128,7 @@ class FrontMiddleware:
         try:
             path: str = scope["path"]
             body_limit = self._body_limit(route)
-            if self.api_keys and path.startswith("/v1/") and not any(key_hits(bearer_token(scope["headers"]),
-                                                                             self.api_keys)):
+            if path.startswith("/v1/") and not self.keys.user(bearer_token(scope["headers"])):
                 log.info("%s rejected: missing or invalid API key", rid)
                 resp = error_response(
                     401, "invalid or missing API key", type="authentication_error", code="invalid_api_key"

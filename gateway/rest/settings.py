@@ -63,6 +63,9 @@ class RestSettings:
     api_keys: tuple[str, ...] = ()  # empty: auth off
     # Keys that may see the live pool page (/status) when api_keys are set: the gateway's admin keys.
     admin_keys: tuple[str, ...] = ()
+    # The tenants file (gateway.tenants), instead of both key lists: any tenant's key may call the API, an admin
+    # tenant's see the live pool page; SIGHUP reloads it.
+    tenants_file: Path | None = None
     request_timeout: float = 300.0
     enable_cache_report: bool = False
     health_timeout: float = 5.0
@@ -95,7 +98,10 @@ class RestSettings:
         if self.gateway_auth == "own" and not self.gateway_api_key:
             raise ValueError("--gateway-auth own needs --gateway-api-key (or GLMIMAGE_GATEWAY_API_KEY): the key this "
                              "front presents to the gateway on every call")
-        if self.gateway_auth == "own" and not self.api_keys:
+        if self.tenants_file is not None and (self.api_keys or self.admin_keys):
+            raise ValueError("--tenants replaces --api-key and --admin-key (and GLMIMAGE_API_KEYS, "
+                             "GLMIMAGE_ADMIN_KEYS): every key is in the tenants file, an admin's with role = \"admin\"")
+        if self.gateway_auth == "own" and not self.api_keys and self.tenants_file is None:
             raise ValueError("--gateway-auth own needs --api-key (or GLMIMAGE_API_KEYS) too: a front with no keys "
                              "of its own would let anyone generate with its gateway key")
 

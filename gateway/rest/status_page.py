@@ -1,9 +1,11 @@
 """The live pool page: `GET /status`, HTML that polls `GET /status/data` twice a second and redraws itself, showing
 each gateway, each worker by role and state, what each denoiser runs (its job id: request id, output and attempt,
-never the prompt), the queues and this front's recent throughput.
+never the prompt), the queues, each tenant's share of them (queued, active, in flight, its oldest wait, its totals and
+what is left of its quotas: GetStatus' tenants) and this front's recent throughput.
 
 Who sees it: with API keys configured (`--api-key`), only a caller presenting an admin key (`--admin-key`, or
-GLMIMAGE_ADMIN_KEYS, the gateway's own variable) gets the data; the page asks for the key and sends it as a Bearer
+GLMIMAGE_ADMIN_KEYS, the gateway's own variable) gets the data; with `--tenants`, a key of a tenant whose role is
+admin (another tenant's key gets 403, an unknown one 401). The page asks for the key and sends it as a Bearer
 header. The data comes from each gateway's GetStatus with the credential any call of that caller carries (the
 caller's own with --gateway-auth forward, this front's with own), so the gateway's own rule decides what it shows
 (internal addresses only to its admins). Without keys the page is as open as the API.
@@ -18,11 +20,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.auth import bearer_token, key_hits
+from services.runtime.auth import bearer_token
 
 from .deps import GatewayDep, Metrics, Settings
 from .dispatch import gateway_metadata
 from .errors import error_response
+from .keys import Admission, FrontKeys
 from .middleware import request_id
 
 router = APIRouter()
@@ -37,6 +40,18 @@ def _worker(w: gateway_service_pb2.WorkerStatus, index: int) -> dict[str, Any]:
             "health": w.health, "loras": list(w.loras_loaded), "step": w.step, "total_steps": w.total_steps}
 
 
+def _tenant(t: gateway_service_pb2.TenantStatus) -> dict[str, Any]:
+    def quota(limit: int, remaining: int) -> dict[str, int] | None:  # 0: no such quota
+        return {"limit": limit, "remaining": remaining} if limit else None
+
+    return {"name": t.name, "weight": t.weight, "queued_ar": t.pending_ar_requests,
+            "queued_denoise": t.pending_denoise_outputs, "active": t.active_requests,
+            "inflight_images": t.inflight_images, "max_inflight_images": t.max_inflight_images or None,
+            "oldest_wait_s": t.oldest_wait_seconds, "requests_total": t.requests_total, "images_total": t.images_total,
+            "requests_per_minute": quota(t.requests_per_minute, t.remaining_requests),
+            "images_per_minute": quota(t.images_per_minute, t.remaining_images)}
+
+
 @router.get("/status", include_in_schema=False)
 async def status_page() -> HTMLResponse:
     return HTMLResponse(PAGE, headers={"Cache-Control": "no-store"})
@@ -44,14 +59,14 @@ async def status_page() -> HTMLResponse:
 
 @router.get("/status/data", include_in_schema=False)
 async def status_data(request: Request, settings: Settings, gateways: GatewayDep, metrics: Metrics) -> Response:
-    token = bearer_token(request.scope["headers"])
-    if settings.api_keys:
-        if token is None:
-            return error_response(401, "the status page needs an admin key", type="authentication_error",
-                                  code="invalid_api_key")
-        if not any(key_hits(token, [k.encode() for k in settings.admin_keys])):
-            return error_response(403, "the status page needs an admin key", type="permission_error",
-                                  code="admin_key_required")
+    keys: FrontKeys = request.app.state.keys
+    admission = keys.admin(bearer_token(request.scope["headers"]))
+    if admission is Admission.UNKNOWN:
+        return error_response(401, "the status page needs an admin key", type="authentication_error",
+                              code="invalid_api_key")
+    if admission is Admission.NOT_ADMIN:
+        return error_response(403, "the status page needs an admin key", type="permission_error",
+                              code="admin_key_required")
     # The credential the gateway sees for any call of this caller (settings.gateway_auth): it decides what it shows.
     metadata = gateway_metadata(request, settings, request_id(request))
     out = []
@@ -65,7 +80,8 @@ async def status_data(request: Request, settings: Settings, gateways: GatewayDep
         out.append({"gateway": index, "active_requests": status.active_requests,
                     "queues": {"ar_requests": status.pending_ar_requests, "ar_outputs": status.pending_ar_outputs,
                                "denoise_outputs": status.pending_denoise_outputs},
-                    "workers": [_worker(w, i) for i, w in enumerate(status.workers)]})
+                    "workers": [_worker(w, i) for i, w in enumerate(status.workers)],
+                    "tenants": [_tenant(t) for t in status.tenants]})
     images = metrics.registry.get_sample_value("glmimage_rest_images_total") or 0  # for the page's throughput
     return JSONResponse({"time": time.time(), "images_returned": images, "gateways": out},
                         headers={"Cache-Control": "no-store"})
@@ -138,7 +154,31 @@ function render(data) {
       cell(row, [w.stuck ? "stuck" : "", health, adapters].filter(Boolean).join("; "));
     }
     root.appendChild(table);
+    if (gw.tenants && gw.tenants.length) root.appendChild(tenantsTable(gw.tenants));
   }
+}
+function quota(q) { return q ? `${q.remaining} of ${q.limit} left` : "-"; }
+function tenantsTable(tenants) {
+  const table = document.createElement("table");
+  table.className = "tenants";
+  table.createCaption().textContent = "Tenants";
+  const head = table.createTHead().insertRow();
+  for (const t of ["tenant", "weight", "queued AR", "queued denoise", "active", "images in flight", "oldest wait",
+                   "requests", "images", "requests/min", "images/min"]) head.appendChild(
+    Object.assign(document.createElement("th"), {textContent: t}));
+  const body = table.createTBody();
+  for (const t of tenants) {
+    const row = body.insertRow();
+    row.className = "tenant";
+    row.dataset.name = t.name;
+    cell(row, t.name, "name"); cell(row, t.weight, "weight");
+    cell(row, t.queued_ar, "queued-ar"); cell(row, t.queued_denoise, "queued-denoise"); cell(row, t.active, "active");
+    cell(row, t.inflight_images + (t.max_inflight_images ? " of " + t.max_inflight_images : ""), "inflight");
+    cell(row, t.oldest_wait_s ? t.oldest_wait_s.toFixed(1) + " s" : "-", "wait");
+    cell(row, t.requests_total, "requests"); cell(row, t.images_total, "images");
+    cell(row, quota(t.requests_per_minute), "rpm"); cell(row, quota(t.images_per_minute), "ipm");
+  }
+  return table;
 }
 async function poll() {
   const headers = key ? {Authorization: "Bearer " + key} : {};
