@@ -4,14 +4,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 
-from gateway.auth import ENV_ADMIN_KEYS, ENV_KEYS, admin_keys_from, api_keys_from, gateway_interceptor
+from gateway.auth import ENV_ADMIN_KEYS, ENV_KEYS, GatewayAuth, admin_keys_from, api_keys_from
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.membership import parse_allow_rule, split_host_port
 from gateway.metrics import GatewayMetrics
+from gateway.quota_store import store_from_url
+from gateway.quotas import Quotas
 from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
+from gateway.tenancy import TenantGate
+from gateway.tenants import TenantsError, TenantsFile, add_tenants_args, tenants_from_keys
 from gateway.timeouts import TimeoutPolicy
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from glmimage.wire.sizes import size_arg
@@ -99,6 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"key for the admin RPCs AddWorker and RemoveWorker (repeatable; also ${ENV_ADMIN_KEYS}, "
                         "comma-separated); it may call every other RPC too. None set (the default): the admin RPCs "
                         "answer PERMISSION_DENIED to everyone")
+    add_tenants_args(p)
+    p.add_argument("--quota-store", default=None, metavar="redis://HOST:PORT/N",
+                   help="count the tenants' quotas in this Redis, global and exact across every gateway using it; "
+                        "unset (the default): each gateway counts on its own. While it does not answer, the gateway "
+                        "counts on its own (logged once; glmimage_gateway_quota_store_up 0)")
     p.add_argument("--worker-allow", action="append", default=[], type=_allow_rule, metavar="PATTERN",
                    help="addresses AddWorker may add (repeatable): a host glob with '*' within one DNS label, such "
                         "as '*.denoiser.ns.svc.cluster.local:50061', or a network for IP literals, such as "
@@ -158,6 +168,9 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from None
     api_keys, admin_keys = api_keys_from(args.api_key), admin_keys_from(args.admin_key)
+    if args.tenants and (api_keys or admin_keys):
+        raise SystemExit("gateway: --tenants names every key; give no --api-key/--admin-key (nor $GLMIMAGE_API_KEYS/"
+                         "$GLMIMAGE_ADMIN_KEYS) with it: an admin is a tenant with role = \"admin\"")
     if both := set(api_keys) & set(admin_keys):
         raise SystemExit(f"gateway: {len(both)} key(s) given both as an API key and as an admin key; an admin key "
                          "must not double as a user key")
@@ -194,13 +207,38 @@ def own_limits(args: argparse.Namespace) -> dict[str, float]:
     return own
 
 
+def tenants_from_args(args: argparse.Namespace, config: GatewayConfig) -> TenantsFile:
+    """The tenants file (a bad one stops the gateway with its line and field named), else the key flags."""
+    try:
+        return TenantsFile(args.tenants, tenants_from_keys(config.api_keys, config.admin_keys))
+    except TenantsError as exc:
+        raise SystemExit(f"gateway: {exc}") from None
+
+
 async def serve(args: argparse.Namespace) -> None:
     config = config_from(args)
+    tenants = tenants_from_args(args, config)
+    try:
+        store = store_from_url(args.quota_store)
+    except ValueError as exc:
+        raise SystemExit(f"gateway: --quota-store: {exc}") from None
     tls = server_tls_from_args(args)
-    driver = Driver(config, metrics=GatewayMetrics())
-    servicer = GatewayServicer(driver, config)
+    metrics = GatewayMetrics()
+    metrics.tenants(tenants.current.by_name)
+    if args.quota_store:
+        metrics.quota_store(store.up)
+        store.on_state(metrics.quota_store)
+    driver = Driver(config, metrics=metrics)
+    servicer = GatewayServicer(driver, config, tenants, TenantGate(Quotas(store), metrics))
     # Always installed: with no admin key it is what keeps AddWorker/RemoveWorker off.
-    interceptors = [gateway_interceptor(config.api_keys, config.admin_keys)]
+    interceptors = [GatewayAuth(tenants)]
+
+    def reload() -> None:
+        if tenants.reload():
+            metrics.tenants(tenants.current.by_name)
+
+    # SIGHUP reloads the tenants file: calls admitted keep their tenant; later ones resolve against the new file.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
     # A request is one edit's references at most (its own reference flags, else the defaults). A reply carries
     # every image of a request (10 PNGs at 2048x2048 can pass 100 MB): the same 256 MiB the REST front and the
     # Python client accept, so a big reply is not refused as RESOURCE_EXHAUSTED (a retryable 429).
@@ -211,10 +249,17 @@ async def serve(args: argparse.Namespace) -> None:
     await driver.start()
     announce(server, args, "GatewayService")
     serve_metrics(args.host, args.metrics_port)
+    if args.tenants:
+        log.info("tenants from %s: %s", args.tenants, ", ".join(tenants.current.by_name))
+    if args.quota_store:
+        log.info("quotas counted in the shared store %s", store.describe() if hasattr(store, "describe") else "")
+    elif any(t.has_quotas for t in tenants.current.by_name.values()):
+        log.info("quotas counted by this gateway alone (no --quota-store)")
     if config.api_keys:
         log.info("API keys required on %s (%d key(s))", SERVICE_NAME, len(config.api_keys))
-    if config.admin_keys:
-        log.info("admin RPCs on (%d admin key(s)); AddWorker allows %s, up to %d workers", len(config.admin_keys),
+    if tenants.current.has_admin:
+        admin_keys = sum(len(t.digests) for t in tenants.current.by_name.values() if t.role == "admin")
+        log.info("admin RPCs on (%d admin key(s)); AddWorker allows %s, up to %d workers", admin_keys,
                  ", ".join(r.text for r in config.worker_allow) or "no address", config.max_workers)
     else:
         log.info("admin RPCs off (no --admin-key)")
@@ -228,6 +273,8 @@ async def serve(args: argparse.Namespace) -> None:
         await run_until_signalled(server, grace=args.drain_seconds)
     finally:
         await driver.close()
+        if hasattr(store, "close"):
+            await store.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,7 @@
 """Who may call what on GatewayService: user keys generate and read the status, admin keys manage the pool.
 
-One interceptor (services.runtime.auth.BearerAuthInterceptor) with one table, METHOD_ROLES:
+One interceptor (GatewayAuth) over the tenants in force (gateway.tenants: the tenants file, or the key flags as
+tenants `default` and `admin`), with one table, METHOD_ROLES:
 
 - public: GetLimits, open to every caller (the limits are what /openapi.json advertises anyway).
 - user methods (GenerateImages, GenerateImagesStream, GetStatus): open when no ``--api-key`` is set (as before);
@@ -13,15 +14,21 @@ Health and reflection stay open, so probes and grpcurl discovery work without a 
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Mapping
 
+import grpc
+
+from gateway.tenants import ADMIN, USER, Tenant, TenantsFile, tenants_from_keys
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.auth import BearerAuthInterceptor, Role
+from services.runtime.auth import bearer_token, refusal_handler
+
+log = logging.getLogger(__name__)
 
 ENV_KEYS = "GLMIMAGE_API_KEYS"
 ENV_ADMIN_KEYS = "GLMIMAGE_ADMIN_KEYS"
-USER, ADMIN, PUBLIC = "user", "admin", "public"
+PUBLIC = "public"
 SERVICE = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 METHOD_ROLES: dict[str, str] = {
@@ -59,9 +66,58 @@ def admin_keys_from(flags: Iterable[str], environ: Mapping[str, str] = os.enviro
     return keys_from(flags, ENV_ADMIN_KEYS, environ)
 
 
-def gateway_interceptor(api_keys: Iterable[str], admin_keys: Iterable[str]) -> BearerAuthInterceptor:
-    """The GatewayService interceptor; install it always (with no admin keys it is what keeps the admin RPCs off)."""
-    roles = [Role(USER, tuple(api_keys), credential="API key", also=(ADMIN,)),
-             Role(ADMIN, tuple(admin_keys), credential="admin key", off_message=ADMIN_OFF),
-             Role(PUBLIC, ())]  # no keys, no off message: open
-    return BearerAuthInterceptor(roles, METHOD_ROLES)
+class GatewayAuth(grpc.aio.ServerInterceptor):
+    """The GatewayService interceptor over the tenants in force (read anew on every call, so a reload applies to the
+    next call): a key is its tenant's, and the tenant's role says which methods it may call (METHOD_ROLES)."""
+
+    def __init__(self, tenants: TenantsFile) -> None:
+        self.tenants = tenants
+
+    @staticmethod
+    def role_of(method: str) -> str:
+        role = METHOD_ROLES.get(method)
+        if role is None:
+            service, sep, _ = method.rpartition("/")
+            role = METHOD_ROLES.get(service + sep, ADMIN) if sep else ADMIN
+        return role
+
+    def caller(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant | None:
+        """Whose call it is: its key's tenant (on a gateway with open user methods, `default` without one)."""
+        return self.tenants.current.caller(bearer_token(metadata))
+
+    def check(self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None
+              ) -> tuple[grpc.StatusCode, str] | None:
+        """None if the call may go ahead, else the status code and message to refuse it with."""
+        role = self.role_of(method)
+        if role == PUBLIC or not method.startswith(f"/{SERVICE}/"):
+            return None
+        tenants = self.tenants.current
+        if role == USER and tenants.open_users:
+            return None
+        if role == ADMIN and not tenants.has_admin:
+            return grpc.StatusCode.PERMISSION_DENIED, ADMIN_OFF
+        tenant = tenants.lookup(bearer_token(metadata))
+        credential = "admin key" if role == ADMIN else "API key"
+        if tenant is None:
+            return (grpc.StatusCode.UNAUTHENTICATED,
+                    f"missing or invalid {credential}: send metadata 'authorization: Bearer <key>'")
+        if not tenant.holds(role):
+            return grpc.StatusCode.PERMISSION_DENIED, f"{method} needs the {role} role: an {credential}, not an API key"
+        return None
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        refusal = self.check(method, handler_call_details.invocation_metadata)
+        if refusal is None:
+            return handler
+        code, message = refusal
+        log.info("%s refused: %s: %s", method, code.name, message)
+        return refusal_handler(handler, code, message)
+
+
+def gateway_interceptor(api_keys: Iterable[str], admin_keys: Iterable[str]) -> GatewayAuth:
+    """The interceptor of a gateway configured by key flags alone (no tenants file)."""
+    return GatewayAuth(TenantsFile(None, tenants_from_keys(api_keys, admin_keys)))

@@ -51,7 +51,8 @@ class _Pending:
     stream: StreamOptions | None
     timing: Timing
     trace: RequestTrace
-    caller: int | None = None  # which configured key made it (an index; None: none), for GetStatus
+    tenant: str = "default"  # whose it is (GetStatus shows a caller the jobs of its own tenant only)
+    first_dispatch: bool = False  # a denoise job of it was dispatched (the tenant's queue wait is observed then)
 
 
 class Driver:
@@ -197,15 +198,16 @@ class Driver:
 
     async def generate(self, request_id: str, admitted: Admitted, timeout: float,
                        stream: StreamOptions | None = None, expired: Callable[[], bool] | None = None,
-                       caller: int | None = None) -> Outcome | sch.RequestError:
+                       tenant: str = "default", weight: float = 1.0, priority: int = sch.DEFAULT
+                       ) -> Outcome | sch.RequestError:
         """Run an admitted request and wait for its outcome, or the scheduler's error as it made it. Cancelling the
         awaiting task cancels the request downstream; when ``expired()`` says the cancel came from the caller's
-        deadline, the request ends as a deadline. ``caller``: which configured key made it (GetStatus shows a caller
-        its own requests only)."""
+        deadline, the request ends as a deadline. ``tenant`` (its weight then) and ``priority``: its place in the
+        scheduler's fair share (GetStatus shows a caller the requests of its own tenant only)."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         pending = _Pending(admitted=admitted, future=loop.create_future(), stream=stream, timing=Timing(arrived=now),
-                           trace=RequestTrace(request_id), caller=caller)
+                           trace=RequestTrace(request_id), tenant=tenant)
         # The id comes from the client's x-request-id and may repeat; the scheduler needs it unique.
         original = request_id
         while request_id in self._pending:  # a loop: "abc.1" may itself be a client's id already in flight
@@ -214,7 +216,8 @@ class Driver:
         # Both stages round sizes up to multiples of 32, so requests that differ below that share AR batches.
         self._feed(sch.RequestArrived(now=now, request_id=request_id, n=admitted.n, height=round_up(admitted.height),
                                       width=round_up(admitted.width), deadline=now + timeout, solo=admitted.edit,
-                                      loras=frozenset(ref.name for ref in admitted.request.loras)))
+                                      loras=frozenset(ref.name for ref in admitted.request.loras), tenant=tenant,
+                                      weight=weight, priority=priority))
         try:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
@@ -243,10 +246,10 @@ class Driver:
     def snapshot(self) -> sch.Snapshot:
         return self.scheduler.snapshot()
 
-    def request_caller(self, request_id: str) -> int | None:
-        """Which configured key made the request in flight under ``request_id`` (None: none, or not in flight)."""
+    def request_tenant(self, request_id: str) -> str | None:
+        """The tenant of the request in flight under ``request_id`` (None: not in flight)."""
         pending = self._pending.get(request_id)
-        return None if pending is None else pending.caller
+        return None if pending is None else pending.tenant
 
     # ---- the loop: events in, actions out --------------------------------------------------------------------
 
@@ -337,6 +340,9 @@ class Driver:
                 self.observe.denoise_dispatched(pending and pending.timing, action.job.index)
                 if pending is not None:
                     pending.trace.denoise_dispatched(action.job.index, action.job.attempt, pending.timing.ar_done)
+                    if not pending.first_dispatch:
+                        pending.first_dispatch = True
+                        self.observe.tenant_waited(pending.tenant, pending.timing)
                 task = spawn(self._run_denoise(action), name=f"denoise:{action.job.request_id}/{action.job.index}",
                              request_id=action.job.request_id)
                 self._denoise_calls[action.job] = task

@@ -10,10 +10,10 @@ must never walk the scheduler's live dicts. The HPA scales denoisers on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -74,7 +74,52 @@ class GatewayMetrics(Collector):
             self.tokens.labels(kind)
         for stage in STAGES:
             self.queue_seconds.labels(stage)
+        # Per tenant: the label values are the tenants file's names only (never a caller's input), so the series are
+        # as many as the tenants. The usage counters are what a billing job scrapes.
+        self.tenant_requests = Counter("glmimage_gateway_tenant_requests",
+                                       "Requests of each tenant ended, by outcome (ok, an error kind, or rate_limited "
+                                       "for a quota refusal)", ["tenant", "outcome"], registry=reg)
+        self.tenant_images = Counter("glmimage_gateway_tenant_images", "Images returned to each tenant", ["tenant"],
+                                     registry=reg)
+        self.tenant_quota_refusals = Counter("glmimage_gateway_tenant_quota_refusals",
+                                             "Requests refused by a tenant's quota, by quota", ["tenant", "quota"],
+                                             registry=reg)
+        self.tenant_queue_wait = Histogram("glmimage_gateway_tenant_queue_wait_seconds",
+                                           "Seconds from admission to a request's first denoise dispatch, per tenant",
+                                           ["tenant"], buckets=SECONDS_BUCKETS, registry=reg)
+        self.tenant_usage_images = Counter("glmimage_gateway_tenant_usage_images",
+                                           "Billing: images generated for each tenant", ["tenant"], registry=reg)
+        self.tenant_usage_pixel_steps = Counter("glmimage_gateway_tenant_usage_pixel_steps",
+                                                "Billing: width x height x denoising steps of each tenant's images",
+                                                ["tenant"], registry=reg)
+        self.tenant_usage_tokens = Counter("glmimage_gateway_tenant_usage_ar_tokens",
+                                           "Billing: AR tokens of each tenant's requests, by kind", ["tenant", "kind"],
+                                           registry=reg)
+        self.quota_store_up: Gauge | None = None
+        self._tenant_names: tuple[str, ...] = ()
         reg.register(self)
+
+    def tenants(self, names: Iterable[str]) -> None:
+        """The tenants in force (at start and after a reload): their series exist from the start, so rate() sees the
+        first request, and the queue gauges list each one."""
+        self._tenant_names = tuple(names)
+        for name in self._tenant_names:
+            for outcome in ("ok", "rate_limited", *(k.value for k in ErrorKind)):
+                self.tenant_requests.labels(name, outcome)
+            self.tenant_images.labels(name)
+            self.tenant_queue_wait.labels(name)
+            self.tenant_usage_images.labels(name)
+            self.tenant_usage_pixel_steps.labels(name)
+            for kind in ("prompt", "completion"):
+                self.tenant_usage_tokens.labels(name, kind)
+
+    def quota_store(self, up: bool) -> None:
+        """The quota store's state (with --quota-store only): 0 while the gateway counts on its own."""
+        if self.quota_store_up is None:
+            self.quota_store_up = Gauge("glmimage_gateway_quota_store_up",
+                                        "1 while the shared quota store (--quota-store) answers; 0 while this gateway "
+                                        "counts quotas on its own", registry=self.registry)
+        self.quota_store_up.set(1 if up else 0)
 
     def publish(self, gauges: sch.Gauges, counters: sch.Counters, stuck: dict[sch.WorkerRole, int] | None = None,
                 refusing: dict[sch.WorkerRole, int] | None = None) -> None:
@@ -140,6 +185,19 @@ class GatewayMetrics(Collector):
             "glmimage_gateway_denoise_collisions",
             "Denoise jobs a denoiser refused because another gateway's job held it (each sent elsewhere at once, "
             "not counted as a failed attempt)", value=c.collisions)
+        depth = GaugeMetricFamily("glmimage_gateway_tenant_queue_depth",
+                                  "Output slots (images) of each tenant waiting, per stage", labels=["tenant", "stage"])
+        oldest = GaugeMetricFamily("glmimage_gateway_tenant_oldest_wait_seconds",
+                                   "Seconds the oldest queued non-batch work of each tenant has waited (0: none waits)",
+                                   labels=["tenant"])
+        seen = {t.name: t for t in getattr(snap, "tenants", ())}
+        for name in dict.fromkeys((*self._tenant_names, *seen)):
+            t = seen.get(name)
+            depth.add_metric([name, "ar"], t.pending_ar_outputs if t else 0)
+            depth.add_metric([name, "denoise"], t.pending_denoise_outputs if t else 0)
+            oldest.add_metric([name], t.oldest_wait if t else 0.0)
+        yield depth
+        yield oldest
         yield CounterMetricFamily("glmimage_gateway_admission_rejections",
                                   "Requests refused at admission (queue full, or they could never fit)",
                                   value=c.rejected)

@@ -55,6 +55,11 @@ class Observer:
         timing.denoise_dispatched.add(index)
         self.metrics.queue_seconds.labels("denoise").observe(time.monotonic() - timing.ar_done)
 
+    def tenant_waited(self, tenant: str, timing: Timing) -> None:
+        """A request of ``tenant`` got its first denoise dispatch: its wait since admission."""
+        if self.metrics is not None:
+            self.metrics.tenant_queue_wait.labels(tenant).observe(time.monotonic() - timing.arrived)
+
     def denoise_done(self, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.denoise_seconds.observe(seconds)

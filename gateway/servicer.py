@@ -11,13 +11,17 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from gateway.auth import ADMIN, gateway_interceptor
+from gateway.auth import ADMIN, GatewayAuth
 from gateway.config import GatewayConfig
 from gateway.driver import Driver, Outcome, StreamOptions
 from gateway.loras import PoolLoras, check_names, pick_workers
 from gateway.membership import WorkerAddress, allowed, parse_worker_address, split_host_port
+from gateway.quota_store import LocalStore
+from gateway.quotas import Quotas
 from gateway.scheduler import types as sch
 from gateway.stream_relay import StreamRelay
+from gateway.tenancy import PRIORITY_TO_PROTO, TenantGate, Ticket, Usage, priority_of, quota_of
+from gateway.tenants import Tenant, TenantsFile, tenants_from_keys
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.admission import Admitted, check_generate, check_partial_images
 from services.runtime.errors import InvalidArgument, ServiceError, error_for
@@ -78,17 +82,23 @@ def check_worker_address(address: str) -> WorkerAddress:
 
 
 class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, driver: Driver, config: GatewayConfig) -> None:
+    def __init__(self, driver: Driver, config: GatewayConfig, tenants: TenantsFile | None = None,
+                 gate: TenantGate | None = None) -> None:
         self.driver = driver
         self.config = config
-        # Who is calling, for what GetStatus shows: the interceptor's own comparison of the credential with the keys
-        # (BearerAuthInterceptor.caller, one place), from the same keys. Whether the call may go ahead at all is
-        # still the installed interceptor's business.
-        self._auth = gateway_interceptor(config.api_keys, config.admin_keys)
-        # No key configured at all: authentication is off and callers cannot be told apart (everyone may do
-        # everything a user may); GetStatus then shows everything to everyone, as before.
-        self._keyless = not config.api_keys and not config.admin_keys
+        # Who is calling: the tenants in force (the file, reloaded on SIGHUP, or the key flags), read by the same
+        # GatewayAuth the server installs. Whether the call may go ahead at all is the installed interceptor's
+        # business; here the tenant decides the request's share, priority, quotas and what GetStatus shows.
+        self.tenants = tenants or TenantsFile(None, tenants_from_keys(config.api_keys, config.admin_keys))
+        self._auth = GatewayAuth(self.tenants)
+        self.gate = gate or TenantGate(Quotas(LocalStore()), driver.observe.metrics)
         self.loras = PoolLoras(driver.denoisers, config.worker_metadata)
+
+    @property
+    def _keyless(self) -> bool:
+        """No key configured at all: authentication is off and callers cannot be told apart (everyone may do
+        everything a user may); GetStatus then shows everything to everyone, as before."""
+        return self.tenants.current.open
 
     def _timeout(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
@@ -111,19 +121,54 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             images=images, usage=sum_usage(p.usage for p in outcome.priors), height=height, width=width,
             output_format=outcome.images[0].output_format, request_id=request_id_var.get())
 
-    def _caller(self, context: grpc.aio.ServicerContext) -> int | None:
-        """Which configured key the call presents (an index; None: none), so GetStatus can show a caller its own
-        requests' jobs."""
-        return self._auth.caller(context.invocation_metadata()).key
+    def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
+        """The calling tenant (the interceptor has let the call through, so there is one: on a gateway without user
+        keys, `default`)."""
+        tenant = self._auth.caller(context.invocation_metadata())
+        if tenant is None:  # an admin-only method's caller cannot get here; kept safe all the same
+            tenant = self.tenants.current.by_name.get("default") or Tenant("default")
+        return tenant
+
+    async def _admit(self, request: gateway_service_pb2.GenerateImagesRequest, context: grpc.aio.ServicerContext,
+                     limits: Limits) -> tuple[Admitted, Ticket, int]:
+        """The request's fields, its tenant's priority and quotas, in that order: a bad request counts against no
+        quota. The ticket's rate-limit figures go out as the call's initial metadata."""
+        tenant = self._tenant(context)
+        admitted = self._check(request, limits)
+        priority = priority_of(request.priority, tenant)
+        ticket = await self.gate.admit(tenant, admitted.n)
+        if ticket.headers:
+            await context.send_initial_metadata(ticket.headers)
+        return admitted, ticket, priority
+
+    def _generate(self, admitted: Admitted, ticket: Ticket, priority: int, context: grpc.aio.ServicerContext,
+                  stream: StreamOptions | None = None):
+        tenant = ticket.tenant
+        return self.driver.generate(request_id_var.get(), admitted, self._timeout(context), stream=stream,
+                                    expired=self._expired(context), tenant=tenant.name, weight=tenant.weight,
+                                    priority=priority)
+
+    def _ended(self, ticket: Ticket, outcome: Outcome | sch.RequestError | None, admitted: Admitted) -> None:
+        """Every way out of a generation: the tenant's in-flight images freed, its outcome and usage counted."""
+        if outcome is None:
+            ticket.end(sch.ErrorKind.CANCELLED.value)
+        elif isinstance(outcome, sch.RequestError):
+            ticket.end(outcome.kind.value)
+        else:
+            ticket.end("ok", Usage.of(admitted.width, admitted.height, [img.steps_completed for img in outcome.images],
+                                      sum(p.usage.prompt_tokens for p in outcome.priors),
+                                      sum(p.usage.completion_tokens for p in outcome.priors)))
 
     async def GenerateImages(self, request, context: grpc.aio.ServicerContext):
-        admitted = self._check(request, self.driver.limits())
+        admitted, ticket, priority = await self._admit(request, context, self.driver.limits())
+        outcome = None
         try:
-            outcome = await self.driver.generate(request_id_var.get(), admitted, self._timeout(context),
-                                                 expired=self._expired(context), caller=self._caller(context))
+            outcome = await self._generate(admitted, ticket, priority, context)
         except asyncio.CancelledError:
             log.info("client went away; request cancelled downstream")
             raise
+        finally:
+            self._ended(ticket, outcome, admitted)
         if isinstance(outcome, sch.RequestError):
             raise status_error(outcome)
         return self._response(outcome, admitted)
@@ -131,26 +176,29 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
     async def GenerateImagesStream(self, request, context: grpc.aio.ServicerContext
                                    ) -> AsyncIterator[gateway_service_pb2.GenerateImagesStreamResponse]:
         limits = self.driver.limits()
-        admitted = self._check(request.request, limits)
         check_partial_images(request.partial_images, limits)
+        admitted, ticket, priority = await self._admit(request.request, context, limits)
         relay = StreamRelay()
-        task = asyncio.ensure_future(self.driver.generate(
-            request_id_var.get(), admitted, self._timeout(context),
-            stream=StreamOptions(partial_images=request.partial_images, relay=relay.relay),
-            expired=self._expired(context), caller=self._caller(context)))
-        task.add_done_callback(lambda _: relay.end())
-        # A client that goes away while this generator is parked at a yield does not cancel the generator's
-        # frame, so the call's own end cancels the request too.
-        context.add_done_callback(lambda _: task.cancel())
+        outcome = None
         try:
-            async for event in relay.events():
-                yield event
-            outcome = task.result()
-        except asyncio.CancelledError:
-            log.info("client went away; request cancelled downstream")
-            raise
+            task = asyncio.ensure_future(self._generate(
+                admitted, ticket, priority, context,
+                StreamOptions(partial_images=request.partial_images, relay=relay.relay)))
+            task.add_done_callback(lambda _: relay.end())
+            # A client that goes away while this generator is parked at a yield does not cancel the generator's
+            # frame, so the call's own end cancels the request too.
+            context.add_done_callback(lambda _: task.cancel())
+            try:
+                async for event in relay.events():
+                    yield event
+                outcome = task.result()
+            except asyncio.CancelledError:
+                log.info("client went away; request cancelled downstream")
+                raise
+            finally:
+                task.cancel()  # a no-op once done
         finally:
-            task.cancel()  # a no-op once done
+            self._ended(ticket, outcome, admitted)
         if isinstance(outcome, sch.RequestError):
             raise status_error(outcome)
         yield gateway_service_pb2.GenerateImagesStreamResponse(completed=self._response(outcome, admitted))
@@ -169,11 +217,11 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         requests only (those it made with the same key)."""
         snap = self.driver.snapshot()
         caller = self._auth.caller(context.invocation_metadata())
-        full = self._keyless or caller.holds(ADMIN)
+        full = self._keyless or (caller is not None and caller.holds(ADMIN))
 
         def shown(job: sch.JobId | None) -> str:
-            mine = (job is not None and caller.key is not None
-                    and self.driver.request_caller(job.request_id) == caller.key)
+            mine = (job is not None and caller is not None and not self.tenants.current.open_users
+                    and self.driver.request_tenant(job.request_id) == caller.name)
             return job_label(job) if full or mine else ""
 
         workers = []
@@ -189,7 +237,34 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         return gateway_service_pb2.GetStatusResponse(
             pending_ar_requests=snap.pending_ar_requests, pending_ar_outputs=snap.pending_ar_outputs,
             pending_denoise_outputs=snap.pending_denoise_outputs, active_requests=snap.active_requests,
-            workers=workers)
+            workers=workers, tenants=await self._tenant_status(snap, full, caller))
+
+    async def _tenant_status(self, snap: sch.Snapshot, full: bool, caller: Tenant | None
+                       ) -> list[gateway_service_pb2.TenantStatus]:
+        """Every tenant in force, with the admin role; else the caller's own tenant only."""
+        seen = {t.name: t for t in getattr(snap, "tenants", ())}
+        tenants = self.tenants.current.by_name
+        if full:
+            names = list(dict.fromkeys((*tenants, *seen)))
+        else:
+            names = [caller.name] if caller is not None else []
+        rows = []
+        for name in names:
+            tenant = tenants.get(name) or (caller if caller is not None and caller.name == name else Tenant(name))
+            queued = seen.get(name)
+            remaining_requests, remaining_images, inflight = await self.gate.quotas.snapshot(name, quota_of(tenant))
+            rows.append(gateway_service_pb2.TenantStatus(
+                name=name, weight=tenant.weight, max_priority=PRIORITY_TO_PROTO[tenant.max_priority],
+                pending_ar_requests=queued.pending_ar_requests if queued else 0,
+                pending_denoise_outputs=queued.pending_denoise_outputs if queued else 0,
+                active_requests=queued.active_requests if queued else 0,
+                inflight_images=queued.active_outputs if queued else inflight,
+                oldest_wait_seconds=queued.oldest_wait if queued else 0.0,
+                requests_total=self.gate.requests_total.get(name, 0), images_total=self.gate.images_total.get(name, 0),
+                requests_per_minute=tenant.requests_per_minute or 0, images_per_minute=tenant.images_per_minute or 0,
+                max_inflight_images=tenant.max_inflight_images or 0,
+                remaining_requests=remaining_requests or 0, remaining_images=remaining_images or 0))
+        return rows
 
     async def AddWorker(self, request, context: grpc.aio.ServicerContext):
         # Who may call this is the interceptor's business (gateway.auth); what may be added is checked here, all of

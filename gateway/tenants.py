@@ -121,7 +121,7 @@ class Tenants:
     def caller(self, token: bytes | None) -> Tenant | None:
         """Whom a call is from: its key's tenant; on a gateway with open user methods, `default` without a key."""
         found = self.lookup(token)
-        if found is None and self.open_users and token is None:
+        if found is None and self.open_users:  # (any key or none: user methods do not check one)
             return self.by_name.get(DEFAULT_TENANT)
         return found
 

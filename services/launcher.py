@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--denoiser-arg", action="append", default=[],
                    help="extra flag passed to every denoiser, e.g. --denoiser-arg=--default-steps=50 for real "
                         "weights (repeatable)")
+    p.add_argument("--tenants", type=Path, default=None, metavar="FILE",
+                   help="the tenants file (docs/operating.md#tenants), given to every gateway and the REST front; "
+                        "SIGHUP to the launcher reloads it in each of them")
+    p.add_argument("--quota-store", default=None, metavar="redis://HOST:PORT/N",
+                   help="every gateway counts the tenants' quotas in this Redis (unset: each on its own)")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra flag passed to every gateway")
     p.add_argument("--rest-arg", action="append", default=[], help="extra flag passed to the REST front")
     add_tracing_args(p)
@@ -192,7 +197,10 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
                  for i, (p, m) in enumerate(zip(ports, metrics_ports, strict=True))]
     await sup.start([ar, *denoisers], deadline)
 
-    gw_flags = ["--ar", ar.address, *[f"--denoiser={d.address}" for d in denoisers], *trace_flags, *a.gateway_arg]
+    tenant_flags = ["--tenants", str(a.tenants.resolve())] if a.tenants else []
+    store_flags = ["--quota-store", a.quota_store] if a.quota_store else []
+    gw_flags = ["--ar", ar.address, *[f"--denoiser={d.address}" for d in denoisers], *trace_flags, *tenant_flags,
+                *store_flags, *a.gateway_arg]
     gw_metrics: list[int | None] = [None] * len(a.gateway_ports)
     if a.gateway_metrics_ports is not None:
         given = a.gateway_metrics_ports
@@ -205,10 +213,16 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
 
     # The REST front takes them in turn and resubmits a call that a gateway dropped unanswered to the next one.
     rest = sup.child("rest", "gateway.rest", a.rest_port,
-                     ["--gateway-address", ",".join(g.address for g in gateways), *trace_flags, *a.rest_arg], None)
+                     ["--gateway-address", ",".join(g.address for g in gateways), *trace_flags, *tenant_flags,
+                      *a.rest_arg], None)
     await sup.start([rest], deadline)
     rest.metrics_port = rest.port  # the REST front serves /metrics on its own port
     return sup.addresses()
+
+
+def _reloads_tenants(name: str) -> bool:
+    """The children that read the tenants file: the gateways and the REST front."""
+    return name == "rest" or name == "gateway" or name.startswith("gateway-")
 
 
 def ready_map(addresses: dict[str, str], metrics: dict[str, str], pids: dict[str, int] | None = None) -> dict:
@@ -246,6 +260,8 @@ async def run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     # The way back for a server given up on, short of restarting the stack. Not SIGHUP: a closed terminal sends it.
     loop.add_signal_handler(signal.SIGUSR1, sup.retry_given_up)
+    if args.tenants:  # (only then: without a file to reload, SIGHUP keeps its default, as from a closed terminal)
+        loop.add_signal_handler(signal.SIGHUP, lambda: sup.send(signal.SIGHUP, _reloads_tenants))
     code = 0
     try:
         starting = asyncio.ensure_future(start_suite(sup, args))

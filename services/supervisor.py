@@ -194,6 +194,16 @@ class Supervisor:
         """Each running child's PID (the server itself: the trampoline execs it)."""
         return {c.name: c.process.pid for c in self.children if c.process is not None}
 
+    def send(self, sig: int, which: Callable[[str], bool]) -> list[str]:
+        """Send ``sig`` to each running child whose name ``which`` accepts (SIGHUP: reload the tenants file)."""
+        sent = []
+        for c in self.children:
+            if which(c.name) and c.process is not None and c.process.returncode is None:
+                c.process.send_signal(sig)
+                sent.append(c.name)
+        log.info("sent %s to %s", signal.Signals(sig).name, ", ".join(sent) or "no child")
+        return sent
+
     def retry_given_up(self) -> list[str]:
         """Give every given-up child a fresh restart budget and restart it now; the names it retries."""
         given_up = [c for c in self.children if c.given_up]

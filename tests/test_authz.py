@@ -22,6 +22,7 @@ from gateway.__main__ import parse_args as gateway_args
 from gateway.rest import __main__ as rest_main
 from gateway.rest.app import RestSettings, create_app
 from gateway.scheduler.types import WorkerState
+from gateway.tenants import TenantsFile, parse_tenants
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
 from tests.support.authz import DENIED, UNAUTH, USER, USER_KEY, add, bearer, members, remove, until
@@ -112,7 +113,17 @@ async def test_the_real_gateway_process_keeps_admin_rpcs_off_by_default(tmp_path
 async def test_get_status_shows_addresses_and_other_callers_ids_to_the_admin_role_only(sims: SimCluster) -> None:
     ar, d0 = sims.address(sims.ar), sims.address(sims.denoisers[0])
     other = bearer("another-user-key")
-    async with running_gateway([ar], [d0], api_keys=(USER_KEY, "another-user-key")) as gw:
+    # Two user tenants and an admin one: "own" is the caller's tenant (two keys of one tenant see each other's).
+    tenants = TenantsFile(None, parse_tenants(f"""
+        [tenants.alpha]
+        keys = ["{USER_KEY}"]
+        [tenants.beta]
+        keys = ["another-user-key"]
+        [tenants.ops]
+        keys = ["{ADMIN_KEY}"]
+        role = "admin"
+        """))
+    async with running_gateway([ar], [d0], tenants=tenants) as gw:
         sims.gate.clear()  # the job holds d0 after its first step
         mine = asyncio.ensure_future(gw.stub.GenerateImages(request(), metadata=USER + (("x-request-id", "mine"),)))
         whole = await gw.until(lambda st: any(w.current_job for w in st.workers))  # the admin's view
@@ -126,6 +137,9 @@ async def test_get_status_shows_addresses_and_other_callers_ids_to_the_admin_rol
                 (w.role, w.state, w.inflight, w.health) for w in whole.workers], name
         assert views["owner"].workers[1].current_job == "mine/0#1"
         assert views["other"].workers[1].current_job == "" and views["other"].workers[1].inflight == 1
+        assert [t.name for t in views["owner"].tenants] == ["alpha"] and views["owner"].tenants[0].active_requests == 1
+        assert [t.name for t in views["other"].tenants] == ["beta"]
+        assert [t.name for t in whole.tenants] == ["alpha", "beta", "ops"]
         assert (await rpc_error(gw.stub.GetStatus(pb.GetStatusRequest()))).code() == UNAUTH
         sims.gate.set()
         assert len((await mine).images) == 1

@@ -145,10 +145,10 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         code, message = refusal
         log.info("%s refused: %s: %s", method, code.name, message)
-        return _refusal(handler, code, message)
+        return refusal_handler(handler, code, message)
 
 
-def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+def refusal_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """A handler for ``handler``'s method that answers ``code`` without reading the request: served as
     client-streaming on raw bytes (the same on the wire as unary), so no message of an unknown caller is ever
     received, let alone decoded (services.runtime.intake)."""

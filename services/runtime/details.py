@@ -4,7 +4,10 @@ those back from a failed call. Servers encode with ``rich_status``; the gateway 
 ``field_violation`` and ``error_info``, without importing the server builder."""
 from __future__ import annotations
 
+import math
+
 import grpc
+from google.protobuf import duration_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -17,6 +20,9 @@ from services.runtime.status import code_of
 # names addresses and library internals; the REST front shows those in its own words instead.
 OWN_ERROR_KEY = "glmimage-error"
 OWN_MARK = ((OWN_ERROR_KEY, "1"),)
+
+# Trailing metadata of a refusal that says when to retry (whole seconds), beside its google.rpc.RetryInfo.
+RETRY_AFTER_KEY = "retry-after"
 
 # The google.rpc.ErrorInfo domain of the reasons this suite sends.
 ERROR_DOMAIN = "glmimage.v1"
@@ -34,9 +40,17 @@ def rich_status(exc: ServiceError) -> grpc.Status:
     if exc.reason:
         status.details.add().Pack(error_details_pb2.ErrorInfo(reason=exc.reason, domain=ERROR_DOMAIN,
                                                               metadata=exc.info))
+    extra: tuple[tuple[str, str], ...] = exc.metadata
+    if exc.retry_after is not None:
+        wait = max(exc.retry_after, 0.0)
+        seconds = int(wait)
+        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(
+            seconds=seconds, nanos=int((wait - seconds) * 1e9))))
+        # Whole seconds, at least one: what HTTP's Retry-After (and the REST front relaying it) can say.
+        extra = (*extra, (RETRY_AFTER_KEY, str(max(1, math.ceil(wait)))))
     composed = rpc_status.to_status(status)
     # abort_with_status replaces all trailing metadata with the status' own: the mark rides along in it.
-    return composed._replace(trailing_metadata=(*composed.trailing_metadata, *OWN_MARK))
+    return composed._replace(trailing_metadata=(*composed.trailing_metadata, *OWN_MARK, *extra))
 
 
 def _details(err: grpc.RpcError) -> list:
@@ -65,3 +79,12 @@ def error_info(err: grpc.RpcError) -> tuple[str, str, dict[str, str]] | None:
             return info.reason, info.domain, dict(info.metadata)
     return None
 
+
+
+def retry_delay(err: grpc.RpcError) -> float | None:
+    """Seconds of the google.rpc.RetryInfo in a failed call's rich status (None: it has none)."""
+    for detail in _details(err):
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    return None

@@ -22,7 +22,8 @@ class ServiceError(Exception):
     kind = ErrorKind.INTERNAL
 
     def __init__(self, message: str, *, field: str | None = None, reason: str | None = None,
-                 info: dict[str, str] | None = None) -> None:
+                 info: dict[str, str] | None = None, retry_after: float | None = None,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
@@ -30,6 +31,11 @@ class ServiceError(Exception):
         # with who holds the slot: the caller acts on it without parsing the message.
         self.reason = reason
         self.info = info or {}
+        # When the caller may try again, in seconds (a google.rpc.RetryInfo at the gRPC edge, and `retry-after`):
+        # a quota refusal knows when its window resets.
+        self.retry_after = retry_after
+        # Trailing metadata entries sent with the status (a quota refusal's x-ratelimit-* figures).
+        self.metadata = metadata
 
 
 class InvalidArgument(ServiceError):

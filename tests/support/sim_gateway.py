@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.sim_backends import SimAr, SimCosts, SimDenoiser, serve_sim_ar, serve_sim_denoiser
-from gateway.auth import gateway_interceptor
+from gateway.auth import GatewayAuth
+from gateway.tenants import Tenant, TenantsFile, tenants_from_keys
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.membership import parse_allow_rule
@@ -99,24 +100,27 @@ async def running_gateway(ar: list[str], denoisers: list[str], *, metrics: Gatew
                           worker_allow: tuple = LOOPBACK, max_workers: int = 256,
                           worker_metadata: tuple[tuple[str, str], ...] = (), wait_available: bool = True,
                           client_tls: ClientTls | None = None, config_fields: Mapping[str, object] | None = None,
-                          **scheduler: object) -> AsyncIterator[Gateway]:
+                          tenants: TenantsFile | None = None, **scheduler: object) -> AsyncIterator[Gateway]:
     """The real gateway in-process, with the interceptor `python -m gateway` installs (gateway.auth).
-    ``config_fields``: other GatewayConfig fields (health probe settings, ...); ``scheduler``: SchedulerConfig's."""
+    ``config_fields``: other GatewayConfig fields (health probe settings, ...); ``tenants``: a tenants file in
+    place of the key flags; ``scheduler``: SchedulerConfig's."""
     config = GatewayConfig(ar_addresses=tuple(ar), denoiser_addresses=tuple(denoisers),
                            scheduler=SchedulerConfig(ar_batch_delay=0.0, **scheduler),  # type: ignore[arg-type]
                            request_timeout=30, api_keys=api_keys, admin_keys=admin_keys, worker_allow=worker_allow,
                            max_workers=max_workers, worker_metadata=worker_metadata,
                            client_tls=client_tls, **(config_fields or {}))  # type: ignore[arg-type]
     driver = Driver(config, metrics=metrics)
-    servicer = GatewayServicer(driver, config)
-    interceptors = [gateway_interceptor(api_keys, admin_keys)]
+    tenants = tenants or TenantsFile(None, tenants_from_keys(api_keys, admin_keys))
+    servicer = GatewayServicer(driver, config, tenants)
+    interceptors = [GatewayAuth(tenants)]
     server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
                                 [GATEWAY], "127.0.0.1:0", interceptors=interceptors)
     await driver.start()
     await server.set_serving(True)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    admin = ADMIN_KEY in admin_keys or (tenants.current.lookup(ADMIN_KEY.encode()) or Tenant("")).role == "admin"
     gw = Gateway(gateway_service_pb2_grpc.GatewayServiceStub(channel), driver, channel, server.port,
-                 ADMIN if ADMIN_KEY in admin_keys else ())
+                 ADMIN if admin else ())
     if wait_available:  # the health watchers have seen every worker SERVING
         n = len(ar) + len(denoisers)
         await wait_for(lambda: sum(w.state.value == "AVAILABLE" for w in driver.snapshot().workers) == n)
