@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, percentile, write_result
+from bench.scheduler_micro import scheduler_at
 from bench.sim_backends import DENOISE_SECONDS, ar_batch_seconds
 from gateway.scheduler.core import Scheduler
 from gateway.scheduler.types import (
@@ -291,13 +292,22 @@ class Window:
         return self.warmup + self.window
 
 
-def run_shares(pool: PoolShape, w: Window, seed: int, ns: tuple[int, ...] = (1,)) -> dict[str, Any]:
+def policy_args(policy: str, before: type | None) -> dict[str, Any]:
+    """simulate()'s arguments for ``policy``: ``fair``, the requests as sent, on this checkout's scheduler; ``fifo``,
+    every request as one tenant in one class on it, or, with ``before`` (--base), as sent on that scheduler."""
+    if policy == "fair":
+        return {}
+    return {"fifo": True} if before is None else {"scheduler": before}
+
+
+def run_shares(pool: PoolShape, w: Window, seed: int, ns: tuple[int, ...] = (1,),
+               before: type | None = None) -> dict[str, Any]:
     weights = {"a": 1.0, "b": 1.0, "c": 2.0}
     sources = [Source(t, weight=wt, outstanding=OUTSTANDING, ns=ns) for t, wt in weights.items()]
     target = {t: wt / sum(weights.values()) for t, wt in weights.items()}
     out: dict[str, Any] = {"weights": weights, "target": target, "ns": list(ns)}
     for policy in POLICIES:
-        trace = simulate(pool, sources, w.t1, seed, fifo=policy == "fifo")
+        trace = simulate(pool, sources, w.t1, seed, **policy_args(policy, before))
         counts = stage_counts(trace, w.warmup, w.t1)
         r: dict[str, Any] = {"counts": counts, "rejected": trace.rejected, "failed": trace.failed}
         for stage in ("ar", "denoise"):
@@ -312,7 +322,7 @@ def run_shares(pool: PoolShape, w: Window, seed: int, ns: tuple[int, ...] = (1,)
     return out
 
 
-def run_flood(pool: PoolShape, w: Window, seeds: Sequence[int]) -> dict[str, Any]:
+def run_flood(pool: PoolShape, w: Window, seeds: Sequence[int], before: type | None = None) -> dict[str, Any]:
     heavy = Source("heavy", rate=FLOOD * pool.bound)
     light = Source("light", rate=LIGHT * pool.bound)
     out: dict[str, Any] = {"heavy_rate": round(heavy.rate, 4), "light_rate": round(light.rate, 4)}
@@ -326,7 +336,7 @@ def run_flood(pool: PoolShape, w: Window, seeds: Sequence[int]) -> dict[str, Any
         alone += lat
         assert missing == 0, "the light tenant alone left requests unfinished"
         for policy in POLICIES:
-            trace = simulate(pool, [light, heavy], w.t1 + w.tail, seed, fifo=policy == "fifo")
+            trace = simulate(pool, [light, heavy], w.t1 + w.tail, seed, **policy_args(policy, before))
             lat, missing = latencies(trace, "light", w.warmup, w.t1)
             beside[policy] += lat + [INF] * missing
             open_[policy] += missing
@@ -360,7 +370,7 @@ def quantiles(xs: list[float], points: int = 101) -> list[float | str]:
     return [round(q, 2) if q != INF else "inf" for q in (tail_percentile(xs, i / (points - 1)) for i in range(points))]
 
 
-def run_batch(pool: PoolShape, w: Window, seed: int) -> dict[str, Any]:
+def run_batch(pool: PoolShape, w: Window, seed: int, before: type | None = None) -> dict[str, Any]:
     bulk = Source("bulk", priority=BATCH, outstanding=OUTSTANDING)
     cases = {
         "saturated": [Source("alpha", outstanding=OUTSTANDING), bulk],
@@ -372,7 +382,7 @@ def run_batch(pool: PoolShape, w: Window, seed: int) -> dict[str, Any]:
     for case, sources in cases.items():
         out[case] = {}
         for policy in POLICIES:
-            trace = simulate(pool, sources, w.t1, seed, fifo=policy == "fifo")
+            trace = simulate(pool, sources, w.t1, seed, **policy_args(policy, before))
             counts = stage_counts(trace, w.warmup, w.t1)
             done = counts["denoise"]
             total = sum(done.values())
@@ -496,6 +506,7 @@ def main_run(args: argparse.Namespace) -> dict[str, Any]:
     w = Window(args.warmup, args.window, args.tail)
     seeds = list(range(1, args.seeds + 1))
     pools = {name: POOLS[name] for name in args.pools}
+    before, commit = scheduler_at(args.base) if args.base else (None, None)
     results: dict[str, Any] = {
         "setup": {"ar_batch_max_outputs": AR_BATCH_MAX_OUTPUTS, "ar_inflight_per_server": 1,
                   "ar_batch_s": {"1": ar_batch_seconds(1), str(AR_BATCH_MAX_OUTPUTS):
@@ -504,13 +515,16 @@ def main_run(args: argparse.Namespace) -> dict[str, Any]:
                   "pools": {k: {"ar_servers": p.ar_servers, "denoisers": p.denoisers,
                                 "bound_img_per_s": round(p.bound, 4)} for k, p in pools.items()},
                   "warmup_s": w.warmup, "window_s": w.window, "tail_s": w.tail, "seeds": seeds,
-                  "flood": FLOOD, "light": LIGHT},
-        "shares": {k: run_shares(p, w, seeds[0]) for k, p in pools.items()},
+                  "flood": FLOOD, "light": LIGHT,
+                  "fifo": (f"the scheduler of {args.base} ({commit[:10]}), the requests as sent" if commit else
+                           "this scheduler, every request as tenant default in class default")},
+        "shares": {k: run_shares(p, w, seeds[0], before=before) for k, p in pools.items()},
     }
     if args.mixed_n:
-        results["shares_mixed_n"] = {k: run_shares(p, w, seeds[0], ns=(1, 2, 4)) for k, p in pools.items()}
-    results["flood"] = {k: run_flood(p, w, seeds) for k, p in pools.items()}
-    results["batch"] = {k: run_batch(p, w, seeds[0]) for k, p in pools.items()}
+        results["shares_mixed_n"] = {k: run_shares(p, w, seeds[0], ns=(1, 2, 4), before=before)
+                                     for k, p in pools.items()}
+    results["flood"] = {k: run_flood(p, w, seeds, before=before) for k, p in pools.items()}
+    results["batch"] = {k: run_batch(p, w, seeds[0], before=before) for k, p in pools.items()}
     results["checks"] = {p: checks(results, p) for p in POLICIES}
     return results
 
@@ -526,6 +540,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated subset of {', '.join(POOLS)}")
     p.add_argument("--no-mixed-n", dest="mixed_n", action="store_false",
                    help="skip the 1:1:2 run with n drawn from {1, 2, 4}")
+    p.add_argument("--base", metavar="REV", help="run fifo on the scheduler as of this git revision (one from before "
+                   "issue 30 ignores tenants and classes), the requests as sent, instead of as one tenant here")
     p.add_argument("--quick", action="store_true", help="a short run (smoke test): 1 seed, a 600 s window")
     args = p.parse_args(argv)
     if args.quick:
