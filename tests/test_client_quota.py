@@ -272,6 +272,15 @@ def test_cli_reports_a_quota_refusal(gw: FakeServer, tmp_path: Path) -> None:
     assert len(gw.servicer.calls) == 1
 
 
+def test_cli_says_when_it_waits_out_a_quota(gw: FakeServer, tmp_path: Path) -> None:
+    servicer(gw).refusals = [Refusal(quota="images_per_minute", retry_delay=0.2)]
+    done = glmimage("generate", "a cat", "-o", "out", "--address", gw.address, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "RESOURCE_EXHAUSTED (rate limit reached: images_per_minute), quota images_per_minute, retry 1/3 in" \
+        in done.stderr
+    assert len(gw.servicer.calls) == 2 and (tmp_path / "out" / "image-0.png").exists()
+
+
 # --- the Node client -----------------------------------------------------------------------------------------------
 
 

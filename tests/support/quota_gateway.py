@@ -1,9 +1,9 @@
 """The scripted gateway of tests/support/fake_gateway.py with a tenant's priorities and quotas, as the contract
-describes them (gateway_service.proto, docs/tenants.md): a generation asking for a priority above ``max_priority``
-is INVALID_ARGUMENT on priority; an admitted one carries ``rate_limits`` in its initial metadata; a refusal scripted
-in ``refusals`` is RESOURCE_EXHAUSTED with a google.rpc.RetryInfo detail (when it has a ``retry_delay``), trailing
-``retry-after``, ``x-glmimage-quota`` and the rate limits. It records when each call arrived (``arrivals``), so a
-test can tell how long a client waited before retrying.
+describes them (gateway_service.proto; the rate-limit metadata of issue 30): a generation asking for a priority above
+``max_priority`` is INVALID_ARGUMENT on priority; an admitted one carries ``rate_limits`` in its initial metadata; a
+refusal scripted in ``refusals`` is RESOURCE_EXHAUSTED with a google.rpc.RetryInfo detail (when it has a
+``retry_delay``), trailing ``retry-after``, ``x-glmimage-quota`` and the rate limits. It records when each call
+arrived (``arrivals``), so a test can tell how long a client waited before retrying.
 """
 from __future__ import annotations
 
