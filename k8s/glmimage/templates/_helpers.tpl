@@ -383,3 +383,83 @@ loras.source=none, neither (the tiny model's denoiser then uses its built-in dem
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+Tenants (tenants.*): the TOML file from a Secret (the chart's from tenants.file, or tenants.existingSecret), mounted
+read-only in the gateway pods; --tenants on the gateway and the REST front. The whole directory is mounted (no
+subPath), so an edited Secret reaches the file in place and a SIGHUP reloads it without a restart.
+*/}}
+{{- define "glmimage.tenantsEnabled" -}}
+{{- $t := .Values.tenants }}
+{{- if and $t.file $t.existingSecret }}{{ fail "give tenants.file or tenants.existingSecret, not both" }}{{ end }}
+{{- if or $t.file $t.existingSecret }}true{{ end }}
+{{- end }}
+
+{{- define "glmimage.tenantsSecretName" -}}
+{{- default (printf "%s-tenants" (include "glmimage.fullname" .)) .Values.tenants.existingSecret }}
+{{- end }}
+
+{{- define "glmimage.tenantsDir" -}}/etc/glmimage/tenants{{- end }}
+
+{{- define "glmimage.tenantsArgs" -}}
+{{- if include "glmimage.tenantsEnabled" . }}
+- --tenants={{ include "glmimage.tenantsDir" . }}/tenants.toml
+{{- end }}
+{{- end }}
+
+{{- define "glmimage.tenantsVolume" -}}
+{{- if include "glmimage.tenantsEnabled" . }}
+- name: tenants
+  secret:
+    secretName: {{ include "glmimage.tenantsSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.tenants.secretKey }}
+        path: tenants.toml
+{{- end }}
+{{- end }}
+
+{{- define "glmimage.tenantsVolumeMount" -}}
+{{- if include "glmimage.tenantsEnabled" . }}
+- name: tenants
+  mountPath: {{ include "glmimage.tenantsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Rolls the gateway pods when anything in the tenants block changes: the file itself, or the revision that stands
+for an existing Secret's content (which the chart cannot read). */}}
+{{- define "glmimage.tenantsChecksum" -}}
+{{- if include "glmimage.tenantsEnabled" . }}
+checksum/tenants: {{ toJson .Values.tenants | sha256sum }}
+{{- end }}
+{{- end }}
+
+{{- define "glmimage.restKeySecretName" -}}
+{{- default (printf "%s-rest-key" (include "glmimage.fullname" .)) .Values.tenants.restKey.existingSecret }}
+{{- end }}
+
+{{/* The key the REST front presents on its own calls (GetStatus behind /health) when tenants are on. */}}
+{{- define "glmimage.restKeyEnv" -}}
+{{- $k := .Values.tenants.restKey }}
+{{- if and (include "glmimage.tenantsEnabled" .) (or $k.key $k.existingSecret) }}
+- name: GLMIMAGE_GATEWAY_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "glmimage.restKeySecretName" . }}
+      key: {{ $k.secretKey }}
+{{- end }}
+{{- end }}
+
+{{/* --quota-store: quota counters shared by every gateway (Redis); none: each gateway counts on its own. */}}
+{{- define "glmimage.quotaStoreArgs" -}}
+{{- with .Values.quotaStore.url }}
+{{- if not (hasPrefix "redis://" .) }}
+{{- fail (printf "quotaStore.url must be redis://HOST:PORT/N, not %q" .) }}
+{{- end }}
+{{- if not (include "glmimage.tenantsEnabled" $) }}
+{{- fail "quotaStore.url counts the quotas of a tenants file: set tenants.file or tenants.existingSecret too" }}
+{{- end }}
+- --quota-store={{ . }}
+{{- end }}
+{{- end }}
