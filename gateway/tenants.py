@@ -173,7 +173,8 @@ def parse_tenants(text: str, source: str = "<tenants>") -> Tenants:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         m = re.search(r"at line (\d+)", str(exc))
-        raise TenantsError(f"{source}:{m.group(1) if m else 1}: not valid TOML: {exc}") from None
+        line = m.group(1) if m else max(1, len(text.splitlines()))  # (else "at end of document")
+        raise TenantsError(f"{source}:{line}: not valid TOML: {exc}") from None
     where = _lines_of(text)
 
     def fail(name: str | None, fld: str | None, why: str) -> TenantsError:
