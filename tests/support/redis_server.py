@@ -18,11 +18,11 @@ import pytest
 from tests.support.net import free_port
 
 START_TIMEOUT = 30.0
+DEBIAN_PATH = Path("/usr/bin/redis-server")  # where the package puts it, for a PATH without /usr/bin
 
 
 def redis_server_binary() -> str:
-    found = shutil.which("redis-server") or (
-        "/usr/bin/redis-server" if Path("/usr/bin/redis-server").is_file() else None)
+    found = shutil.which("redis-server") or (str(DEBIAN_PATH) if DEBIAN_PATH.is_file() else None)
     if found is None:
         pytest.fail("redis-server not found. It comes from the Debian package `redis-server`: `make tools` installs "
                     "it (as root), or `apt-get install -y redis-server`")
@@ -83,8 +83,9 @@ def _spawn(port: int, directory: Path) -> subprocess.Popen:
 
 
 @contextmanager
-def redis_server(directory: Path) -> Iterator[RedisServer]:
-    port = free_port()
+def redis_server(directory: Path, port: int | None = None) -> Iterator[RedisServer]:
+    """A redis-server on ``port`` (a free one if None), killed on the way out."""
+    port = port or free_port()
     server = RedisServer(port, directory, _spawn(port, directory))
     try:
         yield server
