@@ -185,6 +185,8 @@ def test_a_wait_past_max_retry_after_is_final_without_a_deadline(gw: FakeServer)
     with Client(gw.address, retry=patient) as client, pytest.raises(GlmImageError) as err:
         client.generate("a cat")
     assert (err.value.attempts, err.value.retry_after) == (1, 5.0)
+    with pytest.raises(ValueError, match="max_retry_after"):
+        RetryPolicy(max_retry_after=-1)
 
 
 def test_a_full_queue_is_retried_with_the_usual_backoff(gw: FakeServer) -> None:

@@ -138,6 +138,8 @@ class RetryPolicy:
             raise ValueError("max_attempts must be at least 1")
         if not 0.0 <= self.jitter <= 1.0:
             raise ValueError("jitter must be between 0 and 1")
+        if self.max_retry_after < 0:
+            raise ValueError("max_retry_after must be at least 0")
         unsafe = set(self.codes) - RETRYABLE_CODES
         if unsafe:
             names = sorted(c.name for c in unsafe)
