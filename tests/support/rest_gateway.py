@@ -1,6 +1,7 @@
 """A scripted GatewayService for the REST front's tests (tests/rest/): real grpc.aio, answering with tiny PNGs,
-progress and partials, and able to abort, block until cancelled or require an API key; and the front's client
-helpers.
+progress and partials, and able to abort, block until cancelled or require an API key, sending a tenant's rate-limit
+figures as the gateway does (initial metadata when admitted; a quota refusal's trailing metadata and RetryInfo); and
+the front's client helpers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any
 import grpc
 import httpx
 from fastapi import FastAPI
+from google.protobuf import duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
 from PIL import Image
 
 from gateway.rest.app import RestSettings, create_app
@@ -54,6 +58,28 @@ def image_usage(n_images: int = 1, cached: int | None = None) -> dict[str, Any]:
 
 STREAM_STEPS = 4  # denoising steps the fake reports per image when the request leaves it to the server
 
+# A tenant's figures as the gateway sends them (gateway/quotas: OpenAI's names and duration forms).
+RATE_LIMITS = (("x-ratelimit-limit-requests", "30"), ("x-ratelimit-remaining-requests", "29"),
+               ("x-ratelimit-reset-requests", "2s"), ("x-ratelimit-limit-images", "60"),
+               ("x-ratelimit-remaining-images", "57"), ("x-ratelimit-reset-images", "250ms"))
+SPENT = (("x-ratelimit-limit-requests", "30"), ("x-ratelimit-remaining-requests", "0"),
+         ("x-ratelimit-reset-requests", "12s"), ("x-ratelimit-limit-images", "60"),
+         ("x-ratelimit-remaining-images", "31"), ("x-ratelimit-reset-images", "12s"))
+
+
+def quota_refusal(quota: str = "requests_per_minute", delay: float = 11.2, retry_after: str | None = "12",
+                  figures: tuple[tuple[str, str], ...] = SPENT) -> grpc.Status:
+    """RESOURCE_EXHAUSTED as the gateway refuses a call past a tenant's quota: a google.rpc.RetryInfo of ``delay``
+    seconds, and trailing `retry-after` (None: left out), `x-glmimage-quota` and the spent figures."""
+    status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED,
+                               message=f"tenant 'beta' is over its {quota} quota (30 a minute); retry in 12s")
+    seconds = int(delay)
+    status.details.add().Pack(error_details_pb2.RetryInfo(
+        retry_delay=duration_pb2.Duration(seconds=seconds, nanos=int((delay - seconds) * 1e9))))
+    composed = rpc_status.to_status(status)
+    extra = (*(() if retry_after is None else (("retry-after", retry_after),)), ("x-glmimage-quota", quota))
+    return composed._replace(trailing_metadata=(*composed.trailing_metadata, (OWN_ERROR_KEY, "1"), *extra, *figures))
+
 
 class FakeGateway(gw_grpc.GatewayServiceServicer):
     """Answers GenerateImages with n tiny PNGs, and GenerateImagesStream with progress, partials and the result.
@@ -68,7 +94,11 @@ class FakeGateway(gw_grpc.GatewayServiceServicer):
     def reset(self) -> None:
         self.calls: list[tuple[gw.GenerateImagesRequest, dict[str, str]]] = []
         self.stream_calls: list[tuple[gw.GenerateImagesStreamRequest, dict[str, str]]] = []
-        self.abort: tuple[grpc.StatusCode, str] | None = None
+        self.abort: tuple[grpc.StatusCode, str] | grpc.Status | None = None
+        # Sent as initial metadata on every call it admits (a tenant's rate-limit figures: RATE_LIMITS).
+        self.admitted_metadata: tuple[tuple[str, str], ...] = ()
+        # GenerateImages fails with this after admitting the call (its initial metadata sent).
+        self.fail_after_admit: tuple[grpc.StatusCode, str] | None = None
         self.abort_mid_stream: tuple[grpc.StatusCode, str] | None = None
         self.stream_without_result = False
         self.required_authorization: str | None = None
@@ -92,6 +122,8 @@ class FakeGateway(gw_grpc.GatewayServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
         if self.abort is not None:
             await _abort(context, self.abort)
+        if self.admitted_metadata:
+            await context.send_initial_metadata(self.admitted_metadata)
         return metadata
 
     async def _block(self) -> None:
@@ -109,6 +141,8 @@ class FakeGateway(gw_grpc.GatewayServiceServicer):
         metadata = await self._admit(context)
         if self.block:
             await self._block()
+        if self.fail_after_admit is not None:
+            await _abort(context, self.fail_after_admit)
         return self._response(request, metadata)
 
     async def GenerateImagesStream(
@@ -175,9 +209,11 @@ class FakeGateway(gw_grpc.GatewayServiceServicer):
         return gw.ListLorasResponse(loras=self.loras)
 
 
-async def _abort(context: grpc.aio.ServicerContext, abort: tuple) -> None:
+async def _abort(context: grpc.aio.ServicerContext, abort: tuple | grpc.Status) -> None:
     """Abort as the real gateway does: it marks the statuses it composed. ``(code, text, False)`` leaves the mark
-    off, as on a status gRPC made up itself (connection refused...)."""
+    off, as on a status gRPC made up itself (connection refused...); a grpc.Status (quota_refusal) goes as it is."""
+    if isinstance(abort, grpc.Status):
+        await context.abort_with_status(abort)
     code, text, *own = abort
     if isinstance(code, ServiceError):  # a domain error: the real gateway's rich status (details and mark)
         await context.abort_with_status(rich_status(code))
