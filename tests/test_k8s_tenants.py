@@ -20,6 +20,7 @@ from tests.support.chart import (
     container,
     helm,
     kv,
+    notes,
     pod_spec,
     render,
 )
@@ -181,3 +182,12 @@ def test_the_servers_accept_the_tenant_flags(on_docs: list[dict]) -> None:
     assert (str(gateway.tenants), gateway.quota_store) == (f"{TENANTS_DIR}/tenants.toml", "redis://redis:6379/0")
     rest = rest_args(_expand(container(on_docs, "gateway", "rest")["args"], env))
     assert str(rest.tenants) == f"{TENANTS_DIR}/tenants.toml"
+
+
+def test_install_notes_say_where_the_tenants_are_and_how_quotas_count() -> None:
+    on, existing = notes(ON), notes(EXISTING)
+    assert f"Secret {RELEASE}-glmimage-tenants (key tenants.toml)" in on
+    assert "Quotas are counted in redis://redis:6379/0" in on and "tenants.revision" not in on
+    assert "Secret team-tenants (key file)" in existing and "counts the quotas on its own" in existing
+    assert "tenants.revision, or send them SIGHUP" in existing
+    assert "Tenants:" not in notes()
