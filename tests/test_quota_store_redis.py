@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -81,6 +83,51 @@ async def test_two_gateways_admit_exactly_twenty_of_forty_concurrent(server: Red
     assert all(dict(d.headers)["x-ratelimit-remaining-requests"] == "0" for d in refused)
     assert await direct.hget(window_key("alpha"), "r") == "20"
     assert 0 < await direct.pttl(window_key("alpha")) <= 60_000
+
+
+GATEWAY_PROCESS = """
+import asyncio, sys
+import redis.asyncio as aioredis
+from gateway.quota_store import RedisStore
+from gateway.quotas import Quota, Quotas
+
+async def main(url):
+    store, barrier = RedisStore(url), aioredis.Redis.from_url(url)
+    assert await store.connect()
+    q = Quotas(store)
+    print("ready", flush=True)
+    await barrier.blpop(["test:go"], timeout=60)  # both processes wake on one RPUSH
+
+    async def one(i):  # 20 requests over about 40 ms, overlapping the other process's
+        await asyncio.sleep(0.002 * i)
+        return await q.admit("alpha", Quota(requests_per_minute=20), 1)
+
+    ds = await asyncio.gather(*(one(i) for i in range(20)))
+    print(sum(d.allowed for d in ds), flush=True)
+    await store.close()
+    await barrier.aclose()
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_two_gateway_processes_admit_exactly_twenty_of_forty(server: RedisServer,
+                                                                   direct: aioredis.Redis) -> None:
+    """The same across two OS processes, each with its own connections, released together."""
+    procs = [subprocess.Popen([sys.executable, "-c", GATEWAY_PROCESS, server.url], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    loop = asyncio.get_running_loop()
+    try:
+        for p in procs:
+            assert await loop.run_in_executor(None, p.stdout.readline) == "ready\n"
+        await direct.rpush("test:go", "go", "go")
+        counts = [int(await loop.run_in_executor(None, p.stdout.readline)) for p in procs]
+        assert [await loop.run_in_executor(None, p.wait, 60) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert sum(counts) == 20, counts
 
 
 async def test_a_request_and_its_images_count_in_one_step(server: RedisServer, direct: aioredis.Redis) -> None:
