@@ -1,6 +1,7 @@
 """The live pool page (`GET /status`, gateway/rest/status_page.py) in a real headless Chromium (Debian's chromium
 and chromedriver, which `make tools` installs) over a real stack: it loads, shows every worker, and shows a denoiser
-busy soon after a request starts; and who may see its data when keys are configured."""
+busy soon after a request starts; who may see its data when keys are configured; and its tenants table, over a
+scripted gateway and a real front with --tenants."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ from gateway.rest.app import RestSettings, create_app
 from tests.support.cluster import running_stack
 from tests.support.fake_gateway import FakeServer
 from tests.support.rest_gateway import asgi_client
+from tests.support.rest_tenants import front_process, serve_tenants_fake, tenants_toml
 from tests.support.waiting import until as _until
 
 # The page polls twice a second, so a busy denoiser shows within about a second of its job starting; the bound
@@ -158,3 +160,47 @@ async def test_with_separate_keys_per_hop_the_gateway_sees_the_front_s_key(fake:
         assert admin.status_code == 200, admin.text
     call = next(c for c in fake.servicer.calls if c.method == "GetStatus")
     assert call.metadata.get("authorization") == "Bearer front-key"  # the client's key stays at the front
+
+
+# ---- the tenants table ----------------------------------------------------------------------------------------
+
+
+def _tenant_rows(browser) -> dict[str, dict[str, str]]:
+    return browser.execute_script(
+        "return Object.fromEntries([...document.querySelectorAll('table.tenants tr.tenant')].map(r => [r.dataset.name,"
+        " Object.fromEntries([...r.cells].map(c => [c.className, c.textContent]))]))")
+
+
+def test_an_admin_tenant_sees_each_tenant_s_share_and_quotas(browser, tmp_path: Path) -> None:
+    """Over a scripted gateway whose GetStatus reports two tenants, through a real `python -m gateway.rest
+    --tenants`: the page asks for a key, refuses a user tenant's and shows the table to an admin tenant's."""
+    from selenium.webdriver.common.by import By
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(tenants_toml({"alpha": {"keys": ["sk-alpha-1"]}, "ops": {"keys": ["sk-ops-1"],
+                                                                                "role": "admin"}}))
+    with serve_tenants_fake() as gateway, front_process(tmp_path, "--gateway-address", gateway.address, "--tenants",
+                                                        str(tenants)) as front:
+        browser.get(f"{front.base_url}/status")
+        key_form = browser.find_element(By.ID, "key")
+        _until(key_form.is_displayed, 10, "the page to ask for a key")
+
+        def enter(key: str) -> None:
+            field = browser.find_element(By.ID, "keyinput")
+            field.clear()
+            field.send_keys(key)
+            browser.find_element(By.CSS_SELECTOR, "#key button").click()
+
+        enter("sk-alpha-1")  # a user tenant's key: refused (403), no data shown
+        _until(lambda: browser.find_element(By.ID, "error").text.startswith("An admin key"), 10, "the refusal")
+        assert _tenant_rows(browser) == {}
+        enter("sk-ops-1")
+        _until(lambda: len(_tenant_rows(browser)) == 2, 10, "the tenants table")
+        rows = _tenant_rows(browser)
+        alpha = rows["alpha"]
+        assert (alpha["queued-ar"], alpha["queued-denoise"], alpha["active"]) == ("2", "5", "3")
+        assert alpha["inflight"] == "4 of 8" and alpha["wait"] == "7.3 s"
+        assert (alpha["requests"], alpha["images"]) == ("41", "97")
+        assert alpha["rpm"] == "27 of 30 left" and alpha["ipm"] == "52 of 60 left"
+        assert rows["ops"]["weight"] == "2" and rows["ops"]["rpm"] == "-" and rows["ops"]["inflight"] == "0"
+        assert len(_rows(browser, "ar")) == 1  # the workers' table is still there
