@@ -224,7 +224,6 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"gateway: --quota-store: {exc}") from None
     tls = server_tls_from_args(args)
     metrics = GatewayMetrics()
-    metrics.tenants(tenants.current.by_name)
     if args.quota_store:
         metrics.quota_store(store.up)
         store.on_state(metrics.quota_store)

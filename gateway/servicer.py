@@ -92,6 +92,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         self.tenants = tenants or TenantsFile(None, tenants_from_keys(config.api_keys, config.admin_keys))
         self._auth = GatewayAuth(self.tenants)
         self.gate = gate or TenantGate(Quotas(LocalStore()), driver.observe.metrics)
+        if self.gate.metrics is not None:  # (python -m gateway tells it again after each reload)
+            self.gate.metrics.tenants(self.tenants.current.by_name)
         self.loras = PoolLoras(driver.denoisers, config.worker_metadata)
 
     @property
