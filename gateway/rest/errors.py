@@ -10,11 +10,8 @@ from typing import Any
 
 import grpc
 from fastapi.responses import JSONResponse
-from google.protobuf.message import DecodeError
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
-from services.runtime.details import OWN_ERROR_KEY, field_violation
+from services.runtime.details import OWN_ERROR_KEY, field_violation, retry_delay
 from services.runtime.status import row_of
 
 from .ratelimits import quota_of, rate_limit_headers, retry_after
@@ -112,20 +109,6 @@ def from_rpc_error(err: grpc.aio.AioRpcError, request_id: str = "") -> APIError:
         log.warning("%s gateway call failed: %s: %s", request_id or "-", code.name, err.details())
     return APIError(row.http, message, type=row.openai_type, param=rest_param(err), code=row.openai_code,
                     headers=headers)
-
-
-def retry_delay(err: grpc.aio.AioRpcError) -> float | None:
-    """Seconds of the google.rpc.RetryInfo in a failed call's rich status; None without one (or a status that
-    does not decode)."""
-    try:
-        status = rpc_status.from_call(err)
-    except (ValueError, DecodeError):
-        return None
-    for detail in status.details if status is not None else ():
-        info = error_details_pb2.RetryInfo()
-        if detail.Unpack(info):
-            return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
-    return None
 
 
 # pydantic error type -> OpenAI-style error code.
