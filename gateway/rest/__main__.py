@@ -186,12 +186,17 @@ class RestServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.on_sighup is not None:
             # On the loop, between requests: the tenants in force change in one assignment, none is dropped.
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.on_sighup)
+            try:
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.on_sighup)
+            except (RuntimeError, ValueError):  # a loop outside the main thread takes no signals
+                logging.getLogger("gateway.rest").warning("SIGHUP will not reload the tenants file: the server does "
+                                                          "not run in the main thread")
         await super().startup(sockets)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.on_sighup is not None:
-            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            with contextlib.suppress(RuntimeError, ValueError):
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         await super().shutdown(sockets)
 
     @contextlib.contextmanager
