@@ -88,3 +88,13 @@ def test_stream_partial_images(sdk: openai.OpenAI) -> None:
     assert isinstance(done, ImageGenCompletedEvent)
     assert done.usage.input_tokens > 0 and done.usage.output_tokens > 0
     assert done.usage.model_dump()["image_count"] == 1  # the SDK keeps the sglang-family fields
+
+
+@pytest.mark.parametrize("priority", ["interactive", "batch"])
+def test_priority(sdk: openai.OpenAI, priority: str) -> None:
+    # The flags' tenant (`default`) may ask for any class; `batch` runs on an idle pool at once.
+    res = sdk.images.generate(prompt="a lighthouse", size="64x64", extra_body={**FAST, "priority": priority})
+    _decode(res.data[0].b64_json, "png")
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.images.generate(prompt="a lighthouse", size="64x64", extra_body={"priority": "urgent"})
+    assert info.value.param == "priority" and info.value.code == "invalid_value"
