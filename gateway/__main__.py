@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 
-from gateway.auth import ENV_ADMIN_KEYS, ENV_KEYS, GatewayAuth, admin_keys_from, api_keys_from
+from gateway.auth import ENV_ADMIN_KEYS, ENV_KEYS, GatewayAuth, admin_keys_from, api_keys_from, status_keys_from
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.membership import parse_allow_rule, split_host_port
@@ -228,9 +228,10 @@ async def serve(args: argparse.Namespace) -> None:
         metrics.quota_store(store.up)
         store.on_state(metrics.quota_store)
     driver = Driver(config, metrics=metrics)
-    servicer = GatewayServicer(driver, config, tenants, TenantGate(Quotas(store), metrics))
+    auth = GatewayAuth(tenants, status_keys_from())
+    servicer = GatewayServicer(driver, config, tenants, TenantGate(Quotas(store), metrics), auth)
     # Always installed: with no admin key it is what keeps AddWorker/RemoveWorker off.
-    interceptors = [GatewayAuth(tenants)]
+    interceptors = [auth]
 
     def reload() -> None:
         if tenants.reload():

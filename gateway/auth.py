@@ -14,13 +14,14 @@ Health and reflection stay open, so probes and grpcurl discovery work without a 
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 from collections.abc import Iterable, Mapping
 
 import grpc
 
-from gateway.tenants import ADMIN, USER, Tenant, TenantsFile, tenants_from_keys
+from gateway.tenants import ADMIN, USER, Tenant, TenantsFile, digest, tenants_from_keys
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.auth import bearer_token, refusal_handler
 
@@ -28,8 +29,12 @@ log = logging.getLogger(__name__)
 
 ENV_KEYS = "GLMIMAGE_API_KEYS"
 ENV_ADMIN_KEYS = "GLMIMAGE_ADMIN_KEYS"
+# Keys that may call GetStatus and nothing else, and see no tenant and no job id with it: a probe's (the REST front's
+# /health, which the launcher gives one of its own when the tenants file holds every other key).
+ENV_STATUS_KEYS = "GLMIMAGE_STATUS_KEYS"
 PUBLIC = "public"
 SERVICE = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+STATUS_METHOD = f"/{SERVICE}/GetStatus"
 
 METHOD_ROLES: dict[str, str] = {
     f"/{SERVICE}/": ADMIN,  # a method not named below: fail closed
@@ -56,6 +61,11 @@ def keys_from(flags: Iterable[str], env: str, environ: Mapping[str, str] = os.en
     return tuple(dict.fromkeys(k for k in [*(f.strip() for f in flags), *from_env] if k))
 
 
+def status_keys_from(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """``$GLMIMAGE_STATUS_KEYS``: never a flag, so `ps` does not show them."""
+    return keys_from((), ENV_STATUS_KEYS, environ)
+
+
 def api_keys_from(flags: Iterable[str], environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """``--api-key`` flags plus ``$GLMIMAGE_API_KEYS``."""
     return keys_from(flags, ENV_KEYS, environ)
@@ -70,8 +80,9 @@ class GatewayAuth(grpc.aio.ServerInterceptor):
     """The GatewayService interceptor over the tenants in force (read anew on every call, so a reload applies to the
     next call): a key is its tenant's, and the tenant's role says which methods it may call (METHOD_ROLES)."""
 
-    def __init__(self, tenants: TenantsFile) -> None:
+    def __init__(self, tenants: TenantsFile, status_keys: Iterable[str] = ()) -> None:
         self.tenants = tenants
+        self._status = [digest(k) for k in status_keys if k]
 
     @staticmethod
     def role_of(method: str) -> str:
@@ -85,6 +96,14 @@ class GatewayAuth(grpc.aio.ServerInterceptor):
         """Whose call it is: its key's tenant (on a gateway with open user methods, `default` without one)."""
         return self.tenants.current.caller(bearer_token(metadata))
 
+    def is_probe(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
+        """Whether the call presents a status key (GetStatus only, no tenant's view)."""
+        token = bearer_token(metadata)
+        if token is None or not self._status:
+            return False
+        probe = digest(token)
+        return any([hmac.compare_digest(probe, key) for key in self._status])
+
     def check(self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None
               ) -> tuple[grpc.StatusCode, str] | None:
         """None if the call may go ahead, else the status code and message to refuse it with."""
@@ -93,6 +112,8 @@ class GatewayAuth(grpc.aio.ServerInterceptor):
             return None
         tenants = self.tenants.current
         if role == USER and tenants.open_users:
+            return None
+        if method == STATUS_METHOD and self.is_probe(metadata):
             return None
         if role == ADMIN and not tenants.has_admin:
             return grpc.StatusCode.PERMISSION_DENIED, ADMIN_OFF

@@ -83,14 +83,14 @@ def check_worker_address(address: str) -> WorkerAddress:
 
 class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
     def __init__(self, driver: Driver, config: GatewayConfig, tenants: TenantsFile | None = None,
-                 gate: TenantGate | None = None) -> None:
+                 gate: TenantGate | None = None, auth: GatewayAuth | None = None) -> None:
         self.driver = driver
         self.config = config
         # Who is calling: the tenants in force (the file, reloaded on SIGHUP, or the key flags), read by the same
         # GatewayAuth the server installs. Whether the call may go ahead at all is the installed interceptor's
         # business; here the tenant decides the request's share, priority, quotas and what GetStatus shows.
         self.tenants = tenants or TenantsFile(None, tenants_from_keys(config.api_keys, config.admin_keys))
-        self._auth = GatewayAuth(self.tenants)
+        self._auth = auth or GatewayAuth(self.tenants)
         self.gate = gate or TenantGate(Quotas(LocalStore()), driver.observe.metrics)
         if self.gate.metrics is not None:  # (python -m gateway tells it again after each reload)
             self.gate.metrics.tenants(self.tenants.current.by_name)

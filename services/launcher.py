@@ -198,6 +198,11 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
     await sup.start([ar, *denoisers], deadline)
 
     tenant_flags = ["--tenants", str(a.tenants.resolve())] if a.tenants else []
+    # With a tenants file every gateway call needs a key of it, the REST front's /health too: a key of the stack's own
+    # that may call GetStatus only, through the environment (never argv).
+    status_key = secrets.token_urlsafe(32) if a.tenants else None
+    gw_env = {**token_env, "GLMIMAGE_STATUS_KEYS": status_key} if status_key else token_env
+    rest_env = {"GLMIMAGE_GATEWAY_API_KEY": status_key} if status_key else None
     store_flags = ["--quota-store", a.quota_store] if a.quota_store else []
     gw_flags = ["--ar", ar.address, *[f"--denoiser={d.address}" for d in denoisers], *trace_flags, *tenant_flags,
                 *store_flags, *a.gateway_arg]
@@ -205,7 +210,7 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
     if a.gateway_metrics_ports is not None:
         given = a.gateway_metrics_ports
         gw_metrics = [given[i] if i < len(given) else 0 for i in range(len(a.gateway_ports))]
-    gateways = [sup.child(name, "gateway", port, gw_flags, "glmimage.v1.GatewayService", token_env,
+    gateways = [sup.child(name, "gateway", port, gw_flags, "glmimage.v1.GatewayService", gw_env,
                           _metrics_port(m))
                 for name, port, m in zip(gateway_names(len(a.gateway_ports)), a.gateway_ports, gw_metrics,
                                          strict=True)]
@@ -214,7 +219,7 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
     # The REST front takes them in turn and resubmits a call that a gateway dropped unanswered to the next one.
     rest = sup.child("rest", "gateway.rest", a.rest_port,
                      ["--gateway-address", ",".join(g.address for g in gateways), *trace_flags, *tenant_flags,
-                      *a.rest_arg], None)
+                      *a.rest_arg], None, rest_env)
     await sup.start([rest], deadline)
     rest.metrics_port = rest.port  # the REST front serves /metrics on its own port
     return sup.addresses()

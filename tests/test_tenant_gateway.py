@@ -12,6 +12,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from prometheus_client import CollectorRegistry
 
+from gateway.auth import GatewayAuth
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import TenantsFile, parse_tenants
 from glmimage.v1 import gateway_service_pb2 as pb
@@ -182,3 +183,15 @@ async def test_a_reload_applies_to_the_next_call_and_an_admitted_request_keeps_i
         err = await rpc_error(gw.stub.GenerateImages(request(), metadata=ALPHA))
         assert err.code() is grpc.StatusCode.UNAUTHENTICATED
         assert len((await gw.stub.GenerateImages(request(), metadata=bearer("sk-alpha-2"))).images) == 1
+
+
+def test_a_status_key_calls_get_status_only_and_sees_no_tenant() -> None:
+    auth = GatewayAuth(tenants(), status_keys=("probe-key",))
+    probe = bearer("probe-key")
+    assert auth.check("/glmimage.v1.GatewayService/GetStatus", probe) is None
+    for method in ("GenerateImages", "GenerateImagesStream", "ListLoras", "AddWorker"):
+        code, _ = auth.check(f"/glmimage.v1.GatewayService/{method}", probe)
+        assert code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), method
+    assert auth.caller(probe) is None and not auth.is_probe(bearer("probe-kez")) and not auth.is_probe(None)
+    assert GatewayAuth(tenants()).check("/glmimage.v1.GatewayService/GetStatus", probe)[0] \
+        is grpc.StatusCode.UNAUTHENTICATED
