@@ -1,4 +1,4 @@
-"""LoRA placement in the pure scheduler core (gateway/scheduler/core.py, _dispatch_by_affinity): a job naming adapters
+"""LoRA placement in the pure scheduler core (gateway/scheduler/placement.py): a job naming adapters
 goes to a free denoiser holding them, waits for a busy holder only while that is cheaper than a load (and never
 longer than one), and neither plain jobs nor other adapters' jobs wait behind it. The state machine test
 (tests/test_scheduler_machine.py) checks the same bounds on random event streams; these pin each rule on its own.
@@ -179,7 +179,7 @@ def test_the_learned_costs_move_towards_what_jobs_say() -> None:
     s = pool(lora_load_cost=2.0)
     (d,) = submit(s, "r1", A)
     finish(s, d, 3.0, load=1.0)  # 2 s of steps, 1 s of loading
-    assert s._job_time == 2.0 and 1.0 < s._load_cost < 2.0
+    assert s._placement.job_time == 2.0 and 1.0 < s._placement.load_cost < 2.0
     assert s.counters.denoise_dispatches == 1
     assert job("r1") == d.job
 

@@ -15,6 +15,7 @@ update the digest (the failure prints the new one).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import random
@@ -38,6 +39,7 @@ from gateway.scheduler.types import (
     RequestArrived,
     RequestCancelled,
     SchedulerConfig,
+    Snapshot,
     Tick,
     WorkerAdded,
     WorkerHealthy,
@@ -72,6 +74,12 @@ def _text(action: object) -> object:
     return action
 
 
+def _without_tenants(snap: Snapshot) -> _Flat:
+    """The snapshot's repr as it was before it had ``tenants``."""
+    fields = ", ".join(f"{f.name}={getattr(snap, f.name)!r}" for f in dataclasses.fields(snap) if f.name != "tenants")
+    return _Flat(f"Snapshot({fields})")
+
+
 class _Digest:
     """Feeds a scheduler and hashes what it says back."""
 
@@ -84,7 +92,10 @@ class _Digest:
         actions = self.sched.handle(ev)
         s = self.sched
         said = [_text(a) for a in actions]
-        self.hash.update(repr((said, s.snapshot(), s.next_wakeup(), s.counters, s.queued_outputs())).encode())
+        # Without the per-tenant figures the snapshot gained with fair share (issue 30): these digests were pinned
+        # before it, and with one tenant its figures are the totals (test_one_tenants_figures_are_the_totals).
+        snap = _without_tenants(s.snapshot())
+        self.hash.update(repr((said, snap, s.next_wakeup(), s.counters, s.queued_outputs())).encode())
         self.events += 1
         return actions
 

@@ -17,8 +17,10 @@ Invariants (checked by the tests/test_scheduler_*.py files):
 - a worker that is healthy again gets work immediately (every handle() ends with the dispatch loop).
 
 This module is the policy, top to bottom: the public API, the event handlers, the request lifecycle, the AR stage,
-the denoise stage. What it keeps its books with is in the sibling modules: records.py (a request and its outputs),
-containers.py (the queues), pool.py (the workers, and the choice of a free one), speed.py (the CPython speed tricks).
+the denoise stage. Two parts of it have modules of their own: fairness.py (the share of both stages between tenants:
+the order in which queued work is served) and placement.py (the LoRA placement's denoise pass). What it keeps its
+books with is in the other siblings: records.py (a request and its outputs), containers.py (the queues), pool.py (the
+workers, and the choice of a free one), speed.py (the CPython speed tricks).
 """
 
 from __future__ import annotations
@@ -32,10 +34,15 @@ from typing import Any, get_args
 from services.runtime.errors import ErrorKind
 
 from .containers import ArQueue, MinQueue
+from .fairness import QueueKey, Shares
+from .placement import Placement
 from .pool import Pool, Worker
 from .records import Output, Request
 from .speed import AR, AR_INFLIGHT, DENOISER, DENOISING, DONE, IDLE, INFLIGHT, NEVER, PENDING_AR, QUEUED
 from .types import (
+    BATCH,
+    DEFAULT,
+    INTERACTIVE,
     Action,
     ArBatchFailed,
     ArBatchSucceeded,
@@ -73,14 +80,10 @@ __all__ = ["Scheduler"]
 _EVENT_TYPES: tuple[type, ...] = get_args(Event)
 
 
-# A denoise queue entry: (class, admission seq, index, request_id). Class 0 = requeued (goes to the front),
-# class 1 = fresh. (class, seq, index) is unique, so request_id never takes part in comparisons.
-_QueueKey = tuple[int, int, int, str]
+# A denoise queue entry (fairness.QueueKey): (priority class, requeued?, admission seq, index, request_id); requeued
+# ones (_FRONT) go first within their class and tenant.
 _FRONT, _FRESH = 0, 1
-
-# LoRA placement looks this many jobs that would have to load ahead at a time for later jobs that would not (see
-# _dispatch_by_affinity): the pass stays short with a long queue.
-_AFFINITY_WINDOW = 256
+_CLASSES = (INTERACTIVE, DEFAULT, BATCH)
 
 # How many ended request ids remember their highest attempt number. A reused id continues above it, so a late
 # result of the previous incarnation cannot pass the fencing check of the new one.
@@ -103,7 +106,9 @@ class Scheduler:
         # (height, width, 0) -> the requests that may batch together; a solo request queues under its own key.
         self._pending_ar: dict[tuple[int, int, int], ArQueue] = {}  # none is empty
         self._pending_ar_outputs = 0
-        self._denoise_q = MinQueue()  # of _QueueKey: the smallest is dispatched next
+        # The tenants, and the fair order of both stages: the denoise queue is theirs (see fairness.py).
+        self._shares = Shares()
+        self._denoise_q = self._shares.denoise
         self._batches: dict[int, DispatchArBatch] = {}  # in flight, as dispatched
         self._pool = Pool(config.ar_max_inflight_batches, pick_seed)
         self._deadlines = MinQueue()  # of (deadline, seq, request_id), lazily pruned
@@ -113,13 +118,7 @@ class Scheduler:
         # queue or an AR worker changed), else from _ar_recheck_at on (a waiting group's batch delay expires).
         self._ar_dirty = False
         self._ar_recheck_at = NEVER
-        # LoRA placement (see _dispatch_by_affinity): active requests naming adapters, the learned cost of a job's
-        # loads and time of a job (None until a job has told), and when a job waiting for a busy holder stops
-        # waiting (a Tick then places it elsewhere).
-        self._lora_requests = 0
-        self._load_cost = config.lora_load_cost
-        self._job_time: float | None = None
-        self._affinity_recheck_at = NEVER
+        self._placement = Placement(config.lora_load_cost)  # and what it learns (see placement.py)
         # Event type -> its handler, in the order of the Event union (handle() looks up the exact type).
         self._handlers: dict[type, Callable[[Any, list[Action]], None]] = {
             RequestArrived: self._on_arrived,
@@ -197,10 +196,15 @@ class Scheduler:
         # frees a worker triggers the dispatch. (Without this, an expired group would make the driver spin.)
         if self._pending_ar and self._pool.free_ar_server() is not None:
             delay = self.config.ar_batch_delay
-            candidates.extend(q.oldest()[0] + delay for q in self._pending_ar.values())
+            if self._shares.ar_flows <= 1 and not self._shares.ar_interactive:  # (as Shares.ar_group tells)
+                candidates.extend(q.oldest()[0] + delay for q in self._pending_ar.values())
+            elif (due := self._shares.ar_group(self._pending_ar, self.config, self._now)[1]) < NEVER:
+                # (BATCH work behind other work has no time at which it may leave)
+                candidates.append(due)
         # A job waiting for a busy holder of its adapters while a denoiser is free: placed when its wait ends.
-        if self._affinity_recheck_at < NEVER and self._denoise_q.first is not None and self._pool.idle:
-            candidates.append(self._affinity_recheck_at)
+        recheck = self._placement.recheck_at
+        if recheck < NEVER and self._denoise_q.first is not None and self._pool.idle:
+            candidates.append(recheck)
         return min(candidates) if candidates else None
 
     def snapshot(self) -> Snapshot:
@@ -208,9 +212,10 @@ class Scheduler:
             pending_ar_requests=sum(len(q.requests) for q in self._pending_ar.values()),
             pending_ar_outputs=self._pending_ar_outputs,
             pending_denoise_outputs=len(self._denoise_q),
-            pending_denoise_requests=len({k[1] for k in self._denoise_q}),
+            pending_denoise_requests=len({k[2] for k in self._denoise_q}),
             active_requests=len(self._active),
             workers=self._pool.snapshots(),
+            tenants=self._shares.snapshots(self._now),
         )
 
     def gauges(self) -> Gauges:
@@ -221,11 +226,17 @@ class Scheduler:
             pending_ar_outputs=self._pending_ar_outputs,
             pending_denoise_outputs=len(self._denoise_q),
             # (a walk of the denoise queue: counting them as they come and go would cost every denoise job)
-            pending_denoise_requests=len({k[1] for k in self._denoise_q}),
+            pending_denoise_requests=len({k[2] for k in self._denoise_q}),
             active_requests=len(self._active),
             workers=self._pool.state_counts(),
             denoisers_held_elsewhere=self._pool.held_elsewhere,
+            tenants=self._shares.snapshots(self._now),  # (figures kept as they change)
         )
+
+    def tenant_of(self, request_id: str) -> str | None:
+        """The tenant an active request was admitted under (None: not active)."""
+        req = self._active.get(request_id)
+        return None if req is None else req.flow.tenant.name
 
     def queued_outputs(self) -> int:
         """Outputs waiting in either queue (for an AR batch or for a denoiser): what admission bounds."""
@@ -254,6 +265,8 @@ class Scheduler:
             reject = (ErrorKind.INVALID_ARGUMENT, f"size must be positive, got {ev.width}x{ev.height}")
         elif rid in self._active:
             reject = (ErrorKind.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
+        elif ev.priority not in _CLASSES or not ev.weight > 0:  # (the driver's to get right)
+            reject = (ErrorKind.INVALID_ARGUMENT, f"bad priority {ev.priority!r} or weight {ev.weight!r}")
         elif ev.n > cfg.max_queued_outputs:
             # Could never be admitted: INVALID_ARGUMENT, not RESOURCE_EXHAUSTED, so clients do not retry it.
             reject = (ErrorKind.INVALID_ARGUMENT,
@@ -288,11 +301,13 @@ class Scheduler:
             outputs=[Output(index=i, attempt=base) for i in range(ev.n)],
             solo=ev.solo,
             loras=ev.loras,
+            priority=ev.priority,
         )
         self._active[rid] = req
         self.counters.admitted += 1
+        self._shares.admit(ev, req)
         if req.loras:
-            self._lora_requests += 1
+            self._placement.requests += 1
         self._enqueue_ar(req, front=False)
         if ev.deadline is not None and ev.deadline <= self._now:
             # Admitted and ended at once, so every admitted request still ends exactly once.
@@ -350,7 +365,7 @@ class Scheduler:
             return
         req, out = found
         if req.loras:  # (plain jobs: no learning, nothing on the hot path)
-            self._learn_job(ev.now - out.started_at, ev.lora_load_s)
+            self._placement.learn_job(ev.now - out.started_at, ev.lora_load_s)
         out.state = DONE
         out.worker = None
         out.result = ev.result
@@ -537,7 +552,7 @@ class Scheduler:
         (the last one went away or is draining), rather than at their deadline minutes later."""
         if not self._denoise_q or not self.config.fail_fast_without_workers or self._pool.any_ready(DENOISER):
             return
-        stranded = {self._active[rid] for _, _, _, rid in self._denoise_q if rid in self._active}
+        stranded = {self._active[k[4]] for k in self._denoise_q if k[4] in self._active}
         for req in sorted(stranded, key=lambda r: r.seq):
             self._fail(req, ErrorKind.UNAVAILABLE, self._pool.none_ready(DENOISER, "it went away"), actions)
 
@@ -551,14 +566,22 @@ class Scheduler:
         """Remove an active request from every queue and cancel its in-flight denoise jobs."""
         del self._active[req.request_id]
         self._ended = True
+        t = req.flow.tenant  # its share's figures (fairness.Tenant)
+        t.active_requests -= 1
+        t.active_outputs -= req.n
+        if not t.active_requests:
+            self._shares.idle(t)
+        elif req.priority != BATCH:
+            del t.requests[req.seq]
         if req.loras:
-            self._lora_requests -= 1
+            self._placement.requests -= 1
         if req.stage is PENDING_AR:
             q = self._pending_ar[req.queue_key]
             q.remove(req)
             if not q.requests:
                 del self._pending_ar[req.queue_key]
             self._pending_ar_outputs -= req.n
+            self._shares.ar_removed(req)
             # (A removal cannot let a batch leave: its group only gets smaller and younger. Set all the same, so
             # that the rule stays simple: every change to the AR queues sets the flag.)
             self._ar_dirty = True
@@ -571,8 +594,7 @@ class Scheduler:
                     # The worker keeps the slot until the RPC ends, so it is never oversubscribed.
                     actions.append(CancelDenoise(JobId(req.request_id, out.index, out.attempt), out.worker))
             if queued:
-                seq = req.seq
-                self._denoise_q.drop_if(lambda k: k[1] == seq)
+                self._denoise_q.drop(req.flow, req.seq)
         elif req.stage is AR_INFLIGHT and req.ar_batch is not None:
             # The batch result will drop this request (it is no longer active). If nobody else waits for the
             # batch, it is stopped at the end of this event (unless this event is its result).
@@ -616,6 +638,8 @@ class Scheduler:
         q.push(req, front)
         self._pending_ar_outputs += req.n
         self._ar_dirty = True
+        if front:  # back after a failure (Shares.admit counts an admitted one)
+            self._shares.ar_added(req)
 
     def _take_batch(self, batch_id: int) -> DispatchArBatch | None:
         """Pop an in-flight batch and free its AR slot; None (and counted as fenced) if unknown."""
@@ -649,39 +673,6 @@ class Scheduler:
             self._enqueue_ar(req, front=True)
         self.counters.requeues[reason] += len(retry)
 
-    def _eligible_group(self) -> tuple[tuple[int, int, int] | None, float]:
-        """The resolution whose batch may leave now and whose oldest request is oldest (None if none may), and the
-        earliest time at which a group that may not leave yet will by age (inf if there is none)."""
-        cfg = self.config
-        now = self._now
-        best: tuple[tuple[float, int], tuple[int, int, int]] | None = None
-        wait_until = NEVER
-        for key, q in self._pending_ar.items():
-            oldest = q.oldest()
-            due = oldest[0] + cfg.ar_batch_delay
-            if now >= due or q.requests[0].solo or q.outputs >= cfg.ar_batch_max_outputs:  # full, or waited
-                # (a solo one counts as full: nothing may join it)
-                if best is None or oldest < best[0]:
-                    best = (oldest, key)
-            elif due < wait_until:
-                wait_until = due
-        return (None if best is None else best[1]), wait_until
-
-    def _pack(self, q: deque[Request]) -> list[Request]:
-        """Oldest first; skip what does not fit and keep scanning. An oversized or solo head goes alone."""
-        cap = self.config.ar_batch_max_outputs
-        if q[0].n > cap or q[0].solo:
-            return [q[0]]
-        taken: list[Request] = []
-        room = cap
-        for r in q:
-            if r.n <= room and not r.solo:
-                taken.append(r)
-                room -= r.n
-                if room == 0:
-                    break
-        return taken
-
     def _dispatch_ar(self, actions: list[Action]) -> None:
         # Just in time: a batch is formed only when a worker can take it, so late arrivals can still join.
         #
@@ -691,9 +682,10 @@ class Scheduler:
         # events (denoise results) change neither, and the pass would scan the queues for nothing.
         self._ar_dirty = False
         self._ar_recheck_at = NEVER
+        shares = self._shares
         while self._pending_ar:  # checked first: cheaper than looking for a group or a free worker
             # The group first: usually none may leave yet (a batch is filling up), and then no worker is looked at.
-            key, wait_until = self._eligible_group()
+            key, wait_until = shares.ar_group(self._pending_ar, self.config, self._now)
             if key is None:
                 self._ar_recheck_at = wait_until
                 return
@@ -701,7 +693,7 @@ class Scheduler:
             if w is None:
                 return  # until a slot frees up or a worker becomes ready (both set _ar_dirty)
             q = self._pending_ar[key]
-            taken = self._pack(q.requests)
+            taken = shares.ar_batch(q.requests, self.config.ar_batch_max_outputs)
             ids = {id(r) for r in taken}
             rest = deque(r for r in q.requests if id(r) not in ids)
             if rest:
@@ -715,6 +707,7 @@ class Scheduler:
                 r.stage = AR_INFLIGHT
                 r.ar_batch = batch.batch_id
                 self._pending_ar_outputs -= r.n
+            shares.ar_taken(taken)
             self._batches[batch.batch_id] = batch
             w.batches.add(batch.batch_id)
             self._pool.used(w)
@@ -725,7 +718,9 @@ class Scheduler:
     def _enqueue_output(self, req: Request, out: Output, front: bool) -> None:
         out.state = QUEUED
         out.passed_at = None
-        self._denoise_q.push((_FRONT if front else _FRESH, req.seq, out.index, req.request_id))
+        self._denoise_q.push((req.priority, _FRONT if front else _FRESH, req.seq, out.index, req.request_id), req.flow)
+        if not req.listed:
+            self._shares.relist(req)
 
     def _live_output(self, job: JobId, worker: str) -> tuple[Request, Output] | None:
         """The output ``job`` is the current, in-flight attempt of, on ``worker``; else None (stale)."""
@@ -772,10 +767,12 @@ class Scheduler:
         self._enqueue_output(req, out, front=True)
 
     def _dispatch_denoise(self, actions: list[Action]) -> None:
-        # One output per free denoiser, so a request's n outputs fan out to n workers at once.
-        # (While a request names adapters, or a denoiser holds some, which plain jobs then keep off.)
-        if (self._lora_requests or self._pool.holders) and self.config.lora_affinity:
-            self._dispatch_by_affinity(actions)
+        # One output per free denoiser, so a request's n outputs fan out to n workers at once, in the fair order
+        # of the queue. (LoRA placement while a request names adapters, or a denoiser holds some, which plain jobs
+        # then keep off.)
+        if (self._placement.requests or self._pool.holders) and self.config.lora_affinity:
+            self._placement.dispatch(self._denoise_q, self._pool, self._now, self._active, self._start_job,
+                                     self._live_output, actions)
             return
         queue, pool = self._denoise_q, self._pool
         while queue.first is not None and pool.idle:  # (no entry left in the idle heap: none is free)
@@ -784,8 +781,8 @@ class Scheduler:
                 return
             self._start_job(w, queue.pop(), actions)
 
-    def _start_job(self, w: Worker, key: _QueueKey, actions: list[Action]) -> None:
-        _, _, index, rid = key
+    def _start_job(self, w: Worker, key: QueueKey, actions: list[Action]) -> None:
+        _, _, _, index, rid = key
         req = self._active[rid]
         out = req.outputs[index]
         attempt = out.attempt = out.attempt + 1
@@ -797,91 +794,3 @@ class Scheduler:
             self._pool.set_loras(w, w.loras | req.loras)  # loaded by the time the job ends
         self.counters.denoise_dispatches += 1
         actions.append(DispatchDenoise(job, address, req.ar_outputs[index]))
-
-    def _dispatch_by_affinity(self, actions: list[Action]) -> None:
-        """The denoise pass while some request names LoRA adapters, or some denoiser holds one.
-
-        In queue order, over a window of the queue at a time, while a denoiser is free:
-        1. a job goes to a free denoiser that holds all its adapters (a hit), even past jobs ahead of it that would
-           have to load: that saves a load, and a denoiser that holds nothing they need serves them as well;
-           a plain job goes at its turn, to the free denoiser holding fewest adapters (the holders stay free);
-        2. a job that must load and was passed over for one load's time already (``Output.passed_at``) loads at its
-           turn, before any later job's hit: how long affinity may hold a job back is one load, however long the
-           queue (counting from when it was queued would let no job wait once the queue is longer than a load);
-        3. then, in order, each job that would load: it waits for a busy denoiser holding its adapters if that one
-           should free up before the bound of (2) ends (passed over: the jobs behind it go on), else it loads on
-           the free denoiser that holds most of its adapters and fewest others (Pool.take_denoiser_for).
-        So a popular adapter's jobs never hold up the others, nor plain jobs, for longer than a load."""
-        queue, pool, now, bound = self._denoise_q, self._pool, self._now, self._load_cost
-        kept: list[_QueueKey] = []  # popped and left queued, pushed back at the end
-        recheck = NEVER
-        while queue.first is not None and pool.idle:
-            # Steps 1 and 2 over the next window of the queue; the jobs that would load, for step 3.
-            loading: list[tuple[_QueueKey, frozenset[str], int]] = []
-            dispatched = 0  # dispatches so far in this window: a job set aside before one of them was passed over
-            while queue.first is not None and pool.idle and len(loading) < _AFFINITY_WINDOW:
-                key = queue.pop()
-                req = self._active[key[3]]
-                want = req.loras
-                w = pool.take_denoiser_for(want, pool.holders_of(want) if want else None)
-                if w is None:
-                    kept.append(key)
-                    break
-                passed_at = req.outputs[key[2]].passed_at
-                if not want or want <= w.loras or (passed_at is not None and now >= passed_at + bound):
-                    self._start_job(w, key, actions)
-                    dispatched += 1
-                else:
-                    loading.append((key, want, dispatched))
-            # Step 3.
-            waiting: dict[frozenset[str], int] = {}  # adapter set -> its jobs waiting for a holder in this pass
-            for key, want, before in loading:
-                out = self._active[key[3]].outputs[key[2]]
-                holders = pool.holders_of(want)
-                w = pool.take_denoiser_for(want, holders) if pool.idle else None
-                if w is None:
-                    if dispatched > before and out.passed_at is None:
-                        out.passed_at = now  # later jobs' hits took the free denoisers it could have loaded on
-                    kept.append(key)
-                    continue
-                until = (now if out.passed_at is None else out.passed_at) + bound
-                ahead = waiting.get(want, 0)
-                if not want <= w.loras and holders and now < until \
-                        and self._holder_free_by(holders, ahead) < until:
-                    waiting[want] = ahead + 1
-                    if out.passed_at is None:
-                        out.passed_at = now
-                    recheck = min(recheck, until)
-                    kept.append(key)
-                    continue
-                self._start_job(w, key, actions)
-                dispatched += 1
-        for key in kept:
-            queue.push(key)
-        self._affinity_recheck_at = recheck
-
-    def _holder_free_by(self, holders: list[Worker], ahead: int) -> float:
-        """When a busy holder should be free for a job with ``ahead`` jobs of its adapters before it (passed over
-        in this pass): from the learned time of a job; never, before a job has told it, or with no busy holder of
-        this gateway's (another gateway's job gives no start time)."""
-        job_time = self._job_time
-        if job_time is None:
-            return NEVER
-        starts = []
-        for w in holders:
-            if w.ready and w.job is not None and not w.elsewhere:
-                live = self._live_output(w.job, w.address)
-                if live is not None:
-                    starts.append(live[1].started_at)
-        if not starts:
-            return NEVER
-        starts.sort()
-        rounds, slot = divmod(ahead, len(starts))
-        return starts[slot] + job_time * (rounds + 1)
-
-    def _learn_job(self, seconds: float, load_s: float) -> None:
-        """Learn a job's time without its loads, and the time of its loads if it loaded (moving averages)."""
-        if load_s > 0:
-            self._load_cost += 0.25 * (load_s - self._load_cost)
-        run = max(seconds - load_s, 0.0)
-        self._job_time = run if self._job_time is None else self._job_time + 0.25 * (run - self._job_time)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 
 class Stage(enum.Enum):
@@ -60,6 +61,11 @@ class Request:
     ar_outputs: tuple[object, ...] = ()
     done: int = 0
     loras: frozenset[str] = frozenset()  # the adapters its denoise jobs name
+    # Fair share (fairness.py): its class; its tenant's flow of its level (a fairness.Flow); whether it has an entry
+    # among its tenant's requests that may have queued work (BATCH ones never need one).
+    priority: int = 1
+    flow: Any = None
+    listed: bool = True
 
     @property
     def queue_key(self) -> tuple[int, int, int]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 # Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
 from services.runtime.errors import ErrorKind
+from services.runtime.priority import BATCH, DEFAULT, INTERACTIVE, PRIORITY_NAMES
 
 __all__ = [
     "Action",
@@ -40,6 +41,7 @@ __all__ = [
     "RequestError",
     "SchedulerConfig",
     "Snapshot",
+    "TenantSnapshot",
     "Tick",
     "WorkerAdded",
     "WorkerDown",
@@ -143,10 +145,8 @@ class RequestArrived:
     priority: int = 1
 
 
-# Priority classes (RequestArrived.priority): lower runs first within a tenant. Their names are the REST front's and
-# the tenants file's; the gRPC enum Priority is these plus one (PRIORITY_INTERACTIVE = 1).
-INTERACTIVE, DEFAULT, BATCH = 0, 1, 2
-PRIORITY_NAMES: tuple[str, ...] = ("interactive", "default", "batch")
+# Priority classes (RequestArrived.priority): lower runs first within a tenant (defined with their names in
+# services/runtime/priority.py, which the REST front and the tenants file share).
 
 
 @dataclass(frozen=True)
@@ -383,6 +383,22 @@ class WorkerSnapshot:
 
 
 @dataclass(frozen=True)
+class TenantSnapshot:
+    """One tenant's share of the queues (a tenant with active requests; kept as they change, so cheap to read)."""
+
+    name: str
+    weight: float  # as its latest arrival said
+    pending_ar_requests: int
+    pending_ar_outputs: int
+    pending_denoise_outputs: int
+    active_requests: int
+    active_outputs: int  # the n of its active requests, summed
+    # Seconds since the earliest arrival among its requests of a class other than BATCH that have work queued in
+    # either stage (0: none): how long it has been kept waiting.
+    oldest_wait: float
+
+
+@dataclass(frozen=True)
 class Snapshot:
     pending_ar_requests: int
     pending_ar_outputs: int
@@ -390,6 +406,7 @@ class Snapshot:
     pending_denoise_requests: int  # requests with at least one output waiting for a denoiser
     active_requests: int
     workers: tuple[WorkerSnapshot, ...]
+    tenants: tuple[TenantSnapshot, ...] = ()  # by name
 
 
 @dataclass(frozen=True)
@@ -405,6 +422,7 @@ class Gauges:
     workers: dict[tuple[WorkerRole, WorkerState], int]
     # Denoisers whose slot another gateway's job holds (counted as busy in ``workers``).
     denoisers_held_elsewhere: int = 0
+    tenants: tuple[TenantSnapshot, ...] = ()  # by name
 
 
 REQUEUE_REASONS: tuple[str, ...] = ("worker_unhealthy", "denoise_failed", "ar_failed", "ar_batch_split")

@@ -361,12 +361,12 @@ class CheckedScheduler(RuleBasedStateMachine):
         free = [x for x in snap.workers if x.role is DN and x.state is WorkerState.AVAILABLE]
         if snap.pending_denoise_outputs and free:
             assert self.cfg.lora_affinity
-            for _, _, index, rid in s._denoise_q:
+            for _, _, _, index, rid in s._denoise_q:
                 req = s._active[rid]
                 assert req.loras, f"plain job {rid}/{index} queued while a denoiser is free"
                 assert not any(req.loras <= x.loras for x in free), f"{rid}/{index} passed over a free holder"
                 passed_at = req.outputs[index].passed_at
-                assert passed_at is not None and self.now < passed_at + s._load_cost, f"{rid}/{index} waited too long"
+                assert passed_at is not None and self.now < passed_at + s._placement.load_cost, f"{rid}/{index} waited too long"
         if snap.pending_ar_requests and any(
             x.role is AR and x.state is WorkerState.AVAILABLE for x in snap.workers
         ):

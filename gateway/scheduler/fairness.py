@@ -1,0 +1,518 @@
+"""Fair share between tenants: a start-time fair queue in each stage, and the per-tenant figures the gauges publish.
+
+Start-time fair queueing (SFQ): a tenant's queued work in a stage is a flow with a tag, the start tag of its next job;
+the flow with the smallest tag is served next, and serving a job moves its tag on by the job's cost over the tenant's
+weight. The stage's virtual time is the start tag of the job last put in service. A flow that was idle starts at the
+virtual time (or at its own tag, if that is later): idle time banks no credit, and a newcomer beside a backlog is
+served within about one job. A denoise job costs 1; a request taken into an AR batch costs its n outputs.
+
+Each stage has two levels, each a fair queue of its own: non-batch work (INTERACTIVE and DEFAULT) and BATCH work,
+which a stage serves only while no non-batch work of that stage is queued. Within a tenant's flow: class, then
+requeued first, then arrival. No running job is pre-empted: this only orders what is queued.
+
+With a single backlogged flow (one tenant's plain traffic) a denoise pop is the flow's own pop plus a tag update,
+and the AR stage takes the core's plain path (Shares.ar_pairs <= 1): one tenant's actions are those of the
+scheduler before fair share (tests/test_scheduler_replay.py pins them).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from .containers import ArQueue, MinQueue
+from .records import Request
+from .speed import DENOISING, NEVER, PENDING_AR, QUEUED
+from .types import BATCH, RequestArrived, SchedulerConfig, TenantSnapshot
+
+# A denoise queue entry: (class, requeued?, admission seq, index, request_id). Requeued = 0 goes first within the
+# class, fresh = 1. (class, requeued?, seq, index) is unique, so request_id never takes part in comparisons.
+QueueKey = tuple[int, int, int, int, str]
+NON_BATCH_LEVEL, BATCH_LEVEL = 0, 1
+
+
+class _Level:
+    """One level of a stage's fair queue: its virtual time, and (denoise stage) its backlogged flows."""
+
+    __slots__ = ("lead", "heap", "vtime")
+
+    def __init__(self) -> None:
+        self.lead: Flow | None = None  # the backlogged flow served next (kept out of the heap)
+        self.heap: list[tuple[float, int, Flow]] = []  # the other backlogged flows by (tag, tenant order)
+        self.vtime = 0.0
+
+
+class Flow(MinQueue):
+    """A tenant's work of one level: its queued denoise jobs (a MinQueue of QueueKey) and their start tag, and its
+    requests waiting for an AR batch (counted) and their start tag."""
+
+    __slots__ = ("tenant", "level", "tag", "inc", "order", "ar_level", "ar_tag", "ar_requests", "ar_outputs")
+
+    def __init__(self, tenant: Tenant, level: _Level, ar_level: _Level) -> None:
+        super().__init__()
+        self.tenant = tenant
+        self.level = level
+        self.tag = 0.0
+        self.inc = 1.0 / tenant.weight  # a job's cost over the weight
+        self.order = tenant.order  # the last tie-break between equal tags
+        self.ar_level = ar_level
+        self.ar_tag = 0.0
+        self.ar_requests = 0
+        self.ar_outputs = 0
+
+
+class Tenant:
+    """A tenant: its two flows (non-batch, batch) and its figures, kept as they change."""
+
+    __slots__ = ("name", "weight", "order", "flows", "by_class", "active_requests", "active_outputs", "requests",
+                 "waiting", "late", "waiting_cap")
+
+    def __init__(self, name: str, weight: float, order: int, levels: tuple[_Level, ...]) -> None:
+        self.name = name
+        self.weight = weight
+        self.order = order
+        self.flows = (Flow(self, levels[0], levels[2]), Flow(self, levels[1], levels[3]))
+        self.by_class = (self.flows[0], self.flows[0], self.flows[1])  # INTERACTIVE, DEFAULT, BATCH
+        self.active_requests = 0
+        self.active_outputs = 0
+        # Its active non-batch requests by seq, and those that may have queued work: each has one entry (its seq;
+        # Request.listed), in ``waiting`` (admission order) or, listed again after the gauges dropped it, in ``late``
+        # (a heap). Every one with queued work has an entry; the oldest wait is the first one's that still has some
+        # (Shares.oldest_wait). Entries are ints: they keep no ended request alive and allocate nothing the cyclic
+        # GC counts (a tuple an admission made it collect 13 times as often).
+        self.requests: dict[int, Request] = {}
+        self.waiting: deque[int] = deque()
+        self.late: list[int] = []
+        self.waiting_cap = 64  # past this many entries, those of ended requests are dropped
+
+
+class DenoiseQueue:
+    """The denoise stage's queue: a fair queue over the tenants' flows (Flow), non-batch level first.
+
+    ``first`` is the entry pop() would return (None if empty), kept up to date like MinQueue.first. The LoRA
+    placement's pass takes entries with take() between begin() and put_back(): each is charged as if served, so the
+    pass sees the jobs in fair order, and those it kept are put back uncharged."""
+
+    __slots__ = ("first", "_nb", "_b", "_len", "_taken", "_kept", "_before")
+
+    def __init__(self) -> None:
+        self.first: QueueKey | None = None
+        self._nb, self._b = _Level(), _Level()
+        self._len = 0
+        self._taken: list[tuple[QueueKey, Flow, float]] = []
+        self._kept: list[QueueKey] = []
+        self._before = (0.0, 0.0)
+
+    @property
+    def levels(self) -> tuple[_Level, _Level]:
+        return self._nb, self._b
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[QueueKey]:
+        """Every entry, in no particular order."""
+        for level in (self._nb, self._b):
+            if level.lead is not None:
+                yield from level.lead
+                for _, _, flow in level.heap:
+                    yield from flow
+
+    def push(self, key: QueueKey, flow: Flow) -> None:
+        self._len += 1
+        first = flow.first
+        if first is None:  # idle until now: it starts at the virtual time, banking no credit
+            level = flow.level
+            if flow.tag < level.vtime:
+                flow.tag = level.vtime
+            flow.push(key)
+            lead = level.lead
+            if lead is None:
+                level.lead = flow
+            elif (flow.tag, flow.order) < (lead.tag, lead.order):
+                heapq.heappush(level.heap, (lead.tag, lead.order, lead))
+                level.lead = flow
+            else:
+                heapq.heappush(level.heap, (flow.tag, flow.order, flow))
+        else:  # MinQueue.push, inlined (this runs for every output)
+            lane = flow._lane
+            if lane[-1] < key if lane else True:
+                lane.append(key)
+            else:
+                heapq.heappush(flow._heap, key)
+            if key < first:
+                flow.first = key
+        lead = self._nb.lead
+        if lead is None:
+            lead = self._b.lead
+        self.first = lead.first  # type: ignore[union-attr]  (a flow is backlogged now)
+
+    def pop(self) -> QueueKey:
+        """Take the first entry out (the queue must not be empty) and charge its flow."""
+        level = self._nb
+        flow = level.lead
+        if flow is None:
+            level = self._b
+            flow = level.lead
+        # MinQueue.pop, inlined (this runs for every dispatch)
+        key = flow.first  # type: ignore[union-attr]
+        lane, fheap = flow._lane, flow._heap  # type: ignore[union-attr]
+        if fheap and fheap[0] is key:
+            heapq.heappop(fheap)
+        else:
+            lane.popleft()
+        if lane and fheap:
+            flow.first = head = lane[0] if lane[0] < fheap[0] else fheap[0]  # type: ignore[union-attr]
+        else:
+            flow.first = head = lane[0] if lane else fheap[0] if fheap else None  # type: ignore[union-attr]
+        self._len -= 1
+        level.vtime = start = flow.tag  # type: ignore[union-attr]
+        flow.tag = tag = start + flow.inc  # type: ignore[union-attr]
+        heap = level.heap
+        if heap:  # (else the fast path: the only backlogged flow of its level stays the lead, or leaves)
+            if head is None:
+                level.lead = flow = heapq.heappop(heap)[2]
+                head = flow.first
+            elif heap[0] < (tag, flow.order):  # type: ignore[union-attr]
+                level.lead = flow = heapq.heapreplace(heap, (tag, flow.order, flow))[2]  # type: ignore[union-attr]
+                head = flow.first
+        elif head is None:
+            level.lead = None
+        if head is None and level is self._nb:
+            lead = self._b.lead
+            head = None if lead is None else lead.first
+        self.first = head
+        return key
+
+    def drop(self, flow: Flow, seq: int) -> None:
+        """Remove a request's entries (it ended): they are not served, so nothing is charged."""
+        before = len(flow)
+        if not before:
+            return
+        flow.drop_if(lambda k: k[2] == seq)
+        self._len -= before - len(flow)
+        if flow.first is None:
+            level = flow.level
+            if level.lead is flow:
+                level.lead = heapq.heappop(level.heap)[2] if level.heap else None
+            else:
+                level.heap = [e for e in level.heap if e[2] is not flow]
+                heapq.heapify(level.heap)
+        lead = self._nb.lead
+        if lead is None:
+            lead = self._b.lead
+        self.first = None if lead is None else lead.first
+
+    # The LoRA placement's pass (placement.Placement.dispatch).
+
+    def begin(self) -> None:
+        self._taken, self._kept = [], []
+        self._before = (self._nb.vtime, self._b.vtime)
+
+    def take(self) -> QueueKey:
+        """pop(), remembered: keep() it to have it put back."""
+        flow = self._nb.lead
+        if flow is None:
+            flow = self._b.lead
+        key = self.pop()
+        self._taken.append((key, flow, flow.level.vtime))  # type: ignore[union-attr]
+        return key
+
+    def keep(self, key: QueueKey) -> None:
+        self._kept.append(key)
+
+    def put_back(self) -> None:
+        """End the pass: the entries kept go back, their flows' charges undone; the virtual time is the start tag of
+        the last one served (the largest), not of the last one looked at."""
+        if not self._taken:
+            return
+        kept = {id(k) for k in self._kept}
+        vtimes = {id(self._nb): self._before[0], id(self._b): self._before[1]}
+        flows: dict[int, Flow] = {}
+        for key, flow, start in self._taken:
+            if id(key) in kept:
+                flow.tag -= flow.inc
+                flow.push(key)
+                self._len += 1
+                flows[id(flow)] = flow
+            elif start > vtimes[id(flow.level)]:
+                vtimes[id(flow.level)] = start
+        self._taken, self._kept = [], []
+        for level in (self._nb, self._b):
+            level.vtime = vtimes[id(level)]
+            backlog = {id(f): f for _, _, f in level.heap}
+            if level.lead is not None:
+                backlog[id(level.lead)] = level.lead
+            backlog.update((i, f) for i, f in flows.items() if f.level is level)
+            ranked = sorted(backlog.values(), key=lambda f: (f.tag, f.order))
+            level.lead = ranked[0] if ranked else None
+            level.heap = [(f.tag, f.order, f) for f in ranked[1:]]  # sorted: a heap already
+        lead = self._nb.lead
+        if lead is None:
+            lead = self._b.lead
+        self.first = None if lead is None else lead.first
+
+
+class Shares:
+    """The tenants, the denoise stage's fair queue, and the AR stage's fair share (tags in Flow.ar_tag)."""
+
+    __slots__ = ("tenants", "denoise", "ar_levels", "ar_flows", "ar_interactive", "_order")
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, Tenant] = {}
+        self.denoise = DenoiseQueue()
+        self.ar_levels = (_Level(), _Level())  # the AR stage's virtual times: non-batch, batch
+        # Flows with a request waiting for an AR batch, and INTERACTIVE requests waiting: with one flow and no
+        # INTERACTIVE request, the plain AR path gives what the fair choice would (one flow, one class: queue order).
+        self.ar_flows = 0
+        self.ar_interactive = 0
+        self._order = 0
+
+    # ------------------------------------------------------------------------------------------------- requests
+
+    def admit(self, ev: RequestArrived, req: Request) -> None:
+        """An admitted request joins its tenant, and the AR queue (the core queues it: _enqueue_ar). It has an
+        entry among the tenant's waiting requests (``req.listed``, True for BATCH ones, which never need one)."""
+        t = self.tenants.get(ev.tenant)
+        if t is None or t.weight != ev.weight:
+            t = self._tenant(ev.tenant, ev.weight)
+        n = req.n
+        t.active_requests += 1
+        t.active_outputs += n
+        cls = ev.priority
+        f = req.flow = t.by_class[cls]
+        if cls != BATCH:
+            seq = req.seq
+            t.requests[seq] = req
+            t.waiting.append(seq)  # (bounded in ar_taken)
+            if not cls:  # INTERACTIVE
+                self.ar_interactive += 1
+        # ar_added, inlined (this runs for every request)
+        if not f.ar_requests:  # its flow was idle: it starts at the virtual time, banking no credit
+            self.ar_flows += 1
+            if f.ar_tag < f.ar_level.vtime:
+                f.ar_tag = f.ar_level.vtime
+        f.ar_requests += 1
+        f.ar_outputs += n
+
+    def _tenant(self, name: str, weight: float) -> Tenant:
+        """A new tenant, or one whose weight changed: the latest arrival's weight is the tenant's."""
+        t = self.tenants.get(name)
+        if t is None:
+            self._order += 1
+            nb, b = self.denoise.levels
+            t = self.tenants[name] = Tenant(name, weight, self._order, (nb, b, *self.ar_levels))
+        t.weight = weight
+        for flow in t.flows:
+            flow.inc = 1.0 / weight
+        return t
+
+    def idle(self, t: Tenant) -> None:
+        """``t``'s last active request ended (the core counts them down: Scheduler._end)."""
+        t.requests.clear()  # (BATCH ones are not there, nor ever queued for the oldest wait)
+        t.waiting.clear()  # nothing of it can be queued
+        t.late.clear()
+        # Forget a tenant whose return would start at the virtual times anyway: nothing it did is kept.
+        if all(f.tag <= f.level.vtime and f.ar_tag <= f.ar_level.vtime for f in t.flows):
+            del self.tenants[t.name]
+
+    def relist(self, req: Request) -> None:
+        """``req`` (not BATCH) has queued work again after the gauges dropped its entry."""
+        req.listed = True
+        heapq.heappush(req.flow.tenant.late, req.seq)
+
+    def _compact(self, t: Tenant) -> None:
+        """Drop the entries of ended requests."""
+        t.waiting = deque(e for e in t.waiting if e in t.requests)
+        t.late = [e for e in t.late if e in t.requests]
+        heapq.heapify(t.late)
+        t.waiting_cap = max(64, 2 * (len(t.waiting) + len(t.late)))
+
+    def _has_queued(self, t: Tenant, seq: int) -> Request | None:
+        """The request of an entry, if it is active and has work queued in either stage; else None, and the entry
+        is dropped (the request is listed again when it next has queued work: relist)."""
+        req = t.requests.get(seq)
+        if req is not None and (req.stage is PENDING_AR or (
+                req.stage is DENOISING and any(o.state is QUEUED for o in req.outputs))):
+            return req
+        if req is not None:
+            req.listed = False
+        return None
+
+    def oldest_wait(self, t: Tenant, now: float) -> float:
+        """Seconds since the earliest arrival of ``t``'s non-batch requests with queued work (0: none)."""
+        waiting, late = t.waiting, t.late
+        first: list[float] = []
+        while waiting:
+            if (req := self._has_queued(t, waiting[0])) is not None:
+                first.append(req.arrived_at)
+                break
+            waiting.popleft()
+        while late:
+            if (req := self._has_queued(t, late[0])) is not None:
+                first.append(req.arrived_at)
+                break
+            heapq.heappop(late)
+        return max(now - min(first), 0.0) if first else 0.0
+
+    def snapshots(self, now: float) -> tuple[TenantSnapshot, ...]:
+        """Every tenant with active requests, by name."""
+        return tuple(
+            TenantSnapshot(t.name, t.weight, sum(f.ar_requests for f in t.flows), sum(f.ar_outputs for f in t.flows),
+                           sum(len(f) for f in t.flows), t.active_requests, t.active_outputs, self.oldest_wait(t, now))
+            for _, t in sorted(self.tenants.items()) if t.active_requests)
+
+    # ------------------------------------------------------------------------------------------------- AR stage
+
+    def ar_added(self, req: Request) -> None:
+        """``req`` is back in an AR queue after a failure."""
+        if not req.listed:
+            self.relist(req)
+        f: Flow = req.flow
+        if not f.ar_requests:  # its flow was idle: it starts at the virtual time, banking no credit
+            self.ar_flows += 1
+            if f.ar_tag < f.ar_level.vtime:
+                f.ar_tag = f.ar_level.vtime
+        f.ar_requests += 1
+        f.ar_outputs += req.n
+        if not req.priority:  # INTERACTIVE
+            self.ar_interactive += 1
+
+    def ar_removed(self, req: Request) -> None:
+        """``req`` left its AR queue as it ended."""
+        f: Flow = req.flow
+        f.ar_requests -= 1
+        if not f.ar_requests:
+            self.ar_flows -= 1
+        f.ar_outputs -= req.n
+        if not req.priority:
+            self.ar_interactive -= 1
+
+    def ar_taken(self, taken: list[Request]) -> None:
+        """``taken`` left their AR queues in a batch, in this order: each flow is charged as its requests go."""
+        f = taken[0].flow
+        if self.ar_flows == 1 and not self.ar_interactive:  # all of one flow and class: charged at once
+            t = f.tenant
+            if len(t.waiting) > t.waiting_cap:  # (once a batch, not on every arrival)
+                self._compact(t)
+            outputs = 0
+            for req in taken:
+                outputs += req.n
+            f.ar_requests -= len(taken)
+            if not f.ar_requests:
+                self.ar_flows = 0
+            f.ar_outputs -= outputs
+            f.ar_level.vtime = f.ar_tag + (outputs - taken[-1].n) * f.inc  # the last one's start tag
+            f.ar_tag += outputs * f.inc
+            return
+        for req in taken:
+            f: Flow = req.flow
+            n = req.n
+            f.ar_requests -= 1
+            if not f.ar_requests:
+                self.ar_flows -= 1
+            f.ar_outputs -= n
+            if not req.priority:
+                self.ar_interactive -= 1
+            f.ar_level.vtime = start = f.ar_tag
+            f.ar_tag = start + n * f.inc
+
+    def ar_group(self, groups: dict[tuple[int, int, int], ArQueue], cfg: SchedulerConfig,
+                 now: float) -> tuple[tuple[int, int, int] | None, float]:
+        """The group whose batch leaves next, among those that may leave now (None if none may), and the earliest
+        time at which a group that may not leave yet will by age (inf if there is none).
+
+        With one flow and no INTERACTIVE request waiting: the group whose oldest request is oldest. Else the fair
+        choice (_fair_group), which gives the same in that case."""
+        if self.ar_flows > 1 or self.ar_interactive:
+            return self._fair_group(groups, cfg.ar_batch_max_outputs, cfg.ar_batch_delay, now)
+        best: tuple[tuple[float, int], tuple[int, int, int]] | None = None
+        wait_until = NEVER
+        for key, q in groups.items():
+            oldest = q.oldest()
+            due = oldest[0] + cfg.ar_batch_delay
+            if now >= due or q.requests[0].solo or q.outputs >= cfg.ar_batch_max_outputs:  # full, or waited
+                # (a solo one counts as full: nothing may join it)
+                if best is None or oldest < best[0]:
+                    best = (oldest, key)
+            elif due < wait_until:
+                wait_until = due
+        return (None if best is None else best[1]), wait_until
+
+    def ar_batch(self, q: deque[Request], cap: int) -> list[Request]:
+        """The requests of a group's batch. With one flow and no INTERACTIVE request waiting: in queue order,
+        skipping what does not fit and scanning on; an oversized or solo head goes alone. Else in fair order
+        (_fair_batch), which gives the same in that case."""
+        if self.ar_flows > 1 or self.ar_interactive:
+            return self._fair_batch(q, cap)
+        if q[0].n > cap or q[0].solo:
+            return [q[0]]
+        taken: list[Request] = []
+        room = cap
+        for r in q:
+            if r.n <= room and not r.solo:
+                taken.append(r)
+                room -= r.n
+                if room == 0:
+                    break
+        return taken
+
+    def _batch_level(self, groups: Iterable[ArQueue]) -> bool:
+        """Whether the AR stage serves BATCH work now: no other waits."""
+        return all(r.priority == BATCH for q in groups for r in q.requests)
+
+    def _fair_group(self, groups: dict[tuple[int, int, int], ArQueue], cap: int, delay: float,
+                    now: float) -> tuple[tuple[int, int, int] | None, float]:
+        """ar_group with several flows or classes waiting: the group holding the fair-next request (the smallest
+        tag, then within the tenant by class, then arrival) among the groups whose batch may leave now. Whether one
+        may is judged on its requests of the level served: a group holding only BATCH requests while other work
+        waits may not; else it may when they fill a batch, the oldest of them has waited, or it is a solo one."""
+        batch_level = self._batch_level(groups.values())
+        best: tuple[Any, ...] | None = None
+        wait_until = NEVER
+        for key, q in groups.items():
+            members = [r for r in q.requests if (r.priority == BATCH) == batch_level]
+            if not members:
+                continue
+            due = min(r.arrived_at for r in members) + delay
+            if now >= due or members[0].solo or sum(r.n for r in members) >= cap:
+                for r in members:
+                    f = r.flow
+                    rank = (f.ar_tag, f.order, r.priority, r.seq)
+                    if best is None or rank < best[0]:
+                        best = (rank, key)
+            elif due < wait_until:
+                wait_until = due
+        return (None if best is None else best[1]), wait_until
+
+    def _fair_batch(self, requests: deque[Request], cap: int) -> list[Request]:
+        """ar_batch with several flows or classes waiting: in fair order, the fair-next flow's next request (by
+        class, then queue order), each flow's tag moved on as its requests are taken (as ar_taken charges them);
+        what does not fit is skipped. Non-batch requests first; BATCH ones may fill the room left. An oversized or
+        solo head goes alone."""
+        taken: list[Request] = []
+        room = cap
+        for batch_level in (False, True):
+            flows: dict[int, list[Request]] = {}
+            for r in sorted((r for r in requests if (r.priority == BATCH) == batch_level), key=lambda r: r.priority):
+                flows.setdefault(id(r.flow), []).append(r)
+            tags = {}
+            for fid, mine in flows.items():
+                mine.reverse()  # pop() from the end takes the next
+                tags[fid] = mine[0].flow.ar_tag
+            while flows:
+                fid = min(flows, key=lambda i: (tags[i], flows[i][-1].flow.order))
+                r = flows[fid].pop()
+                if not flows[fid]:
+                    del flows[fid]
+                if not taken and (r.n > cap or r.solo):
+                    return [r]
+                if r.n <= room and not r.solo:
+                    taken.append(r)
+                    tags[fid] += r.n * r.flow.inc
+                    room -= r.n
+                    if room == 0:
+                        return taken
+        return taken
