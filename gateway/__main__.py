@@ -16,7 +16,6 @@ from gateway.quotas import Quotas
 from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from gateway.tenancy import TenantGate
-from gateway.tenants import TenantsError, TenantsFile, add_tenants_args, tenants_from_keys
 from gateway.timeouts import TimeoutPolicy
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from glmimage.wire.sizes import size_arg
@@ -31,6 +30,7 @@ from services.runtime.server import (
     run_until_signalled,
     start_server,
 )
+from services.runtime.tenants import TenantsError, TenantsFile, add_tenants_args, tenants_from_keys
 from services.runtime.tls import client_tls_args, client_tls_from_args, server_tls_from_args
 from services.runtime.tracing import endpoint_from, setup_tracing
 

@@ -1,7 +1,7 @@
 """Who may call what on GatewayService: user keys generate and read the status, admin keys manage the pool.
 
-One interceptor (GatewayAuth) over the tenants in force (gateway.tenants: the tenants file, or the key flags as
-tenants `default` and `admin`), with one table, METHOD_ROLES:
+One interceptor (GatewayAuth) over the tenants in force (services.runtime.tenants: the tenants file, or the key flags
+as tenants `default` and `admin`), with one table, METHOD_ROLES:
 
 - public: GetLimits, open to every caller (the limits are what /openapi.json advertises anyway).
 - user methods (GenerateImages, GenerateImagesStream, GetStatus): open when no ``--api-key`` is set (as before);
@@ -21,9 +21,9 @@ from collections.abc import Iterable, Mapping
 
 import grpc
 
-from gateway.tenants import ADMIN, USER, Tenant, TenantsFile, digest, tenants_from_keys
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.auth import bearer_token, refusal_handler
+from services.runtime.tenants import ADMIN, USER, Tenant, TenantsFile, digest, tenants_from_keys
 
 log = logging.getLogger(__name__)
 

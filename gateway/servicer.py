@@ -21,12 +21,12 @@ from gateway.quotas import Quotas
 from gateway.scheduler import types as sch
 from gateway.stream_relay import StreamRelay
 from gateway.tenancy import PRIORITY_TO_PROTO, TenantGate, Ticket, Usage, priority_of, quota_of
-from gateway.tenants import Tenant, TenantsFile, tenants_from_keys
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.admission import Admitted, check_generate, check_partial_images
 from services.runtime.errors import InvalidArgument, ServiceError, error_for
 from services.runtime.limits import Limits
 from services.runtime.logs import request_id_var
+from services.runtime.tenants import Tenant, TenantsFile, tenants_from_keys
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quota, Quotas
-from gateway.scheduler.types import DEFAULT, PRIORITY_NAMES
-from gateway.tenants import Tenant
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.errors import InvalidArgument, ResourceExhausted
+from services.runtime.priority import DEFAULT, PRIORITY_NAMES
+from services.runtime.tenants import Tenant
 
 log = logging.getLogger(__name__)
 

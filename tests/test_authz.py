@@ -22,9 +22,9 @@ from gateway.__main__ import parse_args as gateway_args
 from gateway.rest import __main__ as rest_main
 from gateway.rest.app import RestSettings, create_app
 from gateway.scheduler.types import WorkerState
-from gateway.tenants import TenantsFile, parse_tenants
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
+from services.runtime.tenants import TenantsFile, parse_tenants
 from tests.support.authz import DENIED, UNAUTH, USER, USER_KEY, add, bearer, members, remove, until
 from tests.support.cluster import Cluster
 from tests.support.sim_gateway import (

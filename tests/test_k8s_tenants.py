@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tenants import parse_tenants
+from services.runtime.tenants import parse_tenants
 from tests.support.chart import (
     CHART,
     CRD_KINDS,

@@ -44,8 +44,9 @@ LAYERS = (
           packages=("services.ar",), may_import=frozenset({"protocol", "runtime", "model"}), heavy=True),
     Layer("denoiser", "the denoiser sees the model, the runtime and the protocol; never the AR, gateway or SDK",
           packages=("services.denoiser",), may_import=frozenset({"protocol", "runtime", "model"}), heavy=True),
-    Layer("scheduler", "the scheduler is pure: the stdlib (no asyncio) and services.runtime.errors only",
-          packages=("gateway.scheduler",), may_import_modules=frozenset({"services.runtime.errors"}),
+    Layer("scheduler", "the scheduler is pure: the stdlib (no asyncio), services.runtime.errors and .priority only",
+          packages=("gateway.scheduler",),
+          may_import_modules=frozenset({"services.runtime.errors", "services.runtime.priority"}),
           stdlib_only=True, forbidden_stdlib=frozenset({"asyncio"})),
     Layer("gateway", "the gateway server sees the scheduler, the runtime and the protocol; never the REST front, a "
           "worker, the model or the SDK", packages=("gateway",),

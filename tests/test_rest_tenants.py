@@ -15,7 +15,7 @@ import pytest
 
 from gateway.rest import __main__ as rest_main
 from gateway.rest.app import RestSettings, create_app
-from gateway.tenants import TenantsError
+from services.runtime.tenants import TenantsError
 from tests.support.fake_gateway import FakeServer
 from tests.support.rest_gateway import asgi_client
 from tests.support.rest_tenants import front_process, run_front, serve_tenants_fake, tenants_toml

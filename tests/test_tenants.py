@@ -14,8 +14,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.scheduler.types import BATCH, DEFAULT, INTERACTIVE
-from gateway.tenants import ADMIN, USER, TenantsError, TenantsFile, load_tenants, parse_tenants, tenants_from_keys
+from services.runtime.priority import BATCH, DEFAULT, INTERACTIVE
+from services.runtime.tenants import (
+    ADMIN,
+    USER,
+    TenantsError,
+    TenantsFile,
+    load_tenants,
+    parse_tenants,
+    tenants_from_keys,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +65,8 @@ def test_the_operating_docs_show_the_form_that_loads() -> None:
 
 def test_a_digest_stands_for_its_key_and_the_priority_classes_order() -> None:
     hexed = hashlib.sha256(b"sk-secret").hexdigest()
-    tenants = parse_tenants(f'[tenants.ops]\nkeys_sha256 = ["{hexed.upper()}"]\nrole = "admin"\nmax_priority = "batch"\n')
+    text = f'[tenants.ops]\nkeys_sha256 = ["{hexed.upper()}"]\nrole = "admin"\nmax_priority = "batch"\n'
+    tenants = parse_tenants(text)
     ops = tenants.lookup(b"sk-secret")
     assert ops is not None and ops.role == ADMIN and ops.holds(USER) and ops.holds(ADMIN) and tenants.has_admin
     assert ops.allows(BATCH) and not ops.allows(DEFAULT) and not ops.allows(INTERACTIVE)
@@ -69,7 +78,8 @@ BAD = [
     ("[tenants.a]\nkeys = [\"k\"]\nweight = nan\n", 3, "tenants.a.weight", "above 0"),
     ("[tenants.a]\nkeys = [\"k\"]\nweight = true\n", 3, "tenants.a.weight", "above 0"),
     ("[tenants.a]\nkeys = [\"k\"]\n\nwieght = 1\n", 4, "tenants.a.wieght", "unknown field"),
-    ("[tenants.a]\nkeys = [\"k\"]\n[tenants.b]\n# b\nkeys = [\"j\", \"k\"]\n", 5, "tenants.b.keys", "tenant 'a' has it"),
+    ("[tenants.a]\nkeys = [\"k\"]\n[tenants.b]\n# b\nkeys = [\"j\", \"k\"]\n", 5, "tenants.b.keys",
+     "tenant 'a' has it"),
     ("[tenants.a]\nkeys = [\"k\", \"k\"]\n", 2, "tenants.a.keys", "listed twice"),
     (f"[tenants.a]\nkeys = [\"k\"]\n[tenants.b]\nkeys_sha256 = [\"{hashlib.sha256(b'k').hexdigest()}\"]\n", 4,
      "tenants.b.keys_sha256", "tenant 'a' has it"),

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import uvicorn
 
-from gateway.tenants import TenantsError
 from glmimage.wire.sizes import size_arg
+from services.runtime.tenants import TenantsError
 from services.runtime.tracing import add_tracing_args, endpoint_from, setup_tracing
 
 from .app import create_app

@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.sim_backends import SimAr, SimCosts, SimDenoiser, serve_sim_ar, serve_sim_denoiser
 from gateway.auth import GatewayAuth
-from gateway.tenants import Tenant, TenantsFile, tenants_from_keys
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.membership import parse_allow_rule
@@ -28,6 +27,7 @@ from gateway.servicer import GatewayServicer
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
 from services.runtime.server import GrpcServer, start_server
+from services.runtime.tenants import Tenant, TenantsFile, tenants_from_keys
 from services.runtime.tls import ClientTls
 
 GATEWAY = "glmimage.v1.GatewayService"

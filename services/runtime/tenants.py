@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.scheduler.types import DEFAULT, INTERACTIVE, PRIORITY_NAMES
+from services.runtime.priority import DEFAULT, INTERACTIVE, PRIORITY_NAMES
 
 log = logging.getLogger(__name__)
 
