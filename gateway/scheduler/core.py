@@ -195,12 +195,7 @@ class Scheduler:
         # A batch delay expiry matters only if some AR worker could take the batch; otherwise the event that
         # frees a worker triggers the dispatch. (Without this, an expired group would make the driver spin.)
         if self._pending_ar and self._pool.free_ar_server() is not None:
-            delay = self.config.ar_batch_delay
-            if self._shares.ar_flows <= 1 and not self._shares.ar_interactive:  # (as Shares.ar_group tells)
-                candidates.extend(q.oldest()[0] + delay for q in self._pending_ar.values())
-            elif (due := self._shares.ar_group(self._pending_ar, self.config, self._now)[1]) < NEVER:
-                # (BATCH work behind other work has no time at which it may leave)
-                candidates.append(due)
+            candidates.extend(self._shares.ar_wakeups(self._pending_ar, self.config, self._now))
         # A job waiting for a busy holder of its adapters while a denoiser is free: placed when its wait ends.
         recheck = self._placement.recheck_at
         if recheck < NEVER and self._denoise_q.first is not None and self._pool.idle:
@@ -208,30 +203,21 @@ class Scheduler:
         return min(candidates) if candidates else None
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(
-            pending_ar_requests=sum(len(q.requests) for q in self._pending_ar.values()),
-            pending_ar_outputs=self._pending_ar_outputs,
-            pending_denoise_outputs=len(self._denoise_q),
-            pending_denoise_requests=len({k[2] for k in self._denoise_q}),
-            active_requests=len(self._active),
-            workers=self._pool.snapshots(),
-            tenants=self._shares.snapshots(self._now),
-        )
+        return Snapshot(**self._queue_figures(), workers=self._pool.snapshots())
 
     def gauges(self) -> Gauges:
         """What the metrics publish: the queues and the workers counted by role and state, from figures kept as
         they change (snapshot() builds an entry per worker, for GetStatus)."""
-        return Gauges(
-            pending_ar_requests=sum(len(q.requests) for q in self._pending_ar.values()),
-            pending_ar_outputs=self._pending_ar_outputs,
-            pending_denoise_outputs=len(self._denoise_q),
-            # (a walk of the denoise queue: counting them as they come and go would cost every denoise job)
-            pending_denoise_requests=len({k[2] for k in self._denoise_q}),
-            active_requests=len(self._active),
-            workers=self._pool.state_counts(),
-            denoisers_held_elsewhere=self._pool.held_elsewhere,
-            tenants=self._shares.snapshots(self._now),  # (figures kept as they change)
-        )
+        return Gauges(**self._queue_figures(), workers=self._pool.state_counts(),
+                      denoisers_held_elsewhere=self._pool.held_elsewhere)
+
+    def _queue_figures(self) -> dict[str, Any]:
+        return {"pending_ar_requests": sum(len(q.requests) for q in self._pending_ar.values()),
+                "pending_ar_outputs": self._pending_ar_outputs, "pending_denoise_outputs": len(self._denoise_q),
+                # (a walk of the denoise queue: counting them as they come and go would cost every denoise job)
+                "pending_denoise_requests": len({k[2] for k in self._denoise_q}),
+                "active_requests": len(self._active),
+                "tenants": self._shares.snapshots(self._now)}  # (each tenant's figures kept as they change)
 
     def tenant_of(self, request_id: str) -> str | None:
         """The tenant an active request was admitted under (None: not active)."""
@@ -567,12 +553,10 @@ class Scheduler:
         del self._active[req.request_id]
         self._ended = True
         t = req.flow.tenant  # its share's figures (fairness.Tenant)
-        t.active_requests -= 1
+        del t.requests[req.seq]
         t.active_outputs -= req.n
-        if not t.active_requests:
+        if not t.requests:
             self._shares.idle(t)
-        elif req.priority != BATCH:
-            del t.requests[req.seq]
         if req.loras:
             self._placement.requests -= 1
         if req.stage is PENDING_AR:

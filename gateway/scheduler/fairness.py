@@ -66,8 +66,8 @@ class Flow(MinQueue):
 class Tenant:
     """A tenant: its two flows (non-batch, batch) and its figures, kept as they change."""
 
-    __slots__ = ("name", "weight", "order", "flows", "by_class", "active_requests", "active_outputs", "requests",
-                 "waiting", "late", "waiting_cap")
+    __slots__ = ("name", "weight", "order", "flows", "by_class", "active_outputs", "requests", "waiting", "late",
+                 "waiting_cap")
 
     def __init__(self, name: str, weight: float, order: int, levels: tuple[_Level, ...]) -> None:
         self.name = name
@@ -75,9 +75,9 @@ class Tenant:
         self.order = order
         self.flows = (Flow(self, levels[0], levels[2]), Flow(self, levels[1], levels[3]))
         self.by_class = (self.flows[0], self.flows[0], self.flows[1])  # INTERACTIVE, DEFAULT, BATCH
-        self.active_requests = 0
         self.active_outputs = 0
-        # Its active non-batch requests by seq, and those that may have queued work: each has one entry (its seq;
+        # Its active requests by seq (their count is its active requests'), and its non-batch ones that may have queued
+        # work: each has one entry (its seq;
         # Request.listed), in ``waiting`` (admission order) or, listed again after the gauges dropped it, in ``late``
         # (a heap). Every one with queued work has an entry; the oldest wait is the first one's that still has some
         # (Shares.oldest_wait). Entries are ints: they keep no ended request alive and allocate nothing the cyclic
@@ -123,7 +123,16 @@ class DenoiseQueue:
     def push(self, key: QueueKey, flow: Flow) -> None:
         self._len += 1
         first = flow.first
-        if first is None:  # idle until now: it starts at the virtual time, banking no credit
+        if first is not None:  # MinQueue.push, inlined (this runs for every output)
+            lane = flow._lane
+            if lane[-1] < key if lane else True:
+                lane.append(key)
+            else:
+                heapq.heappush(flow._heap, key)
+            if not key < first:
+                return  # (no flow's first changed: neither did the queue's)
+            flow.first = key
+        else:  # idle until now: it starts at the virtual time, banking no credit
             level = flow.level
             if flow.tag < level.vtime:
                 flow.tag = level.vtime
@@ -136,18 +145,13 @@ class DenoiseQueue:
                 level.lead = flow
             else:
                 heapq.heappush(level.heap, (flow.tag, flow.order, flow))
-        else:  # MinQueue.push, inlined (this runs for every output)
-            lane = flow._lane
-            if lane[-1] < key if lane else True:
-                lane.append(key)
-            else:
-                heapq.heappush(flow._heap, key)
-            if key < first:
-                flow.first = key
+        self._refirst()
+
+    def _refirst(self) -> None:
         lead = self._nb.lead
         if lead is None:
             lead = self._b.lead
-        self.first = lead.first  # type: ignore[union-attr]  (a flow is backlogged now)
+        self.first = None if lead is None else lead.first
 
     def pop(self) -> QueueKey:
         """Take the first entry out (the queue must not be empty) and charge its flow."""
@@ -158,33 +162,38 @@ class DenoiseQueue:
             flow = level.lead
         # MinQueue.pop, inlined (this runs for every dispatch)
         key = flow.first  # type: ignore[union-attr]
-        lane, fheap = flow._lane, flow._heap  # type: ignore[union-attr]
-        if fheap and fheap[0] is key:
-            heapq.heappop(fheap)
+        lane = flow._lane  # type: ignore[union-attr]
+        fheap = flow._heap  # type: ignore[union-attr]
+        if fheap:
+            if fheap[0] is key:
+                heapq.heappop(fheap)
+            else:
+                lane.popleft()
+            if lane and fheap:
+                head = lane[0] if lane[0] < fheap[0] else fheap[0]
+            else:
+                head = lane[0] if lane else fheap[0] if fheap else None
         else:
             lane.popleft()
-        if lane and fheap:
-            flow.first = head = lane[0] if lane[0] < fheap[0] else fheap[0]  # type: ignore[union-attr]
-        else:
-            flow.first = head = lane[0] if lane else fheap[0] if fheap else None  # type: ignore[union-attr]
+            head = lane[0] if lane else None
+        flow.first = head  # type: ignore[union-attr]
         self._len -= 1
         level.vtime = start = flow.tag  # type: ignore[union-attr]
-        flow.tag = tag = start + flow.inc  # type: ignore[union-attr]
-        heap = level.heap
-        if heap:  # (else the fast path: the only backlogged flow of its level stays the lead, or leaves)
-            if head is None:
-                level.lead = flow = heapq.heappop(heap)[2]
-                head = flow.first
-            elif heap[0] < (tag, flow.order):  # type: ignore[union-attr]
-                level.lead = flow = heapq.heapreplace(heap, (tag, flow.order, flow))[2]  # type: ignore[union-attr]
-                head = flow.first
-        elif head is None:
-            level.lead = None
-        if head is None and level is self._nb:
-            lead = self._b.lead
-            head = None if lead is None else lead.first
-        self.first = head
+        flow.tag = start + flow.inc  # type: ignore[union-attr]
+        if level.heap or head is None:
+            self._next_lead(level, flow)  # type: ignore[arg-type]
+        else:  # the fast path: the only backlogged flow of its level stays the lead
+            self.first = head
         return key
+
+    def _next_lead(self, level: _Level, flow: Flow) -> None:
+        """After ``flow``, the lead of ``level``, was served: the flow with the smallest tag leads."""
+        heap = level.heap
+        if flow.first is None:
+            level.lead = heapq.heappop(heap)[2] if heap else None
+        elif heap and heap[0] < (flow.tag, flow.order):
+            level.lead = heapq.heapreplace(heap, (flow.tag, flow.order, flow))[2]
+        self._refirst()
 
     def drop(self, flow: Flow, seq: int) -> None:
         """Remove a request's entries (it ended): they are not served, so nothing is charged."""
@@ -200,10 +209,7 @@ class DenoiseQueue:
             else:
                 level.heap = [e for e in level.heap if e[2] is not flow]
                 heapq.heapify(level.heap)
-        lead = self._nb.lead
-        if lead is None:
-            lead = self._b.lead
-        self.first = None if lead is None else lead.first
+        self._refirst()
 
     # The LoRA placement's pass (placement.Placement.dispatch).
 
@@ -249,10 +255,7 @@ class DenoiseQueue:
             ranked = sorted(backlog.values(), key=lambda f: (f.tag, f.order))
             level.lead = ranked[0] if ranked else None
             level.heap = [(f.tag, f.order, f) for f in ranked[1:]]  # sorted: a heap already
-        lead = self._nb.lead
-        if lead is None:
-            lead = self._b.lead
-        self.first = None if lead is None else lead.first
+        self._refirst()
 
 
 class Shares:
@@ -279,13 +282,12 @@ class Shares:
         if t is None or t.weight != ev.weight:
             t = self._tenant(ev.tenant, ev.weight)
         n = req.n
-        t.active_requests += 1
+        seq = req.seq
+        t.requests[seq] = req
         t.active_outputs += n
         cls = ev.priority
         f = req.flow = t.by_class[cls]
         if cls != BATCH:
-            seq = req.seq
-            t.requests[seq] = req
             t.waiting.append(seq)  # (bounded in ar_taken)
             if not cls:  # INTERACTIVE
                 self.ar_interactive += 1
@@ -311,7 +313,6 @@ class Shares:
 
     def idle(self, t: Tenant) -> None:
         """``t``'s last active request ended (the core counts them down: Scheduler._end)."""
-        t.requests.clear()  # (BATCH ones are not there, nor ever queued for the oldest wait)
         t.waiting.clear()  # nothing of it can be queued
         t.late.clear()
         # Forget a tenant whose return would start at the virtual times anyway: nothing it did is kept.
@@ -333,7 +334,7 @@ class Shares:
     def _has_queued(self, t: Tenant, seq: int) -> Request | None:
         """The request of an entry, if it is active and has work queued in either stage; else None, and the entry
         is dropped (the request is listed again when it next has queued work: relist)."""
-        req = t.requests.get(seq)
+        req = t.requests.get(seq)  # (a BATCH one has no entry)
         if req is not None and (req.stage is PENDING_AR or (
                 req.stage is DENOISING and any(o.state is QUEUED for o in req.outputs))):
             return req
@@ -361,8 +362,8 @@ class Shares:
         """Every tenant with active requests, by name."""
         return tuple(
             TenantSnapshot(t.name, t.weight, sum(f.ar_requests for f in t.flows), sum(f.ar_outputs for f in t.flows),
-                           sum(len(f) for f in t.flows), t.active_requests, t.active_outputs, self.oldest_wait(t, now))
-            for _, t in sorted(self.tenants.items()) if t.active_requests)
+                           sum(len(f) for f in t.flows), len(t.requests), t.active_outputs, self.oldest_wait(t, now))
+            for _, t in sorted(self.tenants.items()) if t.requests)
 
     # ------------------------------------------------------------------------------------------------- AR stage
 
@@ -440,6 +441,14 @@ class Shares:
             elif due < wait_until:
                 wait_until = due
         return (None if best is None else best[1]), wait_until
+
+    def ar_wakeups(self, groups: dict[tuple[int, int, int], ArQueue], cfg: SchedulerConfig, now: float) -> list[float]:
+        """When the groups that may not leave yet may by age (for next_wakeup; BATCH work behind other work has no
+        such time)."""
+        if self.ar_flows > 1 or self.ar_interactive:
+            due = self._fair_group(groups, cfg.ar_batch_max_outputs, cfg.ar_batch_delay, now)[1]
+            return [due] if due < NEVER else []
+        return [q.oldest()[0] + cfg.ar_batch_delay for q in groups.values()]
 
     def ar_batch(self, q: deque[Request], cap: int) -> list[Request]:
         """The requests of a group's batch. With one flow and no INTERACTIVE request waiting: in queue order,
