@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 import grpc
 
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.auth import bearer_token, refusal_handler
+from services.runtime.auth import CheckingInterceptor, bearer_token
 from services.runtime.tenants import ADMIN, USER, Tenant, TenantsFile, digest, tenants_from_keys
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def admin_keys_from(flags: Iterable[str], environ: Mapping[str, str] = os.enviro
     return keys_from(flags, ENV_ADMIN_KEYS, environ)
 
 
-class GatewayAuth(grpc.aio.ServerInterceptor):
+class GatewayAuth(CheckingInterceptor):
     """The GatewayService interceptor over the tenants in force (read anew on every call, so a reload applies to the
     next call): a key is its tenant's, and the tenant's role says which methods it may call (METHOD_ROLES)."""
 
@@ -126,17 +126,6 @@ class GatewayAuth(grpc.aio.ServerInterceptor):
             return grpc.StatusCode.PERMISSION_DENIED, f"{method} needs the {role} role: an {credential}, not an API key"
         return None
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        method = handler_call_details.method
-        refusal = self.check(method, handler_call_details.invocation_metadata)
-        if refusal is None:
-            return handler
-        code, message = refusal
-        log.info("%s refused: %s: %s", method, code.name, message)
-        return refusal_handler(handler, code, message)
 
 
 def gateway_interceptor(api_keys: Iterable[str], admin_keys: Iterable[str]) -> GatewayAuth:

@@ -81,7 +81,27 @@ class Caller:
         return role in self.roles
 
 
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+class CheckingInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses a call its ``check`` refuses, before its message is read; lets every other call through."""
+
+    def check(self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None
+              ) -> tuple[grpc.StatusCode, str] | None:
+        raise NotImplementedError
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        refusal = self.check(method, handler_call_details.invocation_metadata)
+        if refusal is None:
+            return handler
+        code, message = refusal
+        log.info("%s refused: %s: %s", method, code.name, message)
+        return refusal_handler(handler, code, message)
+
+
+class BearerAuthInterceptor(CheckingInterceptor):
     """Checks every call against ``table``: ``"/pkg.Service/Method"`` -> role name, or ``"/pkg.Service/"`` -> the
     role of that service's methods the table does not name (so a method added later is not open by accident).
 
@@ -135,17 +155,6 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         return (grpc.StatusCode.UNAUTHENTICATED,
                 f"missing or invalid {role.credential}: send metadata 'authorization: Bearer <key>'")
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        method = handler_call_details.method
-        refusal = self.check(method, handler_call_details.invocation_metadata)
-        if refusal is None:
-            return handler
-        code, message = refusal
-        log.info("%s refused: %s: %s", method, code.name, message)
-        return refusal_handler(handler, code, message)
 
 
 def refusal_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
