@@ -56,6 +56,10 @@ configs = st.builds(
     lora_affinity=st.sampled_from([True, True, False]),
     lora_load_cost=st.sampled_from([0.004, 0.0, 0.03]),
 )
+# Whose a request is, with what weight, and its class: mostly one tenant's default traffic, as in production.
+tenants = st.sampled_from(["default", "default", "t1", "t2"])
+weights = st.sampled_from([1.0, 1.0, 2.0, 0.5])
+classes = st.sampled_from([1, 1, 0, 2])
 # The adapters a request names: mostly none, as in production, so that plain and adapter jobs share the queue.
 adapter_sets = st.sampled_from([frozenset(), frozenset(), frozenset({"a"}), frozenset({"b"}), frozenset({"a", "b"})])
 
@@ -75,24 +79,30 @@ class SchedulerMachine(CheckedScheduler):
         ttl=st.none() | st.floats(0.0, 0.05),
         dt=st.floats(0.0, 0.003),
         loras=adapter_sets,
+        tenant=tenants,
+        weight=weights,
+        priority=classes,
     )
-    def arrive(self, n: int, other: bool, ttl: float | None, dt: float, loras: frozenset[str]) -> None:
+    def arrive(self, n: int, other: bool, ttl: float | None, dt: float, loras: frozenset[str], tenant: str,
+               weight: float, priority: int) -> None:
         now = self.advance(dt)
         rid = f"r{self.next_rid}"
         self.next_rid += 1
         size = OTHER if other else SIZE
         deadline = None if ttl is None else now + ttl
-        self.send(RequestArrived(now, rid, n, size[0], size[1], deadline, loras=loras))
+        self.send(RequestArrived(now, rid, n, size[0], size[1], deadline, loras=loras, tenant=tenant, weight=weight,
+                                 priority=priority))
 
-    @rule(ns=st.lists(st.tuples(st.sampled_from([1, 1, 2]), adapter_sets), min_size=2, max_size=5),
+    @rule(ns=st.lists(st.tuples(st.sampled_from([1, 1, 2]), adapter_sets, tenants, classes), min_size=2, max_size=5),
           dt=st.floats(0.0, 0.003))
-    def burst(self, ns: list[tuple[int, frozenset[str]]], dt: float) -> None:
+    def burst(self, ns: list[tuple[int, frozenset[str], str, int]], dt: float) -> None:
         """Several requests at one instant: the shared AR batches that single arrivals rarely form."""
         now = self.advance(dt)
-        for n, loras in ns:
+        for n, loras, tenant, priority in ns:
             rid = f"r{self.next_rid}"
             self.next_rid += 1
-            self.send(RequestArrived(now, rid, n, SIZE[0], SIZE[1], None, loras=loras))
+            self.send(RequestArrived(now, rid, n, SIZE[0], SIZE[1], None, loras=loras, tenant=tenant,
+                                     priority=priority))
 
     @rule(
         data=st.data(),

@@ -10,6 +10,7 @@ from hypothesis.stateful import (
 
 from gateway.scheduler.core import Scheduler
 from gateway.scheduler.types import (
+    BATCH,
     Action,
     ArBatchFailed,
     ArBatchSucceeded,
@@ -187,7 +188,8 @@ class CheckedScheduler(RuleBasedStateMachine):
             and a.error.kind in (ErrorKind.INVALID_ARGUMENT, ErrorKind.RESOURCE_EXHAUSTED)
             for a in actions
         ):
-            w.reqs[ev.request_id] = _Req(ev.n, (ev.height, ev.width), ev.deadline)
+            w.reqs[ev.request_id] = _Req(ev.n, (ev.height, ev.width), ev.deadline, priority=ev.priority,
+                                         tenant=ev.tenant)
         assert {a.batch_id for a in actions if isinstance(a, CancelArBatch) and not a.abandoned} == expect_ar_cancels
         if expect_invalid is not None:  # failed at once, not retried (or its deadline passed first)
             assert any(isinstance(a, FailRequest) and a.request_id == expect_invalid[0]
@@ -195,6 +197,7 @@ class CheckedScheduler(RuleBasedStateMachine):
                        for a in actions), "bad input not relayed"
         for a in actions:
             self._apply(ev, a, before)
+        self._check_batch_class(actions)
         self._check_abandoned_batches({a.batch_id for a in actions if isinstance(a, CancelArBatch) and a.abandoned})
         # A request that fails cancels every job of it that still occupies a denoiser ("timeouts cancel work").
         cancels = {(a.job, a.worker) for a in actions if isinstance(a, CancelDenoise)}
@@ -208,6 +211,21 @@ class CheckedScheduler(RuleBasedStateMachine):
                             assert (j, wk) in cancels, f"{j} left running on {wk}"
         self._check()
         return actions
+
+    def _check_batch_class(self, actions: list[Action]) -> None:
+        """BATCH work runs only on capacity nothing else waits for: a BATCH job left for a denoiser in this event only
+        if no job of another class is queued for one after it (one that waits for a holder of its adapters too: the
+        BATCH job would take the denoiser it may load on); an AR batch of BATCH requests alone only if no request of
+        another class waits for the AR (one holding another's request may carry BATCH ones in its spare room)."""
+        s, w = self.s, self.w
+        assert s is not None
+        if any(isinstance(a, DispatchDenoise) and w.reqs[a.job.request_id].priority == BATCH for a in actions):
+            assert all(k[0] == BATCH for k in s._denoise_q), "a BATCH job went before queued work of another class"
+        if any(isinstance(a, DispatchArBatch) and all(w.reqs[r].priority == BATCH for r in a.request_ids)
+               for a in actions):
+            held = set().union(*w.ar_owned.values()) if w.ar_owned else set()
+            assert not any(r.priority != BATCH and not r.denoising and (r.batch is None or r.batch not in held)
+                           for rid, r in w.reqs.items() if rid not in w.ended), "a BATCH-only AR batch went first"
 
     def _check_abandoned_batches(self, cancelled: set[int]) -> None:
         """A batch is stopped exactly when its last waiting request ends, and keeps its AR slot until it returns."""
@@ -334,6 +352,15 @@ class CheckedScheduler(RuleBasedStateMachine):
                 gauges.pending_denoise_requests, gauges.active_requests) == (
             snap.pending_ar_requests, snap.pending_ar_outputs, snap.pending_denoise_outputs,
             snap.pending_denoise_requests, snap.active_requests)
+        # Each tenant's figures, kept as they change, add up to the totals and agree with the model.
+        assert gauges.tenants == snap.tenants
+        for figure in ("pending_ar_requests", "pending_ar_outputs", "pending_denoise_outputs", "active_requests"):
+            assert sum(getattr(t, figure) for t in gauges.tenants) == getattr(snap, figure), figure
+        live = {rid: r for rid, r in w.reqs.items() if rid not in w.ended}
+        mine = {name: [r for r in live.values() if r.tenant == name] for name in {r.tenant for r in live.values()}}
+        assert {t.name: (t.active_requests, t.active_outputs) for t in gauges.tenants} == {
+            name: (len(rs), sum(r.n for r in rs)) for name, rs in mine.items()}
+        assert all(s.tenant_of(rid) == r.tenant for rid, r in live.items())
         # Membership and slots exactly as the model derives them from events and actions: a fenced result
         # never freed another job's slot, and no denoiser holds two jobs.
         assert {x.address for x in snap.workers} == set(w.members)
@@ -361,12 +388,16 @@ class CheckedScheduler(RuleBasedStateMachine):
         free = [x for x in snap.workers if x.role is DN and x.state is WorkerState.AVAILABLE]
         if snap.pending_denoise_outputs and free:
             assert self.cfg.lora_affinity
-            for _, _, _, index, rid in s._denoise_q:
+            other_class = any(k[0] != BATCH for k in s._denoise_q)  # (BATCH work waits for it: _check_batch_class)
+            for cls, _, _, index, rid in s._denoise_q:
                 req = s._active[rid]
+                if cls == BATCH and other_class:
+                    continue
                 assert req.loras, f"plain job {rid}/{index} queued while a denoiser is free"
                 assert not any(req.loras <= x.loras for x in free), f"{rid}/{index} passed over a free holder"
                 passed_at = req.outputs[index].passed_at
-                assert passed_at is not None and self.now < passed_at + s._placement.load_cost, f"{rid}/{index} waited too long"
+                assert passed_at is not None and self.now < passed_at + s._placement.load_cost, \
+                    f"{rid}/{index} waited too long"
         if snap.pending_ar_requests and any(
             x.role is AR and x.state is WorkerState.AVAILABLE for x in snap.workers
         ):

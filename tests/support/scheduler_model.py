@@ -39,6 +39,8 @@ class _Req:
     done: set[int] = field(default_factory=set)  # indices whose result was accepted
     ar_failures: int = 0
     solo: bool = False  # it shared a batch refused as bad input: every later batch of it holds it alone
+    priority: int = 1  # its class (types.INTERACTIVE, DEFAULT, BATCH)
+    tenant: str = "default"
 
 
 @dataclass
