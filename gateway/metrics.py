@@ -10,6 +10,7 @@ must never walk the scheduler's live dicts. The HPA scales denoisers on
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -195,7 +196,8 @@ class GatewayMetrics(Collector):
             t = seen.get(name)
             depth.add_metric([name, "ar"], t.pending_ar_outputs if t else 0)
             depth.add_metric([name, "denoise"], t.pending_denoise_outputs if t else 0)
-            oldest.add_metric([name], t.oldest_wait if t else 0.0)
+            # (at scrape time: the published state is as of the last event, and a starved tenant's wait keeps growing)
+            oldest.add_metric([name], max(time.monotonic() - t.oldest_since, 0.0) if t and t.oldest_since is not None else 0.0)
         yield depth
         yield oldest
         yield CounterMetricFamily("glmimage_gateway_admission_rejections",

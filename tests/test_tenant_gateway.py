@@ -195,3 +195,21 @@ def test_a_status_key_calls_get_status_only_and_sees_no_tenant() -> None:
     assert auth.caller(probe) is None and not auth.is_probe(bearer("probe-kez")) and not auth.is_probe(None)
     assert GatewayAuth(tenants()).check("/glmimage.v1.GatewayService/GetStatus", probe)[0] \
         is grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_a_waiting_tenants_oldest_wait_grows_between_events(sims: SimCluster) -> None:
+    ar, d0 = sims.address(sims.ar), sims.address(sims.denoisers[0])
+    registry = CollectorRegistry()
+    key = ("glmimage_gateway_tenant_oldest_wait_seconds", (("tenant", "alpha"),))
+    async with running_gateway([ar], [d0], tenants=tenants(), metrics=GatewayMetrics(registry)) as gw:
+        sims.gate.clear()  # the one denoiser holds the first job: the second waits in the denoise queue
+        calls = [asyncio.ensure_future(gw.stub.GenerateImages(request(), metadata=ALPHA)) for _ in range(2)]
+        await gw.until(lambda st: st.pending_denoise_outputs == 1)
+        first = scrape(registry)[key]
+        # Nothing happens in the scheduler meanwhile; the figure is read at scrape time all the same.
+        await wait_for(lambda: scrape(registry)[key] > first + 0.05)
+        assert scrape(registry)[("glmimage_gateway_tenant_queue_depth", (("stage", "denoise"), ("tenant", "alpha")))] \
+            == 1
+        sims.gate.set()
+        await asyncio.gather(*calls)
+        await wait_for(lambda: scrape(registry)[key] == 0)

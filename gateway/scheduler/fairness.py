@@ -342,8 +342,8 @@ class Shares:
             req.listed = False
         return None
 
-    def oldest_wait(self, t: Tenant, now: float) -> float:
-        """Seconds since the earliest arrival of ``t``'s non-batch requests with queued work (0: none)."""
+    def oldest_since(self, t: Tenant) -> float | None:
+        """The earliest arrival of ``t``'s non-batch requests with queued work (None: none)."""
         waiting, late = t.waiting, t.late
         first: list[float] = []
         while waiting:
@@ -356,14 +356,19 @@ class Shares:
                 first.append(req.arrived_at)
                 break
             heapq.heappop(late)
-        return max(now - min(first), 0.0) if first else 0.0
+        return min(first) if first else None
 
     def snapshots(self, now: float) -> tuple[TenantSnapshot, ...]:
         """Every tenant with active requests, by name."""
-        return tuple(
-            TenantSnapshot(t.name, t.weight, sum(f.ar_requests for f in t.flows), sum(f.ar_outputs for f in t.flows),
-                           sum(len(f) for f in t.flows), len(t.requests), t.active_outputs, self.oldest_wait(t, now))
-            for _, t in sorted(self.tenants.items()) if t.requests)
+        rows = []
+        for _, t in sorted(self.tenants.items()):
+            if t.requests:
+                since = self.oldest_since(t)
+                rows.append(TenantSnapshot(
+                    t.name, t.weight, sum(f.ar_requests for f in t.flows), sum(f.ar_outputs for f in t.flows),
+                    sum(len(f) for f in t.flows), len(t.requests), t.active_outputs,
+                    0.0 if since is None else max(now - since, 0.0), since))
+        return tuple(rows)
 
     # ------------------------------------------------------------------------------------------------- AR stage
 

@@ -394,8 +394,11 @@ class TenantSnapshot:
     active_requests: int
     active_outputs: int  # the n of its active requests, summed
     # Seconds since the earliest arrival among its requests of a class other than BATCH that have work queued in
-    # either stage (0: none): how long it has been kept waiting.
+    # either stage (0: none): how long it has been kept waiting, as of the scheduler's latest event.
     oldest_wait: float
+    # That arrival (the events' monotonic clock; None: none waits), so a reader can tell the wait at any later time:
+    # between events the figure above stands still, and a starved tenant's wait must not.
+    oldest_since: float | None = None
 
 
 @dataclass(frozen=True)
