@@ -33,8 +33,9 @@ from tests.support.waiting import until
 # a loaded 2-core machine: a minute or two.
 START_TIMEOUT_S = 240.0
 # The smallest useful job of the tiny model: a flood of them takes seconds on 2 cores, not minutes.
-# A denoise job of a few tenths of a second, the AR's about as long: 48 of them take ten seconds or more.
-SIZE, STEPS = 64, 48
+# The tiny model's job at its smallest size, with enough denoising steps that the denoise stage (where a flood
+# queues) outweighs the AR's share: about half a second alone on a 2-core machine, 48 of them take 15 to 20 s.
+SIZE, STEPS = 64, 96
 GENERATIONS = "/v1/images/generations"
 RATE_LIMIT_HEADERS = tuple(f"x-ratelimit-{what}-{kind}" for kind in ("requests", "images")
                            for what in ("limit", "remaining", "reset"))
