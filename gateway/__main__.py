@@ -225,6 +225,7 @@ async def serve(args: argparse.Namespace) -> None:
     tls = server_tls_from_args(args)
     metrics = GatewayMetrics()
     if args.quota_store:
+        await store.connect()  # (bounded: its own timeout) so the gauge says from the start whether it answers
         metrics.quota_store(store.up)
         store.on_state(metrics.quota_store)
     driver = Driver(config, metrics=metrics)
@@ -252,7 +253,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.tenants:
         log.info("tenants from %s: %s", args.tenants, ", ".join(tenants.current.by_name))
     if args.quota_store:
-        log.info("quotas counted in the shared store %s", store.describe() if hasattr(store, "describe") else "")
+        log.info("quotas counted in the shared store %s", store.address)
     elif any(t.has_quotas for t in tenants.current.by_name.values()):
         log.info("quotas counted by this gateway alone (no --quota-store)")
     if config.api_keys:
@@ -273,8 +274,7 @@ async def serve(args: argparse.Namespace) -> None:
         await run_until_signalled(server, grace=args.drain_seconds)
     finally:
         await driver.close()
-        if hasattr(store, "close"):
-            await store.close()
+        await store.close()
 
 
 def main(argv: list[str] | None = None) -> None:

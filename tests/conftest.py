@@ -192,7 +192,8 @@ LONGEST_FILES = {
     "test_limits.py": 18, "test_tracing.py": 18, "test_denoiser_lifecycle.py": 16, "test_openai_sdk.py": 16,
     "test_fuzz_gateway.py": 15, "test_rest_connections.py": 15, "test_cli.py": 15, "test_readme_commands.py": 14,
     "test_denoiser_lora.py": 13, "test_edits_e2e.py": 12, "test_gateway.py": 12, "test_several_gateways.py": 11,
-    "test_scheduler_machine.py": 10,
+    "test_scheduler_machine.py": 30, "test_tenants_e2e.py": 50, "test_tenants_redis_e2e.py": 45,
+    "test_tenants_reload.py": 32, "test_rest_tenants.py": 20,
 }
 
 
