@@ -17,9 +17,11 @@ what the scheduler did before issue 30, so the difference is what fairness buys)
 - ``shares``: three backlogged tenants (closed loops, 128 requests outstanding each) with weights 1:1:2; each one's
   share of the AR outputs and of the denoise jobs in the window (target 25/25/50 %, each within 3 points) and
   Jain's index over throughput / weight (1 = exactly by weight);
-- ``flood``: one tenant sending 10x the bound (Poisson) beside one at 0.1x; the light one's p95 latency (arrival to
-  completion) over its p95 with the same arrivals and no flood (target <= 1.5), and the total throughput over the
-  bound (target >= 0.95);
+- ``flood``: one tenant sending 10x the bound (Poisson; at most 512 of its requests in the system, the rest turned
+  away) beside one at 0.1x; the light one's p95 latency (arrival to completion) over its p95 with the same arrivals
+  and no flood (target <= 1.5), and the total throughput over the bound (target >= 0.95); besides, the same with the
+  flood uncapped under the gateway's default queue bound (256 outputs, all tenants together): the light tenant's
+  requests refused;
 - ``batch``: a ``batch``-class tenant beside a backlogged default-class one (its share, target none) and alone on an
   otherwise idle pool (its throughput over the bound, target >= 0.9); besides, beside a light interactive tenant
   (its throughput over the capacity that one leaves) and beside backlogged work of its own tenant.
@@ -66,6 +68,8 @@ AR_BATCH_MAX_OUTPUTS = 28
 SIZE = (1024, 1024)
 OUTSTANDING = 128  # requests a backlogged tenant keeps in the system (closed loop): more than the pool holds at once
 FLOOD, LIGHT = 10.0, 0.1  # offered loads of the flood scenario, shares of the bound
+FLOOD_CAP = 512  # requests the flood holds in the system at most (see run_flood)
+DEFAULT_QUEUE = SchedulerConfig().max_queued_outputs  # the gateway's --max-queued-outputs default
 POLICIES = ("fair", "fifo")
 SHARE_POINTS = 0.03
 LATENCY_RATIO = 1.5
@@ -104,7 +108,8 @@ POOLS = {"ar_bound": PoolShape(1, 14), "denoise_bound": PoolShape(2, 14)}
 @dataclass(frozen=True)
 class Source:
     """One tenant's traffic in one class: a closed loop (``outstanding`` requests always in the system, a new one at
-    each end) or Poisson arrivals (``rate`` requests per second)."""
+    each end) or Poisson arrivals (``rate`` requests per second). ``cap``: an arrival that finds this many of the
+    source's requests in the system is turned away before the scheduler (the flood's excess, see run_flood)."""
 
     tenant: str
     weight: float = 1.0
@@ -112,6 +117,7 @@ class Source:
     outstanding: int = 0
     rate: float = 0.0
     ns: tuple[int, ...] = (1,)
+    cap: int = 0
 
     @property
     def label(self) -> str:
@@ -135,16 +141,18 @@ class Trace:
     ended: dict[str, float] = field(default_factory=dict)  # completed requests: rid -> at
     ar_outputs: list[tuple[float, str, int]] = field(default_factory=list)
     denoise_jobs: list[tuple[float, str]] = field(default_factory=list)
-    rejected: dict[str, int] = field(default_factory=dict)
+    rejected: dict[str, int] = field(default_factory=dict)  # by the scheduler (its queue bound)
+    refused: set[str] = field(default_factory=set)  # rids the scheduler rejected
+    turned_away: dict[str, int] = field(default_factory=dict)  # by a source's cap, never sent
     failed: int = 0
     end: float = 0.0
 
 
 def simulate(pool: PoolShape, sources: Sequence[Source], until: float, seed: int, fifo: bool = False,
-             scheduler: Callable[[SchedulerConfig], Any] = Scheduler) -> Trace:
+             scheduler: Callable[[SchedulerConfig], Any] = Scheduler, max_queued_outputs: int = 1 << 30) -> Trace:
     """Run ``sources`` through the scheduler on ``pool`` until ``until`` (virtual seconds). ``fifo``: every request
     is sent as tenant "default", weight 1, class default (the trace keeps whose it really is)."""
-    sched = scheduler(SchedulerConfig(max_queued_outputs=1 << 30, ar_batch_max_outputs=AR_BATCH_MAX_OUTPUTS))
+    sched = scheduler(SchedulerConfig(max_queued_outputs=max_queued_outputs, ar_batch_max_outputs=AR_BATCH_MAX_OUTPUTS))
     for i in range(pool.ar_servers):
         sched.handle(WorkerAdded(0.0, f"ar{i}", WorkerRole.AR))
         sched.handle(WorkerHealthy(0.0, f"ar{i}"))
@@ -153,7 +161,8 @@ def simulate(pool: PoolShape, sources: Sequence[Source], until: float, seed: int
         sched.handle(WorkerHealthy(0.0, f"d{i}"))
     rng = random.Random(seed)
     trace = Trace(end=until)
-    source_of: dict[str, Source] = {}
+    source_of: dict[str, Source] = {}  # requests in the system
+    in_system: dict[int, int] = {}  # id(source) -> how many of its requests are
     rids = itertools.count()
     heap: list[tuple[float, int, tuple]] = []
     order = itertools.count()
@@ -184,11 +193,14 @@ def simulate(pool: PoolShape, sources: Sequence[Source], until: float, seed: int
             elif isinstance(a, CompleteRequest):
                 trace.ended[a.request_id] = now
                 s = source_of.pop(a.request_id)
+                in_system[id(s)] -= 1
                 if s.outstanding:
                     push(now, ("arrive", s))
             elif isinstance(a, FailRequest):
                 s = source_of.pop(a.request_id)
-                if a.request_id in trace.arrived and a.error.kind.name == "RESOURCE_EXHAUSTED":
+                in_system[id(s)] -= 1
+                if a.error.kind.name == "RESOURCE_EXHAUSTED":
+                    trace.refused.add(a.request_id)
                     trace.rejected[s.label] = trace.rejected.get(s.label, 0) + 1
                     if s.outstanding:
                         push(now + 1.0, ("arrive", s))  # a closed loop's client retries a second later
@@ -209,6 +221,10 @@ def simulate(pool: PoolShape, sources: Sequence[Source], until: float, seed: int
             return trace
         if kind == "arrive":
             s: Source = item[1]
+            if s.cap and in_system.get(id(s), 0) >= s.cap:
+                trace.turned_away[s.label] = trace.turned_away.get(s.label, 0) + 1
+                continue
+            in_system[id(s)] = in_system.get(id(s), 0) + 1
             rid = f"r{next(rids)}"
             n = s.ns[0] if len(s.ns) == 1 else rng.choice(s.ns)
             source_of[rid] = s
@@ -256,10 +272,11 @@ def jain(xs: Sequence[float]) -> float:
 
 
 def latencies(trace: Trace, label: str, t0: float, t1: float) -> tuple[list[float], int]:
-    """Latencies of ``label``'s requests that arrived in [t0, t1), and how many of them had not ended."""
+    """Latencies of ``label``'s requests that arrived in [t0, t1) and were admitted, and how many of those had not
+    ended."""
     out, open_ = [], 0
     for rid, (lab, at, _) in trace.arrived.items():
-        if lab == label and t0 <= at < t1:
+        if lab == label and t0 <= at < t1 and rid not in trace.refused:
             if rid in trace.ended:
                 out.append(trace.ended[rid] - at)
             else:
@@ -323,13 +340,23 @@ def run_shares(pool: PoolShape, w: Window, seed: int, ns: tuple[int, ...] = (1,)
 
 
 def run_flood(pool: PoolShape, w: Window, seeds: Sequence[int], before: type | None = None) -> dict[str, Any]:
-    heavy = Source("heavy", rate=FLOOD * pool.bound)
+    """The light tenant alone, beside the flood, and beside the flood under the gateway's default queue bound.
+
+    Beside the flood, the scheduler admits everything, but the flood holds at most FLOOD_CAP requests in the system
+    (its arrivals beyond are turned away before the scheduler): that keeps it backlogged in both stages, which is
+    all fair share sees, and keeps the run short (an unbounded flood's queue grows by 9x the bound a second). Under
+    FIFO the light tenant then waits behind those FLOOD_CAP requests. With the default bound (DEFAULT_QUEUE outputs
+    over both stages, for every tenant together) the flood is uncapped and the scheduler refuses what passes it."""
+    heavy = Source("heavy", rate=FLOOD * pool.bound, cap=FLOOD_CAP)
     light = Source("light", rate=LIGHT * pool.bound)
-    out: dict[str, Any] = {"heavy_rate": round(heavy.rate, 4), "light_rate": round(light.rate, 4)}
+    out: dict[str, Any] = {"heavy_rate": round(heavy.rate, 4), "light_rate": round(light.rate, 4),
+                           "flood_cap": FLOOD_CAP, "default_queue": DEFAULT_QUEUE}
     alone: list[float] = []
     beside: dict[str, list[float]] = {p: [] for p in POLICIES}
+    bounded: dict[str, list[float]] = {p: [] for p in POLICIES}
     throughput: dict[str, list[float]] = {p: [] for p in POLICIES}
-    open_: dict[str, int] = {p: 0 for p in POLICIES}
+    open_ = {p: 0 for p in POLICIES}
+    refused = {p: [0, 0] for p in POLICIES}  # light requests refused, sent (under the default bound)
     for seed in seeds:
         # The same seed gives the light source the same arrivals with or without the flood (sources draw in order).
         lat, missing = latencies(simulate(pool, [light], w.t1 + w.tail, seed), "light", w.warmup, w.t1)
@@ -342,15 +369,27 @@ def run_flood(pool: PoolShape, w: Window, seeds: Sequence[int], before: type | N
             open_[policy] += missing
             done = sum(stage_counts(trace, w.warmup, w.t1)["denoise"].values())
             throughput[policy].append(done / w.window / pool.bound)
+            trace = simulate(pool, [light, Source("heavy", rate=heavy.rate)], w.t1 + w.tail, seed,
+                             max_queued_outputs=DEFAULT_QUEUE, **policy_args(policy, before))
+            lat, missing = latencies(trace, "light", w.warmup, w.t1)
+            bounded[policy] += lat + [INF] * missing
+            sent = [rid for rid, (lab, at, _) in trace.arrived.items() if lab == "light" and w.warmup <= at < w.t1]
+            refused[policy][0] += sum(rid in trace.refused for rid in sent)
+            refused[policy][1] += len(sent)
     a95 = tail_percentile(alone, 0.95)
     out["alone"] = {"count": len(alone), "p50": round(percentile(alone, 0.5), 2), "p95": round(a95, 2)}
     for policy in POLICIES:
         lat = beside[policy]
         p95 = tail_percentile(lat, 0.95)
+        b95 = tail_percentile(bounded[policy], 0.95)
         out[policy] = {"count": len(lat), "unfinished": open_[policy], "p50": round(tail_percentile(lat, 0.5), 2),
                        "p95": round(p95, 2), "p95_over_alone": round(p95 / a95, 3),
                        "throughput_vs_bound": round(min(throughput[policy]), 4),
-                       "throughput_vs_bound_by_seed": [round(x, 4) for x in throughput[policy]]}
+                       "throughput_vs_bound_by_seed": [round(x, 4) for x in throughput[policy]],
+                       "default_queue": {"light_refused_share": round(refused[policy][0] / max(refused[policy][1], 1),
+                                                                      4),
+                                         "light_sent": refused[policy][1],
+                                         "admitted_p95": round(b95, 2), "admitted_p95_over_alone": round(b95 / a95, 3)}}
     out["cdf"] = {"alone": quantiles(alone), **{p: quantiles(beside[p]) for p in POLICIES}}
     return out
 
@@ -443,6 +482,11 @@ def checks(results: dict[str, Any], policy: str) -> list[dict[str, Any]]:
             add(f"{pool}: 1:1:2 with n from {{1, 2, 4}}, {stage} shares, largest error (points)",
                 r[f"{stage}_max_error_points"], points, r[f"{stage}_max_error_points"] <= 100 * SHARE_POINTS,
                 issue=False, detail=f"{sh} % of outputs")
+    for pool, f in results["flood"].items():
+        r = f[policy]["default_queue"]
+        add(f"{pool}: flood under the default queue bound ({f['default_queue']} outputs), light requests refused",
+            r["light_refused_share"], "<= 0.01", r["light_refused_share"] <= 0.01, issue=False,
+            detail=f"admitted p95 / alone {r['admitted_p95_over_alone']}")
     for pool, b in results["batch"].items():
         r = b["saturated_same_tenant"][policy]
         add(f"{pool}: batch, share beside its own tenant's backlog", r["batch_share"], f"<= {BATCH_CEILING}",
@@ -488,6 +532,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ax.plot(xs, ys[:len(xs)], style, label=f"{label}: p95 {f[name]['p95']} s, {ended} ended")
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("latency, arrival to completion (s, log)")
         ax.set_ylabel("share of the light tenant's requests")
         ax.set_title(f"{pool}: light tenant ({LIGHT:g}x the bound) beside a flood ({FLOOD:g}x)", fontsize=10)
@@ -531,9 +576,10 @@ def main_run(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--warmup", type=float, default=400.0, help="virtual seconds before the measured window")
+    p.add_argument("--warmup", type=float, default=1000.0,
+                   help="virtual seconds before the measured window (the closed loops all start at 0: a transient)")
     p.add_argument("--window", type=float, default=3000.0, help="measured virtual seconds")
-    p.add_argument("--tail", type=float, default=400.0,
+    p.add_argument("--tail", type=float, default=800.0,
                    help="virtual seconds after the window in which what arrived in it may end")
     p.add_argument("--seeds", type=int, default=3, help="seeds of the flood's Poisson arrivals (pooled)")
     p.add_argument("--pools", type=lambda s: [x for x in s.split(",") if x], default=list(POOLS),

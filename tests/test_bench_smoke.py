@@ -87,6 +87,12 @@ def test_tenants_for_a_short_window(tmp_path: Path) -> None:
     assert all(x == pytest.approx(1 / 3, abs=0.02) for x in fifo.values())
     assert results["flood"]["ar_bound"]["fifo"]["unfinished"] > 0
     assert results["batch"]["ar_bound"]["saturated"]["fifo"]["batch_share"] == pytest.approx(0.5, abs=0.02)
+    # With fair share (issue 30): by weight in both stages, and batch work only on capacity nothing else waits for.
+    fair = results["shares"]["ar_bound"]["fair"]
+    for stage in ("ar", "denoise"):
+        assert fair[f"{stage}_shares"]["c"] == pytest.approx(0.5, abs=0.03)
+    assert results["batch"]["ar_bound"]["saturated"]["fair"]["batch_share"] == 0
+    assert results["flood"]["ar_bound"]["fair"]["unfinished"] == 0
     assert tenants_sim.report_lines(results)[0] == "[fair]"
     tenants_sim.plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
