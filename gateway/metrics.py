@@ -197,7 +197,8 @@ class GatewayMetrics(Collector):
             depth.add_metric([name, "ar"], t.pending_ar_outputs if t else 0)
             depth.add_metric([name, "denoise"], t.pending_denoise_outputs if t else 0)
             # (at scrape time: the published state is as of the last event, and a starved tenant's wait keeps growing)
-            oldest.add_metric([name], max(time.monotonic() - t.oldest_since, 0.0) if t and t.oldest_since is not None else 0.0)
+            since = t.oldest_since if t else None
+            oldest.add_metric([name], 0.0 if since is None else max(time.monotonic() - since, 0.0))
         yield depth
         yield oldest
         yield CounterMetricFamily("glmimage_gateway_admission_rejections",

@@ -288,3 +288,28 @@ def test_each_tenants_figures() -> None:
     assert {t.name: t for t in d.s.gauges().tenants}["a"].pending_denoise_outputs == 1
     assert d.s.tenant_of("b-2") == "b" and d.s.tenant_of("nobody") is None
     assert [t.name for t in d.s.snapshot().tenants] == ["a", "b", "c"]
+
+
+# ------------------------------------------------------------------------------------------------ admission
+
+
+def refused(d: Driver, tenant: str, count: int, weight: float = 1.0) -> int:
+    """How many of ``count`` arrivals of ``tenant`` the admission bound refused."""
+    before = d.s.counters.rejected
+    d.arrive(tenant, count, weight=weight)
+    return d.s.counters.rejected - before
+
+
+def test_a_flood_fills_the_admission_bound_for_itself_never_against_another_tenant() -> None:
+    s = make(ar_batch_delay=0.0, max_queued_outputs=20)  # no worker: everything stays queued
+    d = Driver(s)
+    assert refused(d, "flood", 30) == 10  # alone, the bound is all its own
+    # Past the bound, a tenant within its share (20 x 1/2) still gets in; the flood, past its share, does not.
+    assert refused(d, "light", 12) == 2 and refused(d, "flood", 5) == 5
+    assert s.queued_outputs() == 30
+    # A heavier tenant's share is larger (20 x 2/4), and the total never passes twice the bound.
+    assert refused(d, "heavy", 15, weight=2.0) == 5 and s.queued_outputs() == 40
+    assert refused(d, "other", 1) == 1
+    actions = s.handle(RequestArrived(d.now, "x", 1, *SIZE, tenant="light"))
+    (ending,) = [a for a in actions if isinstance(a, FailRequest)]
+    assert ending.error.kind is ErrorKind.RESOURCE_EXHAUSTED and "busy" in ending.error.message

@@ -263,8 +263,11 @@ class Scheduler:
             reject = (ErrorKind.UNAVAILABLE, self._pool.none_ready(AR, None))
         elif cfg.fail_fast_without_workers and not self._pool.any_ready(DENOISER):
             reject = (ErrorKind.UNAVAILABLE, self._pool.none_ready(DENOISER, None))
-        elif queued + ev.n > cfg.max_queued_outputs:
-            # The client's terms (retry later, or fewer images); the operator's flag goes to the gateway log.
+        elif queued + ev.n > cfg.max_queued_outputs and (
+                queued + ev.n > 2 * cfg.max_queued_outputs
+                or not self._shares.within_share(ev.tenant, ev.weight, ev.n, cfg.max_queued_outputs)):
+            # Past the bound only a tenant within its share gets in (fairness.Shares.within_share), up to twice the
+            # bound. The client's terms (retry later, or fewer images); the operator's flag goes to the gateway log.
             reject = (ErrorKind.RESOURCE_EXHAUSTED,
                       f"the server is busy ({queued} images queued; {ev.n} more would pass what it queues); "
                       "retry later, or ask for fewer images")

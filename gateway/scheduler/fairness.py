@@ -299,6 +299,17 @@ class Shares:
         f.ar_requests += 1
         f.ar_outputs += n
 
+    def within_share(self, name: str, weight: float, n: int, bound: int) -> bool:
+        """Whether ``n`` more outputs keep tenant ``name`` within its share of the admission bound: ``bound`` times
+        its weight over the weights of the tenants with queued work (itself included). Asked only once the bound is
+        reached: a tenant under its share is admitted all the same, so a flood fills the queue with its own work,
+        never against the others (the core caps the total at twice the bound)."""
+        t = self.tenants.get(name)
+        mine = 0 if t is None else sum(f.ar_outputs + len(f) for f in t.flows)
+        weights = weight + sum(o.weight for other, o in self.tenants.items()
+                               if other != name and any(f.ar_outputs or f.first is not None for f in o.flows))
+        return mine + n <= bound * weight / weights
+
     def _tenant(self, name: str, weight: float) -> Tenant:
         """A new tenant, or one whose weight changed: the latest arrival's weight is the tenant's."""
         t = self.tenants.get(name)

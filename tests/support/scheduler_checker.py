@@ -320,6 +320,14 @@ class CheckedScheduler(RuleBasedStateMachine):
                 if a.error.kind is ErrorKind.RESOURCE_EXHAUSTED:
                     queued = before.pending_ar_outputs + before.pending_denoise_outputs  # type: ignore[attr-defined]
                     assert queued + ev.n > cfg.max_queued_outputs
+                    # ... and the tenant is past its weighted share of the bound (or the total past twice the bound)
+                    backlog = {t.name: t for t in before.tenants  # type: ignore[attr-defined]
+                               if t.pending_ar_outputs + t.pending_denoise_outputs}
+                    mine = backlog.get(ev.tenant)
+                    held = 0 if mine is None else mine.pending_ar_outputs + mine.pending_denoise_outputs
+                    weights = ev.weight + sum(t.weight for name, t in backlog.items() if name != ev.tenant)
+                    assert (queued + ev.n > 2 * cfg.max_queued_outputs
+                            or held + ev.n > cfg.max_queued_outputs * ev.weight / weights), "refused within its share"
                 else:
                     assert ev.n < 1 or ev.n > cfg.max_queued_outputs
                 return
