@@ -434,7 +434,7 @@ def _lora_notes(d: dict) -> str:
     if over is not None and worst is not None:
         out.append(
             f"Capacity is where placement matters: beyond it, every job that loads holds a denoiser for the load too. "
-            f"The affinity pass (gateway/scheduler/core.py, _dispatch_by_affinity) lets a later job whose adapters a "
+            f"The affinity pass (gateway/scheduler/placement.py, Placement.dispatch) lets a later job whose adapters a "
             f"free denoiser holds go before one that would have to load, and holds a job back for at most one load's "
             f"time, counted from when it was first held back with a denoiser free (not from its "
             f"queueing: with the queue longer than a load, which is always the case at saturation, that let no job "
@@ -576,10 +576,11 @@ def _tenants_notes(d: dict) -> str:
             "step (every batch is full and the costs are fixed), so the wait is up to a whole batch there too, and "
             "the few light outputs of one batch share the free denoisers 1:1 with the flood (equal weights) instead "
             "of taking idle ones. In `denoise_bound` that leaves little room under 1.5.\n\n"
-            f"Under the gateway's default queue bound ({fl[next(iter(fl))]['default_queue']} outputs, counted over "
-            f"every tenant together) an uncapped flood keeps the queue full, and the light tenant's requests are "
-            f"refused as \"server busy\": {refused}, with fair share as with FIFO. Fair share orders what is "
-            "admitted; admission itself is not per tenant.\n\n"
+            f"Under the gateway's default queue bound ({fl[next(iter(fl))]['default_queue']} outputs) an uncapped "
+            "flood keeps the queue full. Counted over every tenant together (FIFO here, and the fair scheduler's "
+            "first version), the light tenant's requests were refused as \"server busy\" about 90 % of the time; "
+            "past the bound the scheduler now still admits a tenant within its weighted share of it (up to twice "
+            f"the bound), and the light tenant is refused {refused} (fair).\n\n"
             "The share of the stage that is not the bottleneck (the AR in `denoise_bound`) is the closed loops' "
             "demand, not a choice of the scheduler: with n drawn from {1, 2, 4} it moves with the outputs each "
             "tenant holds at the window's two ends, while the contended stage stays at 25 / 25 / 50.\n")
