@@ -100,7 +100,7 @@ IMAGE_FIELDS = {
     "output_format": st.sampled_from(ENUM_VALUES), "output_compression": st.sampled_from(COMPRESSIONS),
     "num_inference_steps": st.sampled_from(STEPS), "guidance_scale": st.sampled_from(GUIDANCES),
     "seed": st.sampled_from(SEEDS), "sampling": sampling_params(), "request_id": REQUEST_IDS,
-    "step_cache": st.sampled_from(ENUM_VALUES),
+    "step_cache": st.sampled_from(ENUM_VALUES), "priority": st.sampled_from(ENUM_VALUES),
 }
 IMAGE_REQUESTS = mutated(gw_pb.GenerateImagesRequest, IMAGE_BASE, IMAGE_FIELDS)
 STREAM_REQUESTS = st.one_of(
