@@ -13,7 +13,7 @@ import pytest
 from glmimage.cli import build_parser, format_limits, format_status, main
 from glmimage.client import build_request
 from glmimage.results import Limits, Status, WorkerInfo
-from glmimage.v1 import common_pb2
+from glmimage.v1 import common_pb2, gateway_service_pb2
 from tests.support.certs import Pki
 from tests.support.fake_gateway import FakeServer, fake_image, serve_fake
 from tests.support.fake_lora_gateway import ADMIN_KEY, BROKEN, DENOISERS, sent_loras, serve_fake_loras
@@ -93,6 +93,23 @@ def test_status_without_the_admin_role_lists_workers_by_position() -> None:
         ["ar", "#0", "busy", "1", "-", "-"], ["denoiser", "#1", "busy", "1", "(another caller's)", "-"],
         ["denoiser", "#2", "busy", "1", "mine/0#1", "-"], ["denoiser", "#3", "busy", "0", "(another gateway's)", "-"],
         ["denoiser", "#4", "unhealthy", "0", "-", "-"]]
+
+
+def test_status_shows_each_tenant_with_its_queues_and_quotas() -> None:
+    status = Status.from_proto(gateway_service_pb2.GetStatusResponse(tenants=[
+        gateway_service_pb2.TenantStatus(name="alpha", weight=1, pending_ar_requests=2, active_requests=3,
+                                         inflight_images=3, oldest_wait_seconds=12.34,
+                                         max_priority=gateway_service_pb2.PRIORITY_INTERACTIVE),
+        gateway_service_pb2.TenantStatus(name="beta", weight=2.5, pending_denoise_outputs=4, inflight_images=4,
+                                         max_inflight_images=8, requests_per_minute=30, remaining_requests=27,
+                                         images_per_minute=60, remaining_images=50)]))
+    assert [t.max_priority for t in status.tenants] == ["interactive", "default"]
+    lines = format_status(status).splitlines()
+    header = next(ln for ln in lines if ln.startswith("TENANT"))
+    assert [ln.split() for ln in lines[lines.index(header) + 1:]] == [
+        ["alpha", "1", "2", "0", "3", "3", "12.3s", "-", "-"],
+        ["beta", "2.5", "0", "4", "0", "4/8", "0.0s", "27/30", "50/60"]]
+    assert "TENANT" not in format_status(Status(0, 0, 0, 0))  # a gateway that shows none: no table
 
 
 def test_errors_exit_non_zero_without_retrying_bad_input(fake: FakeServer, tmp_path: Path) -> None:

@@ -290,6 +290,14 @@ def format_status(status: Status) -> str:
     rows = [[w.role, w.address or f"#{i}", w.state, str(w.inflight), _job(w), ",".join(w.loras_loaded) or "-"]
             for i, w in enumerate(status.workers)]
     lines.append(_table(["ROLE", "ADDRESS", "STATE", "INFLIGHT", "JOB", "LORAS"], rows) if rows else "no workers")
+    if status.tenants:  # every tenant to the admin role, else the caller's own
+        lines += ["", _table(["TENANT", "WEIGHT", "QUEUED AR", "QUEUED DENOISE", "ACTIVE", "IMAGES", "OLDEST WAIT",
+                              "REQUESTS LEFT", "IMAGES LEFT"], [[
+            t.name, f"{t.weight:g}", str(t.pending_ar_requests), str(t.pending_denoise_outputs), str(t.active_requests),
+            f"{t.inflight_images}" + (f"/{t.max_inflight_images}" if t.max_inflight_images else ""),
+            f"{t.oldest_wait_seconds:.1f}s",
+            f"{t.remaining_requests}/{t.requests_per_minute}" if t.requests_per_minute else "-",
+            f"{t.remaining_images}/{t.images_per_minute}" if t.images_per_minute else "-"] for t in status.tenants])]
     return "\n".join(lines)
 
 
@@ -315,7 +323,8 @@ def _status(args: argparse.Namespace, client: Client) -> int:
                           "pending_ar_outputs": status.pending_ar_outputs,
                           "pending_denoise_outputs": status.pending_denoise_outputs,
                           "active_requests": status.active_requests,
-                          "workers": [asdict(w) for w in status.workers]}, indent=2))
+                          "workers": [asdict(w) for w in status.workers],
+                          "tenants": [asdict(t) for t in status.tenants]}, indent=2))
     else:
         print(format_status(status))
     return 0

@@ -126,12 +126,44 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class TenantInfo:
+    """One tenant as the gateway sees it (GetStatus: every tenant to the admin role, else the caller's own). Quotas
+    are 0 when the tenant has none."""
+
+    name: str
+    weight: float
+    pending_ar_requests: int
+    pending_denoise_outputs: int
+    active_requests: int
+    inflight_images: int
+    oldest_wait_seconds: float
+    requests_total: int
+    images_total: int
+    requests_per_minute: int
+    images_per_minute: int
+    max_inflight_images: int
+    remaining_requests: int
+    remaining_images: int
+    max_priority: str  # "interactive", "default" or "batch"
+
+    @classmethod
+    def from_proto(cls, t: gateway_service_pb2.TenantStatus) -> TenantInfo:
+        values = {f.name: getattr(t, f.name) for f in fields(cls) if f.name != "max_priority"}
+        return cls(**values, max_priority=_PRIORITY_NAMES.get(t.max_priority, "default"))
+
+
+_PRIORITY_NAMES = {gateway_service_pb2.PRIORITY_INTERACTIVE: "interactive",
+                   gateway_service_pb2.PRIORITY_DEFAULT: "default", gateway_service_pb2.PRIORITY_BATCH: "batch"}
+
+
+@dataclass(frozen=True)
 class Status:
     pending_ar_requests: int
     pending_ar_outputs: int
     pending_denoise_outputs: int
     active_requests: int
     workers: list[WorkerInfo] = field(default_factory=list)
+    tenants: list[TenantInfo] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, s: gateway_service_pb2.GetStatusResponse) -> Status:
@@ -139,7 +171,8 @@ class Status:
                    [WorkerInfo(w.address, _ROLE_NAMES.get(w.role, "unspecified"),
                                _STATE_NAMES.get(w.state, "unspecified"), w.inflight, w.current_job, w.health,
                                w.stuck, w.held_elsewhere, w.health_detail, list(w.loras_loaded))
-                    for w in s.workers])
+                    for w in s.workers],
+                   [TenantInfo.from_proto(t) for t in s.tenants])
 
 
 @dataclass(frozen=True)
