@@ -28,6 +28,7 @@ __all__ = [
     "RetryPolicy",
     "Status",
     "StreamEvent",
+    "TenantInfo",
     "TlsConfig",
     "Usage",
     "WorkerInfo",

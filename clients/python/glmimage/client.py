@@ -55,6 +55,7 @@ from glmimage.results import (
     Progress,
     Status,
     StreamEvent,
+    TenantInfo,
     Usage,
     WorkerInfo,
     event_from_proto,
@@ -70,7 +71,7 @@ from glmimage.wire.keepalive import message_size_options
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_RETRY", "FORMATS", "NO_RETRY", "AsyncClient", "Client", "Completed",
            "GenerationResult", "GlmImageError", "Limits", "Lora", "LoraCatalogue", "LoraInfo", "LoraInput",
            "LoraPlacement", "PartialImage", "PriorityInput", "Progress", "RateLimits", "RetryPolicy", "Status",
-           "StreamEvent",
+           "StreamEvent", "TenantInfo",
            "ImageInput", "ImageOptions", "TlsConfig", "Usage", "WorkerInfo", "build_request",
            "build_stream_request", "parse_size", "read_images"]
 
