@@ -140,7 +140,11 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         priority = priority_of(request.priority, tenant)
         ticket = await self.gate.admit(tenant, admitted.n)
         if ticket.headers:
-            await context.send_initial_metadata(ticket.headers)
+            try:
+                await context.send_initial_metadata(ticket.headers)
+            except BaseException:  # (the caller went away meanwhile): the ticket is ended on this way out too
+                ticket.end(sch.ErrorKind.CANCELLED.value)
+                raise
         return admitted, ticket, priority
 
     def _generate(self, admitted: Admitted, ticket: Ticket, priority: int, context: grpc.aio.ServicerContext,
