@@ -63,6 +63,15 @@ def test_the_operating_docs_show_the_form_that_loads() -> None:
         parse_tenants(block, "docs/operating.md")
 
 
+def test_the_example_file_the_readme_runs_loads() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert 'STACK_ARGS="--tenants docs/tenants.example.toml"' in readme
+    tenants = load_tenants(ROOT / "docs" / "tenants.example.toml")
+    assert set(tenants.by_name) == {"alpha", "beta", "ops"} and tenants.has_admin
+    for key in ("sk-alpha-1", "sk-beta-1", "sk-ops-1"):
+        assert f"`{key}`" in readme and tenants.lookup(key.encode()) is not None
+
+
 def test_a_digest_stands_for_its_key_and_the_priority_classes_order() -> None:
     hexed = hashlib.sha256(b"sk-secret").hexdigest()
     text = f'[tenants.ops]\nkeys_sha256 = ["{hexed.upper()}"]\nrole = "admin"\nmax_priority = "batch"\n'
