@@ -77,15 +77,6 @@ class QuotaDecision:
     message: str  # the client's text
     headers: Headers  # the x-ratelimit-* entries (empty for a tenant without per-minute quotas)
 
-    @property
-    def retry_after(self) -> str:
-        """The ``retry-after`` value: whole seconds, at least 1."""
-        return str(max(1, math.ceil(self.retry_after_s)))
-
-    def refusal_trailers(self) -> Headers:
-        """A refused call's trailing metadata: the rate-limit headers, ``retry-after`` and which quota refused."""
-        return (*self.headers, ("retry-after", self.retry_after), ("x-glmimage-quota", self.quota))
-
 
 ADMITTED = QuotaDecision(True, "", 0.0, "", ())
 

@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quota, Quotas
 from glmimage.v1 import gateway_service_pb2
+from services.runtime.details import QUOTA_KEY
 from services.runtime.errors import InvalidArgument, ResourceExhausted
 from services.runtime.priority import DEFAULT, PRIORITY_NAMES
 from services.runtime.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
-# Which quota refused, in a refusal's trailing metadata (the REST front answers OpenAI's rate_limit_exceeded for it).
-QUOTA_KEY = "x-glmimage-quota"
 # gRPC enum -> scheduler class (0 = interactive); unspecified is default.
 _PRIORITY_FROM_PROTO = {
     gateway_service_pb2.PRIORITY_UNSPECIFIED: DEFAULT,

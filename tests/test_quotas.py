@@ -25,6 +25,10 @@ from gateway.quotas import (
     rate_headers,
     window_refusal,
 )
+from gateway.tenancy import TenantGate
+from services.runtime.details import OWN_ERROR_KEY, rich_status
+from services.runtime.errors import ResourceExhausted
+from services.runtime.tenants import Tenant
 
 T = TypeVar("T")
 
@@ -271,15 +275,21 @@ def test_remaining_never_shows_below_zero() -> None:
 
 
 def test_refusal_trailers_and_retry_after() -> None:
+    """What a refused call carries, as the gateway sends it: TenantGate's error through rich_status (the one place
+    the retry-after and RetryInfo are written)."""
     clock = Clock(0.0)
-    q, quota = quotas(clock), Quota(requests_per_minute=1)
-    admit(q, "a", quota)
+    q = quotas(clock)
+    gate, tenant = TenantGate(q), Tenant("a", requests_per_minute=1)
+    done(gate.admit(tenant, 1)).end("ok")
     clock.now = 59.6
-    d = admit(q, "a", quota)
-    assert d.retry_after == "1" and d.retry_after_s == pytest.approx(0.4)
-    assert dict(d.refusal_trailers()) == {
+    with pytest.raises(ResourceExhausted) as err:
+        done(gate.admit(tenant, 1))
+    assert err.value.retry_after == pytest.approx(0.4)
+    status = rich_status(err.value)
+    assert {k: v for k, v in status.trailing_metadata if k != "grpc-status-details-bin"} == {
         "x-ratelimit-limit-requests": "1", "x-ratelimit-remaining-requests": "0",
-        "x-ratelimit-reset-requests": "400ms", "retry-after": "1", "x-glmimage-quota": REQUESTS_PER_MINUTE}
+        "x-ratelimit-reset-requests": "400ms", "retry-after": "1", "x-glmimage-quota": REQUESTS_PER_MINUTE,
+        OWN_ERROR_KEY: "1"}
 
 
 def test_messages_name_the_quota_and_when_never_an_address() -> None:
@@ -383,7 +393,7 @@ def test_random_sequences_match_the_model(tenant_quotas: dict[str, Quota], steps
             reset = format_reset(0.0 if m.window_ends is None else m.window_ends - clock.now)
             assert {v for k, v in d.headers if k.startswith("x-ratelimit-reset-")} == {reset}
         if not d.allowed:
-            assert d.retry_after_s > 0 and int(d.retry_after) >= 1
+            assert d.retry_after_s > 0  # (its whole seconds: rich_status, test_refusal_trailers_and_retry_after)
         if quota.requests_per_minute is not None:
             assert m.requests <= quota.requests_per_minute
         if quota.images_per_minute is not None:

@@ -28,6 +28,8 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from services.runtime.details import RATE_LIMIT_HEADERS, RETRY_AFTER_KEY
+
 from .adapters import AdapterCache
 from .edits import router as edits_router
 from .errors import APIError, error_response, from_validation_errors
@@ -35,7 +37,6 @@ from .keys import FrontKeys
 from .limits import LimitsCache, with_limits
 from .metrics import RestMetrics
 from .middleware import REQUEST_ID_HEADER, FrontMiddleware, request_id
-from .ratelimits import RATE_LIMIT_HEADERS, RETRY_AFTER_KEY
 from .routes import router
 from .schemas import (
     ImageEditCompletedEvent,

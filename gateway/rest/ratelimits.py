@@ -12,11 +12,8 @@ import math
 import re
 from collections.abc import Iterable
 
-# In OpenAI's order: the requests' limit, remaining and reset, then the same for images (the tokens' place).
-RATE_LIMIT_HEADERS = tuple(f"x-ratelimit-{figure}-{unit}" for unit in ("requests", "images")
-                           for figure in ("limit", "remaining", "reset"))
-QUOTA_KEY = "x-glmimage-quota"
-RETRY_AFTER_KEY = "retry-after"
+from services.runtime.details import QUOTA_KEY, RATE_LIMIT_HEADERS, RETRY_AFTER_KEY
+
 # The openai SDK honours Retry-After on 429; one second is the gateway's usual backoff.
 DEFAULT_RETRY_AFTER_S = 1
 # A figure is a count or a duration ("1m0s"); anything longer or not printable ASCII is not relayed.

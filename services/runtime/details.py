@@ -23,6 +23,13 @@ OWN_MARK = ((OWN_ERROR_KEY, "1"),)
 
 # Trailing metadata of a refusal that says when to retry (whole seconds), beside its google.rpc.RetryInfo.
 RETRY_AFTER_KEY = "retry-after"
+# Which quota of its tenant refused a call (requests_per_minute, images_per_minute, max_inflight_images): trailing
+# metadata of a quota refusal only (a queue-full one has none).
+QUOTA_KEY = "x-glmimage-quota"
+# OpenAI's rate-limit figures, in its order (the requests' limit, remaining, reset, then the images'): a quota
+# tenant's call carries them in its initial metadata when admitted, in its trailing metadata when refused.
+RATE_LIMIT_HEADERS = tuple(f"x-ratelimit-{figure}-{unit}" for unit in ("requests", "images")
+                           for figure in ("limit", "remaining", "reset"))
 
 # The google.rpc.ErrorInfo domain of the reasons this suite sends.
 ERROR_DOMAIN = "glmimage.v1"
