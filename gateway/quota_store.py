@@ -175,10 +175,13 @@ class RedisStore:
         self.window_ms = round(window_s * 1000)
         self.local = LocalStore(clock, window_s)
         a = self.address
-        # No retries of its own (its default backs off and retries thrice): one bounded try, then the local counts.
+        # One retry at once, no backoff, all within the one bounded wait of each call (asyncio.wait_for below): a
+        # pooled connection that Redis or a proxy closed while idle (Redis's `timeout`, a load balancer's idle cut)
+        # fails at once on its next use, and the retry on a new connection must count there, not fall back to the
+        # local counts (nor log Redis as gone). Its default backs off and retries thrice, past any bound.
         self._redis = aioredis.Redis(host=a.host, port=a.port, db=a.db, username=a.username, password=a.password,
                                      socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                     retry=Retry(NoBackoff(), 0), decode_responses=True)
+                                     retry=Retry(NoBackoff(), 1), decode_responses=True)
         # EVALSHA, loading the script again after a NOSCRIPT (a restarted Redis has an empty script cache).
         self._count = self._redis.register_script(COUNT_LUA)
         self._peek = self._redis.register_script(PEEK_LUA)

@@ -260,3 +260,27 @@ def test_without_redis_server_the_test_fails_and_names_make_tools(monkeypatch: p
     monkeypatch.setattr(support, "DEBIAN_PATH", Path("/nonexistent/redis-server"))
     with pytest.raises(pytest.fail.Exception, match="make tools"):
         support.redis_server_binary()
+
+
+async def test_an_idle_gap_past_redis_own_idle_timeout_still_counts_there(
+        server: RedisServer, direct: aioredis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis (or a proxy) closes a connection idle past its `timeout`; the next admission must still count in Redis,
+    not fall back to the local counts nor log Redis as gone."""
+    caplog.set_level(logging.INFO, LOGGER)
+    await direct.config_set("timeout", 1)
+    store = RedisStore(server.url)
+    q, quota = Quotas(store), Quota(requests_per_minute=5)
+    try:
+        assert await store.connect()
+        assert dict((await q.admit("a", quota, 1)).headers)["x-ratelimit-remaining-requests"] == "4"
+        deadline = time.monotonic() + 30
+        while len(await direct.client_list()) > 1:  # until Redis has closed the store's idle connection
+            assert time.monotonic() < deadline, "Redis never closed the idle connection"
+            await direct.ping()  # (keeps this one busy, so it is not closed too)
+            await asyncio.sleep(0.2)
+        d = await q.admit("a", quota, 1)
+        assert store.up and dict(d.headers)["x-ratelimit-remaining-requests"] == "3"
+        assert await direct.hget(window_key("a"), "r") == "2"  # both counted in Redis
+        assert not records(caplog, logging.WARNING)
+    finally:
+        await store.close()
