@@ -1,5 +1,5 @@
 """GLM-Image serving: the protocol (generated contracts in ``glmimage.v1``, shared wire helpers in
-``glmimage.wire``) and the Python SDK above it. Needs only grpcio and protobuf.
+``glmimage.wire``) and the Python SDK above it. Needs only grpcio, protobuf and googleapis-common-protos.
 
 The SDK names below load on first use (PEP 562), so a server that imports ``glmimage.v1`` or ``glmimage.wire``
 never loads the client.

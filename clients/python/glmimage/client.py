@@ -1,6 +1,6 @@
 """Python clients for GatewayService: `Client` (blocking) and `AsyncClient` (asyncio).
 
-Only grpcio and protobuf are needed. Both clients share the same options:
+Only grpcio, protobuf and googleapis-common-protos are needed. Both clients share the same options:
 
 - ``timeout``: an overall deadline per call in seconds, retries and backoff included;
 - ``retry``: exponential backoff with jitter, on UNAVAILABLE and RESOURCE_EXHAUSTED only (the two codes that mean

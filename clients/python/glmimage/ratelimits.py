@@ -3,8 +3,7 @@ when refused), the wait a refusal asks for (google.rpc.RetryInfo, else ``retry-a
 
 The keys are OpenAI's response headers (``x-ratelimit-limit-requests`` ...), sent by a gateway only for a tenant
 with quotas; reset values are OpenAI's durations ("1m0s", "12s", "250ms"). Pure functions over metadata pairs, so
-both clients read them the same way. The SDK needs only grpcio and protobuf: google.rpc's Status and RetryInfo are
-decoded through wire-compatible messages of a private descriptor pool, not googleapis-common-protos.
+both clients read them the same way. google.rpc's Status and RetryInfo come from googleapis-common-protos.
 """
 from __future__ import annotations
 
@@ -13,8 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 
 __all__ = ["QUOTA_KEY", "RATE_LIMIT_KEYS", "RETRY_AFTER_KEY", "RateLimits", "parse_duration", "quota_of",
            "retry_after_of"]
@@ -22,7 +21,6 @@ __all__ = ["QUOTA_KEY", "RATE_LIMIT_KEYS", "RETRY_AFTER_KEY", "RateLimits", "par
 RETRY_AFTER_KEY = "retry-after"
 QUOTA_KEY = "x-glmimage-quota"  # requests_per_minute, images_per_minute or max_inflight_images; absent: queue full
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
-RETRY_INFO_TYPE = "google.rpc.RetryInfo"
 
 
 @dataclass(frozen=True)
@@ -114,46 +112,14 @@ def _count(text: str | None) -> int | None:
     return int(text) if text and text.isascii() and text.isdigit() else None
 
 
-# --- google.rpc.Status and RetryInfo, wire-compatible ----------------------------------------------------------------
-
-
-def _message_classes() -> tuple[type, type]:
-    """Status {int32 code = 1; string message = 2; repeated Any details = 3} and RetryInfo {Duration retry_delay =
-    1}, with Any and Duration as their two fields each: the same bytes as google.rpc's, in a pool of our own so a
-    process that also loads googleapis-common-protos sees no clash."""
-    T = descriptor_pb2.FieldDescriptorProto
-    optional, repeated = T.LABEL_OPTIONAL, T.LABEL_REPEATED
-
-    def message(name: str, *specs: tuple[str, int, int, int, str]) -> descriptor_pb2.DescriptorProto:
-        return descriptor_pb2.DescriptorProto(name=name, field=[
-            T(name=f, number=n, type=t, label=label, **({"type_name": ref} if ref else {}))
-            for f, n, t, label, ref in specs])
-
-    pkg = "glmimage.sdk.rpc"
-    file = descriptor_pb2.FileDescriptorProto(name="glmimage/sdk/rpc_status.proto", package=pkg, syntax="proto3")
-    file.message_type.extend([
-        message("Any", ("type_url", 1, T.TYPE_STRING, optional, ""), ("value", 2, T.TYPE_BYTES, optional, "")),
-        message("Duration", ("seconds", 1, T.TYPE_INT64, optional, ""), ("nanos", 2, T.TYPE_INT32, optional, "")),
-        message("Status", ("code", 1, T.TYPE_INT32, optional, ""), ("message", 2, T.TYPE_STRING, optional, ""),
-                ("details", 3, T.TYPE_MESSAGE, repeated, f".{pkg}.Any")),
-        message("RetryInfo", ("retry_delay", 1, T.TYPE_MESSAGE, optional, f".{pkg}.Duration")),
-    ])
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(file)
-    return tuple(message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{pkg}.{name}"))
-                 for name in ("Status", "RetryInfo"))  # type: ignore[return-value]
-
-
-_Status, _RetryInfo = _message_classes()
-
-
 def _retry_info_delay(status_bytes: bytes) -> float | None:
+    """Seconds of the google.rpc.RetryInfo in a call's status details (None: none, or not a Status)."""
     try:
-        status = _Status.FromString(status_bytes)
-        for detail in status.details:
-            if detail.type_url.rsplit("/", 1)[-1] == RETRY_INFO_TYPE:
-                delay = _RetryInfo.FromString(detail.value).retry_delay
-                return delay.seconds + delay.nanos / 1e9
+        status = status_pb2.Status.FromString(status_bytes)
     except DecodeError:  # not a Status: nothing we can trust in it
         return None
+    for detail in status.details:
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
     return None
