@@ -23,7 +23,7 @@ import grpc
 
 from glmimage.v1 import gateway_service_pb2
 from services.runtime.auth import CheckingInterceptor, bearer_token
-from services.runtime.tenants import ADMIN, USER, Tenant, TenantsFile, digest, tenants_from_keys
+from services.runtime.tenants import ADMIN, USER, Tenant, TenantsFile, digest
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,3 @@ class GatewayAuth(CheckingInterceptor):
         return None
 
 
-
-def gateway_interceptor(api_keys: Iterable[str], admin_keys: Iterable[str]) -> GatewayAuth:
-    """The interceptor of a gateway configured by key flags alone (no tenants file)."""
-    return GatewayAuth(TenantsFile(None, tenants_from_keys(api_keys, admin_keys)))

@@ -9,10 +9,11 @@ import grpc
 import httpx
 import pytest
 
-from gateway.auth import gateway_interceptor
+from gateway.auth import GatewayAuth
 from gateway.rest.app import create_app
 from gateway.rest.settings import RestSettings
 from services.runtime.auth import bearer_token
+from services.runtime.tenants import TenantsFile, tenants_from_keys
 from tests.support.sim_gateway import Gateway, request, rpc_error, running_gateway, sim_cluster
 
 KEY = "clé-für-tests-ü"  # not ASCII
@@ -43,7 +44,7 @@ def test_bearer_token(entries, token) -> None:
 def test_the_interceptor_compares_text_as_utf8() -> None:
     # gRPC clients send printable ASCII only (C-core refuses other metadata values before sending), so this path
     # sees a non-ASCII key only as text a server hands over; it compares that as UTF-8, like REST's raw bytes.
-    check = gateway_interceptor((KEY,), ()).check
+    check = GatewayAuth(TenantsFile(None, tenants_from_keys((KEY,), ()))).check
     assert check(METHOD, [("authorization", f"Bearer {KEY}")]) is None
     mojibake = KEY_UTF8.decode("latin-1")  # the key's UTF-8 bytes read as Latin-1: other text
     assert check(METHOD, [("authorization", mojibake)])[0] is grpc.StatusCode.UNAUTHENTICATED
