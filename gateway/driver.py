@@ -51,7 +51,6 @@ class _Pending:
     stream: StreamOptions | None
     timing: Timing
     trace: RequestTrace
-    tenant: str = "default"  # whose it is (GetStatus shows a caller the jobs of its own tenant only)
     first_dispatch: bool = False  # a denoise job of it was dispatched (the tenant's queue wait is observed then)
 
 
@@ -207,7 +206,7 @@ class Driver:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         pending = _Pending(admitted=admitted, future=loop.create_future(), stream=stream, timing=Timing(arrived=now),
-                           trace=RequestTrace(request_id), tenant=tenant)
+                           trace=RequestTrace(request_id))
         # The id comes from the client's x-request-id and may repeat; the scheduler needs it unique.
         original = request_id
         while request_id in self._pending:  # a loop: "abc.1" may itself be a client's id already in flight
@@ -247,9 +246,8 @@ class Driver:
         return self.scheduler.snapshot()
 
     def request_tenant(self, request_id: str) -> str | None:
-        """The tenant of the request in flight under ``request_id`` (None: not in flight)."""
-        pending = self._pending.get(request_id)
-        return None if pending is None else pending.tenant
+        """The tenant of the request in flight under ``request_id`` (None: not in flight): the scheduler's own."""
+        return self.scheduler.tenant_of(request_id)
 
     # ---- the loop: events in, actions out --------------------------------------------------------------------
 
@@ -342,7 +340,8 @@ class Driver:
                     pending.trace.denoise_dispatched(action.job.index, action.job.attempt, pending.timing.ar_done)
                     if not pending.first_dispatch:
                         pending.first_dispatch = True
-                        self.observe.tenant_waited(pending.tenant, pending.timing)
+                        self.observe.tenant_waited(self.scheduler.tenant_of(action.job.request_id) or "default",
+                                                   pending.timing)
                 task = spawn(self._run_denoise(action), name=f"denoise:{action.job.request_id}/{action.job.index}",
                              request_id=action.job.request_id)
                 self._denoise_calls[action.job] = task
