@@ -86,6 +86,8 @@ BAD = [
     ("[tenants.a]\nkeys = [\"k\"]\nweight = -1.5\n", 3, "tenants.a.weight", "above 0"),
     ("[tenants.a]\nkeys = [\"k\"]\nweight = nan\n", 3, "tenants.a.weight", "above 0"),
     ("[tenants.a]\nkeys = [\"k\"]\nweight = true\n", 3, "tenants.a.weight", "above 0"),
+    ("[tenants.a]\nkeys = [\"k\"]\nweight = 5e-324\n", 3, "tenants.a.weight", "from 0.001"),
+    ("[tenants.a]\nkeys = [\"k\"]\nweight = 1e7\n", 3, "tenants.a.weight", "to 1e+06"),
     ("[tenants.a]\nkeys = [\"k\"]\n\nwieght = 1\n", 4, "tenants.a.wieght", "unknown field"),
     ("[tenants.a]\nkeys = [\"k\"]\n[tenants.b]\n# b\nkeys = [\"j\", \"k\"]\n", 5, "tenants.b.keys",
      "tenant 'a' has it"),

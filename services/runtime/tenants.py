@@ -48,7 +48,9 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _HEX64_RE = re.compile(r"[0-9a-fA-F]{64}")
 QUOTA_FIELDS = ("requests_per_minute", "images_per_minute", "max_inflight_images")
 FIELDS = ("keys", "keys_sha256", "weight", "role", "max_priority", *QUOTA_FIELDS)
-MAX_WEIGHT = 1_000_000.0
+# A weight's range: 1/weight is what a job costs its tenant in virtual time, and a weight near 0 (5e-324) makes it
+# infinite, which would stop every tenant's clock at once.
+MIN_WEIGHT, MAX_WEIGHT = 0.001, 1_000_000.0
 
 
 class TenantsError(ValueError):
@@ -222,8 +224,9 @@ def parse_tenants(text: str, source: str = "<tenants>") -> Tenants:
             raise fail(name, None, "needs at least one key (keys or keys_sha256)")
         weight = spec.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) \
-                or not 0 < weight <= MAX_WEIGHT:
-            raise fail(name, "weight", f"must be a number above 0 and at most {MAX_WEIGHT:g}, got {weight!r}")
+                or not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+            raise fail(name, "weight", f"must be a number above 0, from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}, got "
+                                       f"{weight!r}")
         role = spec.get("role", USER)
         if role not in ROLES:
             raise fail(name, "role", f"must be one of {', '.join(map(repr, ROLES))}, got {role!r}")
