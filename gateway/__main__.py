@@ -11,7 +11,7 @@ from gateway.config import GatewayConfig
 from gateway.driver import Driver
 from gateway.membership import parse_allow_rule, split_host_port
 from gateway.metrics import GatewayMetrics
-from gateway.quota_store import store_from_url
+from gateway.quota_store import REDIS_TIMEOUT_S, store_from_url
 from gateway.quotas import Quotas
 from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
@@ -105,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "comma-separated); it may call every other RPC too. None set (the default): the admin RPCs "
                         "answer PERMISSION_DENIED to everyone")
     add_tenants_args(p)
+    p.add_argument("--quota-store-timeout", type=float, default=REDIS_TIMEOUT_S, metavar="SECONDS",
+                   help="the most one admission waits for the quota store before counting on its own (a Redis that "
+                        "hangs never stalls admission)")
     p.add_argument("--quota-store", default=None, metavar="redis://HOST:PORT/N",
                    help="count the tenants' quotas in this Redis, global and exact across every gateway using it; "
                         "unset (the default): each gateway counts on its own. While it does not answer, the gateway "
@@ -218,8 +221,10 @@ def tenants_from_args(args: argparse.Namespace, config: GatewayConfig) -> Tenant
 async def serve(args: argparse.Namespace) -> None:
     config = config_from(args)
     tenants = tenants_from_args(args, config)
+    if not args.quota_store_timeout > 0:
+        raise SystemExit("gateway: --quota-store-timeout must be more than 0")
     try:
-        store = store_from_url(args.quota_store)
+        store = store_from_url(args.quota_store, args.quota_store_timeout)
     except ValueError as exc:
         raise SystemExit(f"gateway: --quota-store: {exc}") from None
     tls = server_tls_from_args(args)

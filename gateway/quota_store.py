@@ -281,8 +281,9 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
-def store_from_url(url: str | None) -> LocalStore | RedisStore:
-    """The store for ``--quota-store`` (None or "": this process's own counts). ValueError for a bad URL."""
+def store_from_url(url: str | None, timeout_s: float = REDIS_TIMEOUT_S) -> LocalStore | RedisStore:
+    """The store for ``--quota-store`` (None or "": this process's own counts), each call to it bounded by
+    ``timeout_s``. ValueError for a bad URL."""
     if not url:
         return LocalStore()
-    return RedisStore(url)
+    return RedisStore(url, timeout_s=timeout_s)

@@ -25,6 +25,9 @@ LOGGER = "gateway.quota_store"
 # A probe a second: 3x margin and more for the store to notice a Redis that is back.
 BACK_WITHIN_S = 10.0
 SHORT_WINDOW_S = 3.0
+# The store's timeout where a test is about what Redis counts, not about a Redis that stalls: the default 0.25 s,
+# under a loaded 2-core machine's cold connections and script loads, can run out and count locally instead.
+COUNTING_TIMEOUT_S = 5.0
 # "A dead Redis never stalls admission": without the store's own timeout a frozen Redis holds an admission forever,
 # and 55 admissions that each waited for it would take 55 x 0.25 s. The bound is ten timeouts (one expected, with
 # a timing test's 3x margin and more on a loaded 2-core machine), far below either failure.
@@ -70,7 +73,7 @@ def records(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
 
 async def test_two_gateways_admit_exactly_twenty_of_forty_concurrent(server: RedisServer,
                                                                      direct: aioredis.Redis) -> None:
-    stores = [RedisStore(server.url), RedisStore(server.url)]
+    stores = [RedisStore(server.url, timeout_s=COUNTING_TIMEOUT_S) for _ in range(2)]
     gateways = [Quotas(s) for s in stores]
     quota = Quota(requests_per_minute=20)
     try:
@@ -98,7 +101,7 @@ from gateway.quota_store import RedisStore
 from gateway.quotas import Quota, Quotas
 
 async def main(url):
-    store, barrier = RedisStore(url), aioredis.Redis.from_url(url)
+    store, barrier = RedisStore(url, timeout_s=5.0), aioredis.Redis.from_url(url)
     assert await store.connect()
     q = Quotas(store)
     print("ready", flush=True)
@@ -137,7 +140,7 @@ async def test_two_gateway_processes_admit_exactly_twenty_of_forty(server: Redis
 
 
 async def test_a_request_and_its_images_count_in_one_step(server: RedisServer, direct: aioredis.Redis) -> None:
-    stores = [RedisStore(server.url), RedisStore(server.url)]
+    stores = [RedisStore(server.url, timeout_s=COUNTING_TIMEOUT_S) for _ in range(2)]
     gateways = [Quotas(s) for s in stores]
     quota = Quota(requests_per_minute=100, images_per_minute=10)
     try:
@@ -153,7 +156,7 @@ async def test_a_request_and_its_images_count_in_one_step(server: RedisServer, d
 
 
 async def test_tenants_keep_to_their_own_keys(server: RedisServer, direct: aioredis.Redis) -> None:
-    store = RedisStore(server.url)
+    store = RedisStore(server.url, timeout_s=COUNTING_TIMEOUT_S)
     q = Quotas(store)
     try:
         tight = Quota(requests_per_minute=1)
@@ -171,7 +174,7 @@ async def test_tenants_keep_to_their_own_keys(server: RedisServer, direct: aiore
 async def test_the_window_ends_with_its_key(server: RedisServer) -> None:
     # A window of 3 s: three admissions in a row take milliseconds, so even a loaded machine makes the third inside
     # it (with 0.3 s, one that stalled lets the window end first and the refusal never comes).
-    store = RedisStore(server.url, window_s=SHORT_WINDOW_S)
+    store = RedisStore(server.url, window_s=SHORT_WINDOW_S, timeout_s=COUNTING_TIMEOUT_S)
     q, quota = Quotas(store), Quota(requests_per_minute=2)
     try:
         assert (await q.admit("a", quota, 1)).allowed and (await q.admit("a", quota, 1)).allowed
@@ -268,7 +271,7 @@ async def test_an_idle_gap_past_redis_own_idle_timeout_still_counts_there(
     not fall back to the local counts nor log Redis as gone."""
     caplog.set_level(logging.INFO, LOGGER)
     await direct.config_set("timeout", 1)
-    store = RedisStore(server.url)
+    store = RedisStore(server.url, timeout_s=COUNTING_TIMEOUT_S)
     q, quota = Quotas(store), Quota(requests_per_minute=5)
     try:
         assert await store.connect()
