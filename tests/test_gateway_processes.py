@@ -27,7 +27,9 @@ from services.runtime.server import start_server
 
 pytestmark = pytest.mark.e2e
 
-LONG = {"prompt": 'a "SLOW" sign', "height": 64, "width": 64, "num_inference_steps": 60}
+# (150 steps: each job holds its denoiser for seconds, so the status polls see the three at once even on a loaded
+# machine whose event loop a poll may wait on; at 60 a CI run saw the request end before any poll caught all three)
+LONG = {"prompt": 'a "SLOW" sign', "height": 64, "width": 64, "num_inference_steps": 150}
 
 
 class DenoiserProcess:
