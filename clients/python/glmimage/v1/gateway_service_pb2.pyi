@@ -8,6 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ResponseFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESPONSE_FORMAT_UNSPECIFIED: _ClassVar[ResponseFormat]
+    RESPONSE_FORMAT_BYTES: _ClassVar[ResponseFormat]
+    RESPONSE_FORMAT_URL: _ClassVar[ResponseFormat]
+
 class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PRIORITY_UNSPECIFIED: _ClassVar[Priority]
@@ -28,6 +34,9 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
     WORKER_ROLE_AR: _ClassVar[WorkerRole]
     WORKER_ROLE_DENOISER: _ClassVar[WorkerRole]
+RESPONSE_FORMAT_UNSPECIFIED: ResponseFormat
+RESPONSE_FORMAT_BYTES: ResponseFormat
+RESPONSE_FORMAT_URL: ResponseFormat
 PRIORITY_UNSPECIFIED: Priority
 PRIORITY_INTERACTIVE: Priority
 PRIORITY_DEFAULT: Priority
@@ -42,7 +51,7 @@ WORKER_ROLE_AR: WorkerRole
 WORKER_ROLE_DENOISER: WorkerRole
 
 class GenerateImagesRequest(_message.Message):
-    __slots__ = ("prompt", "n", "height", "width", "output_format", "output_compression", "num_inference_steps", "guidance_scale", "seed", "sampling", "request_id", "reference_images", "step_cache", "loras", "priority")
+    __slots__ = ("prompt", "n", "height", "width", "output_format", "output_compression", "num_inference_steps", "guidance_scale", "seed", "sampling", "request_id", "reference_images", "step_cache", "loras", "priority", "response_format")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +67,7 @@ class GenerateImagesRequest(_message.Message):
     STEP_CACHE_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     n: int
     height: int
@@ -73,19 +83,24 @@ class GenerateImagesRequest(_message.Message):
     step_cache: _common_pb2.StepCache
     loras: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraRef]
     priority: Priority
-    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., step_cache: _Optional[_Union[_common_pb2.StepCache, str]] = ..., loras: _Optional[_Iterable[_Union[_common_pb2.LoraRef, _Mapping]]] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
+    response_format: ResponseFormat
+    def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., step_cache: _Optional[_Union[_common_pb2.StepCache, str]] = ..., loras: _Optional[_Iterable[_Union[_common_pb2.LoraRef, _Mapping]]] = ..., priority: _Optional[_Union[Priority, str]] = ..., response_format: _Optional[_Union[ResponseFormat, str]] = ...) -> None: ...
 
 class GeneratedImage(_message.Message):
-    __slots__ = ("index", "image", "seed", "usage")
+    __slots__ = ("index", "image", "seed", "usage", "url", "url_expires_at")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    URL_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     index: int
     image: bytes
     seed: int
     usage: _common_pb2.Usage
-    def __init__(self, index: _Optional[int] = ..., image: _Optional[bytes] = ..., seed: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    url: str
+    url_expires_at: int
+    def __init__(self, index: _Optional[int] = ..., image: _Optional[bytes] = ..., seed: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., url: _Optional[str] = ..., url_expires_at: _Optional[int] = ...) -> None: ...
 
 class GenerateImagesResponse(_message.Message):
     __slots__ = ("images", "usage", "height", "width", "output_format", "request_id")
