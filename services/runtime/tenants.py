@@ -16,6 +16,8 @@ ask for, and optional quotas. The form::
     requests_per_minute = 30         # optional quotas; absent: no quota
     images_per_minute = 60
     max_inflight_images = 8
+    max_stored_bytes = 1073741824    # jobs: its stored images' bytes; absent: the gateway's --max-stored-bytes
+    webhook_secret = "whsec_..."     # jobs: signs its webhooks; absent: derived from the gateway's master secret
 
 Without a file, ``--api-key`` keys are tenant ``default`` and ``--admin-key`` keys tenant ``admin``; with no user key
 at all, user methods stay open and every caller without a key is ``default`` (as before tenants existed).
@@ -26,6 +28,7 @@ stops the server; on a reload (SIGHUP, TenantsFile.reload) the tenants in force 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import logging
@@ -47,7 +50,9 @@ DEFAULT_TENANT, ADMIN_TENANT = "default", "admin"
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _HEX64_RE = re.compile(r"[0-9a-fA-F]{64}")
 QUOTA_FIELDS = ("requests_per_minute", "images_per_minute", "max_inflight_images")
-FIELDS = ("keys", "keys_sha256", "weight", "role", "max_priority", *QUOTA_FIELDS)
+# Jobs (gateway.jobs): the bound on the bytes of its stored images, and the secret its webhooks are signed with.
+JOB_FIELDS = ("max_stored_bytes", "webhook_secret")
+FIELDS = ("keys", "keys_sha256", "weight", "role", "max_priority", *QUOTA_FIELDS, *JOB_FIELDS)
 # A weight's range: 1/weight is what a job costs its tenant in virtual time, and a weight near 0 (5e-324) makes it
 # infinite, which would stop every tenant's clock at once.
 MIN_WEIGHT, MAX_WEIGHT = 0.001, 1_000_000.0
@@ -70,6 +75,8 @@ class Tenant:
     requests_per_minute: int | None = None
     images_per_minute: int | None = None
     max_inflight_images: int | None = None
+    max_stored_bytes: int | None = None  # None: the gateway's --max-stored-bytes
+    webhook_secret: str | None = field(default=None, repr=False)  # None: derived from the gateway's master secret
     digests: tuple[bytes, ...] = field(default=(), repr=False)  # SHA-256 of each key
 
     @property
@@ -240,9 +247,27 @@ def parse_tenants(text: str, source: str = "<tenants>") -> Tenants:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10**9):
                 raise fail(name, fld, f"must be a whole number from 1 to 1000000000 (absent: no quota), got {value!r}")
             quotas[fld] = value
+        stored = spec.get("max_stored_bytes")
+        if stored is not None and (isinstance(stored, bool) or not isinstance(stored, int) or not 1 <= stored <= 2**50):
+            raise fail(name, "max_stored_bytes", f"must be a whole number of bytes from 1 to {2**50} (absent: the "
+                                                 f"gateway's --max-stored-bytes), got {stored!r}")
+        secret = spec.get("webhook_secret")
+        if secret is not None and not _valid_webhook_secret(secret):
+            raise fail(name, "webhook_secret", "must be 'whsec_' and the base64 of 24 to 64 random bytes (the Standard "
+                                               "Webhooks form)")
         tenants[name] = Tenant(name, float(weight), role, PRIORITY_NAMES.index(priority), digests=tuple(digests),
-                               **quotas)
+                               max_stored_bytes=stored, webhook_secret=secret, **quotas)
     return Tenants(tenants, source)
+
+
+def _valid_webhook_secret(value: object) -> bool:
+    if not isinstance(value, str) or not value.startswith("whsec_"):
+        return False
+    try:
+        raw = base64.b64decode(value[len("whsec_"):], validate=True)
+    except ValueError:
+        return False
+    return 24 <= len(raw) <= 64
 
 
 class TenantsFile:
