@@ -81,15 +81,17 @@ run: $(RUN_STAMP)
 
 # promtool (Debian package `prometheus`) lints every /metrics endpoint (tests/test_promtool.py). Installed only when
 # missing and only as root (CI runs as root); elsewhere the test fails and says how to install it. redis-server
-# (Debian's) is the real quota store that tests/test_quota_store_redis.py starts.
+# (Debian's) is the real quota store that tests/test_quota_store_redis.py starts; postgresql (Debian's, its binaries
+# under /usr/lib/postgresql/*/bin, off PATH) the real job store that tests/test_job_store.py starts.
 tools:
 	@{ command -v promtool && command -v prometheus && command -v chromium && command -v chromedriver \
-	  && command -v redis-server; } >/dev/null 2>&1 || { \
+	  && command -v redis-server && ls /usr/lib/postgresql/*/bin/initdb; } >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	      prometheus chromium chromium-driver redis-server; \
-	  else echo "missing: sudo apt-get install prometheus chromium chromium-driver redis-server (tests/test_promtool.py," \
-	    "test_alerts.py, test_dashboard.py, test_status_page.py, test_quota_store_redis.py)" >&2; fi; }
+	      prometheus chromium chromium-driver redis-server postgresql; \
+	  else echo "missing: sudo apt-get install prometheus chromium chromium-driver redis-server postgresql" \
+	    "(tests/test_promtool.py, test_alerts.py, test_dashboard.py, test_status_page.py, test_quota_store_redis.py," \
+	    "test_job_store.py)" >&2; fi; }
 
 # Whole test files on PYTEST_WORKERS pytest-xdist workers, the longest files first (tests/conftest.py's
 # LONGEST_FILES; --no-loadscope-reorder keeps that order): much of the suite's time is spent waiting on server
