@@ -463,3 +463,253 @@ checksum/tenants: {{ toJson .Values.tenants | sha256sum }}
 - --quota-store={{ . }}
 {{- end }}
 {{- end }}
+
+{{/*
+Jobs (jobs.*, docs/kubernetes.md#jobs): the gateways' durable job store, the image store, and the two secrets jobs
+need (URL signing, shared by the gateway and the REST front; the webhook master secret, the gateway's only). Every
+gateway shares one store and one image store, so with several gateway pods the chart insists on PostgreSQL and on
+S3 or a ReadWriteMany volume: a pod's own disk would split the jobs (and their images) between the pods.
+*/}}
+{{- define "glmimage.jobsEnabled" -}}
+{{- if .Values.jobs.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "glmimage.jobsDbDir" -}}/var/lib/glmimage/jobs{{- end }}
+{{- define "glmimage.jobsImagesDir" -}}/var/lib/glmimage/images{{- end }}
+{{- define "glmimage.jobsUrlSecretDir" -}}/etc/glmimage/url-secret{{- end }}
+{{- define "glmimage.jobsWebhookSecretDir" -}}/etc/glmimage/webhook-secret{{- end }}
+
+{{/* SQLite on the gateway pod's own volume (jobs.db.allowLocal, one gateway): no DSN Secret. */}}
+{{- define "glmimage.jobsLocalDb" -}}
+{{- if and .Values.jobs.enabled (not .Values.jobs.db.existingSecret) }}true{{ end }}
+{{- end }}
+
+{{/* The disk image store (jobs.imageStore empty), served by the REST fronts at signed URLs. */}}
+{{- define "glmimage.jobsDiskStore" -}}
+{{- if and .Values.jobs.enabled (not .Values.jobs.imageStore) }}true{{ end }}
+{{- end }}
+
+{{- define "glmimage.jobsUrlSecretName" -}}
+{{- default (printf "%s-url-secret" (include "glmimage.fullname" .)) .Values.jobs.urlSecret.existingSecret }}
+{{- end }}
+
+{{- define "glmimage.jobsWebhookSecretName" -}}
+{{- default (printf "%s-webhook-secret" (include "glmimage.fullname" .)) .Values.jobs.webhookSecret.existingSecret }}
+{{- end }}
+
+{{/*
+A number of jobs.* as a flag's value (dict "root" . "name" NAME "min" 0 or 1): refused unless a number at least min.
+Helm reads values' numbers as floats, which print as 1.073741824e+09; whole numbers are written as integers.
+*/}}
+{{- define "glmimage.jobsNumber" -}}
+{{- $v := index .root.Values.jobs .name }}
+{{- if not (or (kindIs "float64" $v) (kindIs "int64" $v) (kindIs "int" $v)) }}
+{{- fail (printf "jobs.%s must be a number, not %q" .name (toString $v)) }}
+{{- end }}
+{{- if lt (float64 $v) (float64 .min) }}
+{{- fail (printf "jobs.%s must be at least %v, not %v" .name .min $v) }}
+{{- end }}
+{{- if eq (float64 $v) (float64 (int64 $v)) }}{{ int64 $v }}{{ else }}{{ $v }}{{ end }}
+{{- end }}
+
+{{/* Refuses jobs settings that cannot work, naming the values to set. */}}
+{{- define "glmimage.jobsCheck" -}}
+{{- $j := .Values.jobs }}
+{{- $replicas := int .Values.gateway.replicas }}
+{{- if $j.enabled }}
+{{- if and $j.db.existingSecret $j.db.allowLocal }}
+{{- fail "give jobs.db.existingSecret (PostgreSQL) or jobs.db.allowLocal (SQLite on the gateway pod), not both" }}
+{{- end }}
+{{- if and (not $j.db.existingSecret) (gt $replicas 1) }}
+{{- fail (printf "jobs: the %d gateways must share one job store, and SQLite on a pod's disk cannot be shared: set jobs.db.existingSecret to a Secret holding a postgresql:// DSN (key jobs.db.secretKey), or run gateway.replicas=1 with jobs.db.allowLocal=true" $replicas) }}
+{{- end }}
+{{- if and (not $j.db.existingSecret) (not $j.db.allowLocal) }}
+{{- fail "jobs: no job store: set jobs.db.existingSecret to a Secret holding a postgresql:// DSN (key jobs.db.secretKey), or jobs.db.allowLocal=true to keep the jobs in SQLite on the one gateway pod's volume (jobs.db.localVolume.existingClaim; without it an emptyDir, lost with the pod)" }}
+{{- end }}
+{{- if and $j.db.existingSecret $j.db.localVolume.existingClaim }}
+{{- fail "jobs.db.localVolume is SQLite's volume: leave it empty with jobs.db.existingSecret (PostgreSQL)" }}
+{{- end }}
+{{- if $j.imageStore }}
+{{- if not (regexMatch "^s3://[^/]+(/.*)?$" $j.imageStore) }}
+{{- fail (printf "jobs.imageStore must be empty (the disk store) or s3://BUCKET/PREFIX, not %q" $j.imageStore) }}
+{{- end }}
+{{- if $j.imageVolume.existingClaim }}
+{{- fail "jobs.imageVolume is the disk image store's volume: leave it empty with an s3:// jobs.imageStore" }}
+{{- end }}
+{{- else }}
+{{- if and (gt $replicas 1) (not $j.imageVolume.existingClaim) }}
+{{- fail (printf "jobs: with the disk image store, the REST front of each of the %d gateway pods serves images any gateway stored, so they need one shared volume: set jobs.imageVolume.existingClaim to a ReadWriteMany claim, or jobs.imageStore=s3://BUCKET/PREFIX" $replicas) }}
+{{- end }}
+{{- if not .Values.gateway.rest.enabled }}
+{{- fail "jobs: the disk image store's files are served by the REST front (gateway.rest.enabled=false): enable it, or set jobs.imageStore=s3://BUCKET/PREFIX" }}
+{{- end }}
+{{- if or $j.s3.endpoint $j.s3.existingSecret $j.s3.region }}
+{{- fail "jobs.s3.* configure an S3 image store: set jobs.imageStore=s3://BUCKET/PREFIX too, or leave them empty" }}
+{{- end }}
+{{- end }}
+{{- with $j.publicUrl }}
+{{- if not (regexMatch "^https?://[^/?#]+(/[^?#]*)?$" .) }}
+{{- fail (printf "jobs.publicUrl must be the REST front's public base, http(s)://HOST[:PORT][/PATH], not %q" .) }}
+{{- end }}
+{{- end }}
+{{- if not (kindIs "slice" $j.webhookAllow) }}
+{{- fail "jobs.webhookAllow must be a list of patterns, e.g. [\"*.example.com\", \"https://hooks.example.org:8443\"]" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The gateway's job flags. Off (jobs.enabled=false): --jobs-db=none, so no gateway keeps jobs on its pod's disk (each
+its own: a job submitted to one would be unknown to the others).
+*/}}
+{{- define "glmimage.jobsGatewayArgs" -}}
+{{- $j := .Values.jobs }}
+{{- if not $j.enabled }}
+- --jobs-db=none
+{{- else }}
+{{- if include "glmimage.jobsLocalDb" . }}
+- --jobs-db={{ include "glmimage.jobsDbDir" . }}/jobs.sqlite3
+{{- end }}
+{{- if $j.imageStore }}
+- --image-store={{ $j.imageStore }}
+{{- with $j.s3.endpoint }}
+- --s3-endpoint={{ . }}
+{{- end }}
+{{- else }}
+- --image-store={{ include "glmimage.jobsImagesDir" . }}
+{{- end }}
+{{- with $j.publicUrl }}
+- --public-url={{ . }}
+{{- end }}
+- --url-secret-file={{ include "glmimage.jobsUrlSecretDir" . }}/secret
+- --webhook-secret-file={{ include "glmimage.jobsWebhookSecretDir" . }}/secret
+- --url-ttl={{ include "glmimage.jobsNumber" (dict "root" . "name" "urlTtl" "min" 1) }}
+- --job-ttl={{ include "glmimage.jobsNumber" (dict "root" . "name" "ttl" "min" 1) }}
+- --job-timeout={{ include "glmimage.jobsNumber" (dict "root" . "name" "timeout" "min" 1) }}
+- --job-concurrency={{ include "glmimage.jobsNumber" (dict "root" . "name" "concurrency" "min" 0) }}
+- --max-stored-bytes={{ include "glmimage.jobsNumber" (dict "root" . "name" "maxStoredBytes" "min" 0) }}
+- --webhook-retry-for={{ include "glmimage.jobsNumber" (dict "root" . "name" "webhookRetryFor" "min" 1) }}
+{{- range $j.webhookAllow }}
+- {{ printf "--webhook-allow=%s" . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The REST front's, with the disk store only: the store it serves images from, and the secret it checks their URLs
+with. An S3 bucket serves its presigned URLs itself, and the front needs neither. */}}
+{{- define "glmimage.jobsRestArgs" -}}
+{{- if include "glmimage.jobsDiskStore" . }}
+- --image-store={{ include "glmimage.jobsImagesDir" . }}
+- --url-secret-file={{ include "glmimage.jobsUrlSecretDir" . }}/secret
+{{- end }}
+{{- end }}
+
+{{/* The DSN (it may hold a password) and the S3 credentials come from Secrets as environment, never as args. */}}
+{{- define "glmimage.jobsGatewayEnv" -}}
+{{- $j := .Values.jobs }}
+{{- if $j.enabled }}
+{{- with $j.db.existingSecret }}
+- name: GLMIMAGE_JOBS_DB
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $j.db.secretKey }}
+{{- end }}
+{{- if $j.imageStore }}
+{{- with $j.s3.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $j.s3.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $j.s3.secretAccessKeyKey }}
+{{- end }}
+{{- with $j.s3.region }}
+- name: AWS_DEFAULT_REGION
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "glmimage.jobsVolumes" -}}
+{{- $j := .Values.jobs }}
+{{- if $j.enabled }}
+{{- if include "glmimage.jobsLocalDb" . }}
+- name: jobs-db
+  {{- with $j.db.localVolume.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ . }}
+  {{- else }}
+  emptyDir:
+    sizeLimit: {{ $j.db.localVolume.sizeLimit }}
+  {{- end }}
+{{- end }}
+{{- if include "glmimage.jobsDiskStore" . }}
+- name: job-images
+  {{- with $j.imageVolume.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ . }}
+  {{- else }}
+  emptyDir:
+    sizeLimit: {{ $j.imageVolume.sizeLimit }}
+  {{- end }}
+{{- end }}
+- name: url-secret
+  secret:
+    secretName: {{ include "glmimage.jobsUrlSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ $j.urlSecret.secretKey }}
+        path: secret
+- name: webhook-secret
+  secret:
+    secretName: {{ include "glmimage.jobsWebhookSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ $j.webhookSecret.secretKey }}
+        path: secret
+{{- end }}
+{{- end }}
+
+{{- define "glmimage.jobsGatewayVolumeMounts" -}}
+{{- if .Values.jobs.enabled }}
+{{- if include "glmimage.jobsLocalDb" . }}
+- name: jobs-db
+  mountPath: {{ include "glmimage.jobsDbDir" . }}
+{{- end }}
+{{- if include "glmimage.jobsDiskStore" . }}
+- name: job-images
+  mountPath: {{ include "glmimage.jobsImagesDir" . }}
+{{- end }}
+- name: url-secret
+  mountPath: {{ include "glmimage.jobsUrlSecretDir" . }}
+  readOnly: true
+- name: webhook-secret
+  mountPath: {{ include "glmimage.jobsWebhookSecretDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The REST front reads the images it serves (the gateway writes and deletes them) and never sees the webhook secret. */}}
+{{- define "glmimage.jobsRestVolumeMounts" -}}
+{{- if include "glmimage.jobsDiskStore" . }}
+- name: job-images
+  mountPath: {{ include "glmimage.jobsImagesDir" . }}
+  readOnly: true
+- name: url-secret
+  mountPath: {{ include "glmimage.jobsUrlSecretDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Rolls the gateway pods when the jobs block changes (a new revision stands for an edited existing Secret). */}}
+{{- define "glmimage.jobsChecksum" -}}
+{{- if .Values.jobs.enabled }}
+checksum/jobs: {{ toJson .Values.jobs | sha256sum }}
+{{- end }}
+{{- end }}
