@@ -6,9 +6,20 @@ import asyncio
 import logging
 import signal
 
-from gateway.auth import ENV_ADMIN_KEYS, ENV_KEYS, GatewayAuth, admin_keys_from, api_keys_from, status_keys_from
+import grpc
+
+from gateway.auth import (
+    ENV_ADMIN_KEYS,
+    ENV_KEYS,
+    JOB_SERVICE,
+    GatewayAuth,
+    admin_keys_from,
+    api_keys_from,
+    status_keys_from,
+)
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
+from gateway.jobs.setup import add_job_args, open_jobs
 from gateway.membership import parse_allow_rule, split_host_port
 from gateway.metrics import GatewayMetrics
 from gateway.quota_store import REDIS_TIMEOUT_S, store_from_url
@@ -17,7 +28,7 @@ from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from gateway.tenancy import TenantGate
 from gateway.timeouts import TimeoutPolicy
-from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
+from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc, job_service_pb2_grpc
 from glmimage.wire.sizes import size_arg
 from services.runtime.auth import add_internal_token_args, bearer_metadata, internal_token_from_args
 from services.runtime.limits import BOUNDS, Limits, add_limit_args, limits_from_args, max_request_bytes
@@ -105,6 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "comma-separated); it may call every other RPC too. None set (the default): the admin RPCs "
                         "answer PERMISSION_DENIED to everyone")
     add_tenants_args(p)
+    add_job_args(p)
     p.add_argument("--quota-store-timeout", type=float, default=REDIS_TIMEOUT_S, metavar="SECONDS",
                    help="the most one admission waits for the quota store before counting on its own (a Redis that "
                         "hangs never stalls admission)")
@@ -235,7 +247,9 @@ async def serve(args: argparse.Namespace) -> None:
         store.on_state(metrics.quota_store)
     driver = Driver(config, metrics=metrics)
     auth = GatewayAuth(tenants, status_keys_from())
-    servicer = GatewayServicer(driver, config, tenants, TenantGate(Quotas(store), metrics), auth)
+    gate = TenantGate(Quotas(store), metrics)
+    jobs = await open_jobs(args, driver, gate, auth, tenants, config.default_height, config.default_width)
+    servicer = GatewayServicer(driver, config, tenants, gate, auth, keeper=jobs.keeper)
     # Always installed: with no admin key it is what keeps AddWorker/RemoveWorker off.
     interceptors = [auth]
 
@@ -249,9 +263,13 @@ async def serve(args: argparse.Namespace) -> None:
     # every image of a request (10 PNGs at 2048x2048 can pass 100 MB): the same 256 MiB the REST front and the
     # Python client accept, so a big reply is not refused as RESOURCE_EXHAUSTED (a retryable 429).
     intake = intake_from_args(args, max_request_bytes(Limits(**dict(config.own_limits))))
-    server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
-                                [SERVICE_NAME], f"{args.host}:{args.port}", interceptors=interceptors, tls=tls,
-                                intake=intake, max_send_mb=256)
+
+    def add_servicers(s: grpc.aio.Server) -> None:
+        gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s)
+        job_service_pb2_grpc.add_JobServiceServicer_to_server(jobs.servicer, s)
+
+    server = await start_server(add_servicers, [SERVICE_NAME, JOB_SERVICE], f"{args.host}:{args.port}",
+                                interceptors=interceptors, tls=tls, intake=intake, max_send_mb=256)
     await driver.start()
     announce(server, args, "GatewayService")
     serve_metrics(args.host, args.metrics_port)
@@ -274,10 +292,12 @@ async def serve(args: argparse.Namespace) -> None:
     # SERVING once it knows its static workers (each answered a first health check, or failed to: at most two probe
     # timeouts), so a restarted gateway does not fail-fast its first requests; GetStatus and /health say the rest.
     await driver.first_checks(2 * config.health_probe_timeout)
+    jobs.start()
     await server.set_serving(True)
     try:
         await run_until_signalled(server, grace=args.drain_seconds)
     finally:
+        await jobs.close()  # its runner's jobs go back to the store before the driver stops under them
         await driver.close()
         await store.close()
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 
 import grpc
 
-from glmimage.v1 import gateway_service_pb2
+from glmimage.v1 import gateway_service_pb2, job_service_pb2
 from services.runtime.auth import CheckingInterceptor, bearer_token
 from services.runtime.tenants import ADMIN, USER, Tenant, TenantsFile, digest
 
@@ -35,6 +35,9 @@ ENV_STATUS_KEYS = "GLMIMAGE_STATUS_KEYS"
 PUBLIC = "public"
 SERVICE = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 STATUS_METHOD = f"/{SERVICE}/GetStatus"
+JOB_SERVICE = job_service_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
+# The services this interceptor guards (health and reflection stay open).
+GUARDED = (f"/{SERVICE}/", f"/{JOB_SERVICE}/")
 
 METHOD_ROLES: dict[str, str] = {
     f"/{SERVICE}/": ADMIN,  # a method not named below: fail closed
@@ -49,6 +52,9 @@ METHOD_ROLES: dict[str, str] = {
     f"/{SERVICE}/ListLoras": USER,
     f"/{SERVICE}/LoadLoras": ADMIN,
     f"/{SERVICE}/UnloadLoras": ADMIN,
+    # Jobs: each caller's own (JobService answers NOT_FOUND for another tenant's).
+    f"/{JOB_SERVICE}/": ADMIN,
+    **{f"/{JOB_SERVICE}/{m.name}": USER for m in job_service_pb2.DESCRIPTOR.services_by_name["JobService"].methods},
 }
 ADMIN_OFF = ("the admin RPCs (AddWorker, RemoveWorker, LoadLoras, UnloadLoras) are off on this gateway: start it "
              f"with --admin-key (or ${ENV_ADMIN_KEYS}) to turn them on, and call them with "
@@ -108,7 +114,7 @@ class GatewayAuth(CheckingInterceptor):
               ) -> tuple[grpc.StatusCode, str] | None:
         """None if the call may go ahead, else the status code and message to refuse it with."""
         role = self.role_of(method)
-        if role == PUBLIC or not method.startswith(f"/{SERVICE}/"):
+        if role == PUBLIC or not method.startswith(GUARDED):
             return None
         tenants = self.tenants.current
         if role == USER and tenants.open_users:

@@ -245,6 +245,13 @@ class Driver:
     def snapshot(self) -> sch.Snapshot:
         return self.scheduler.snapshot()
 
+    def ready(self) -> bool:
+        """Whether each stage has a worker that takes work (available or busy): what a job runner waits for."""
+        counts = self.scheduler.gauges().workers
+        usable = (sch.WorkerState.AVAILABLE, sch.WorkerState.BUSY)
+        return all(any(counts.get((role, state), 0) for state in usable)
+                   for role in (sch.WorkerRole.AR, sch.WorkerRole.DENOISER))
+
     def request_tenant(self, request_id: str) -> str | None:
         """The tenant of the request in flight under ``request_id`` (None: not in flight): the scheduler's own."""
         return self.scheduler.tenant_of(request_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -14,6 +15,9 @@ import grpc
 from gateway.auth import ADMIN, GatewayAuth
 from gateway.config import GatewayConfig
 from gateway.driver import Driver, Outcome, StreamOptions
+from gateway.jobs.images import ImageStoreUnavailable
+from gateway.jobs.keeper import ImageKeeper
+from gateway.jobs.store import StoreUnavailable
 from gateway.loras import PoolLoras, check_names, pick_workers
 from gateway.membership import WorkerAddress, allowed, parse_worker_address, split_host_port
 from gateway.quota_store import LocalStore
@@ -23,7 +27,7 @@ from gateway.stream_relay import StreamRelay
 from gateway.tenancy import PRIORITY_TO_PROTO, TenantGate, Ticket, Usage, priority_of, quota_of
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.admission import Admitted, check_generate, check_partial_images
-from services.runtime.errors import InvalidArgument, ServiceError, error_for
+from services.runtime.errors import InvalidArgument, ServiceError, Unavailable, error_for
 from services.runtime.limits import Limits
 from services.runtime.logs import request_id_var
 from services.runtime.tenants import Tenant, TenantsFile, tenants_from_keys
@@ -55,6 +59,25 @@ def sum_usage(usages) -> common_pb2.Usage:
     return total
 
 
+def response_of(outcome: Outcome, admitted: Admitted, request_id: str) -> gateway_service_pb2.GenerateImagesResponse:
+    """A finished generation as GenerateImages answers it (a job's result is the same message)."""
+    images = [gateway_service_pb2.GeneratedImage(index=i, image=img.image, seed=prior.seed, usage=prior.usage)
+              for i, (img, prior) in enumerate(zip(outcome.images, outcome.priors, strict=True))]
+    log.info("completed %d image(s) at %dx%d", len(images), admitted.width, admitted.height)
+    return gateway_service_pb2.GenerateImagesResponse(
+        images=images, usage=sum_usage(p.usage for p in outcome.priors), height=admitted.height,
+        width=admitted.width, output_format=outcome.images[0].output_format, request_id=request_id)
+
+
+async def _kept(call):
+    """An image or job store call whose failure is the caller's UNAVAILABLE (retry later)."""
+    try:
+        return await call
+    except (StoreUnavailable, ImageStoreUnavailable) as exc:
+        log.warning("image keeping unavailable: %s", exc)
+        raise Unavailable("the image store is unavailable; try again shortly, or ask for bytes") from None
+
+
 def job_label(job: sch.JobId | None) -> str:
     return f"{job.request_id}/{job.index}#{job.attempt}" if job else ""
 
@@ -83,8 +106,10 @@ def check_worker_address(address: str) -> WorkerAddress:
 
 class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
     def __init__(self, driver: Driver, config: GatewayConfig, tenants: TenantsFile | None = None,
-                 gate: TenantGate | None = None, auth: GatewayAuth | None = None) -> None:
+                 gate: TenantGate | None = None, auth: GatewayAuth | None = None,
+                 keeper: ImageKeeper | None = None) -> None:
         self.driver = driver
+        self.keeper = keeper  # response_format url: where images are kept (none: refused)
         self.config = config
         # Who is calling: the tenants in force (the file, reloaded on SIGHUP, or the key flags), read by the same
         # GatewayAuth the server installs. Whether the call may go ahead at all is the installed interceptor's
@@ -114,15 +139,6 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         DEADLINE_SLACK_S of the deadline is the deadline."""
         return lambda: (remaining := context.time_remaining()) is not None and remaining <= DEADLINE_SLACK_S
 
-    def _response(self, outcome: Outcome, admitted: Admitted) -> gateway_service_pb2.GenerateImagesResponse:
-        height, width = admitted.height, admitted.width
-        images = [gateway_service_pb2.GeneratedImage(index=i, image=img.image, seed=prior.seed, usage=prior.usage)
-                  for i, (img, prior) in enumerate(zip(outcome.images, outcome.priors, strict=True))]
-        log.info("completed %d image(s) at %dx%d", len(images), width, height)
-        return gateway_service_pb2.GenerateImagesResponse(
-            images=images, usage=sum_usage(p.usage for p in outcome.priors), height=height, width=width,
-            output_format=outcome.images[0].output_format, request_id=request_id_var.get())
-
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         """The calling tenant (the interceptor has let the call through, so there is one: on a gateway without user
         keys, `default`)."""
@@ -138,6 +154,10 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         tenant = self._tenant(context)
         admitted = self._check(request, limits)
         priority = priority_of(request.priority, tenant)
+        if request.response_format == gateway_service_pb2.RESPONSE_FORMAT_URL:
+            if self.keeper is None:
+                raise InvalidArgument("response_format", "this gateway keeps no images: ask for bytes")
+            await _kept(self.keeper.check_room(tenant, time.time()))
         ticket = await self.gate.admit(tenant, admitted.n)
         if ticket.headers:
             try:
@@ -177,7 +197,18 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             self._ended(ticket, outcome, admitted)
         if isinstance(outcome, sch.RequestError):
             raise status_error(outcome)
-        return self._response(outcome, admitted)
+        response = response_of(outcome, admitted, request_id_var.get())
+        if request.response_format == gateway_service_pb2.RESPONSE_FORMAT_URL and self.keeper is not None:
+            response = await _kept(self._keep(ticket.tenant.name, response))
+        return response
+
+    async def _keep(self, tenant: str, response: gateway_service_pb2.GenerateImagesResponse
+                    ) -> gateway_service_pb2.GenerateImagesResponse:
+        """response_format url: the images stored, counted against the tenant, answered as links."""
+        now = time.time()
+        stored, objects = await self.keeper.keep(tenant, response, now)
+        await self.keeper.store.record_objects(objects)
+        return self.keeper.present(stored, now, now + self.keeper.job_ttl)
 
     async def GenerateImagesStream(self, request, context: grpc.aio.ServicerContext
                                    ) -> AsyncIterator[gateway_service_pb2.GenerateImagesStreamResponse]:
@@ -207,7 +238,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             self._ended(ticket, outcome, admitted)
         if isinstance(outcome, sch.RequestError):
             raise status_error(outcome)
-        yield gateway_service_pb2.GenerateImagesStreamResponse(completed=self._response(outcome, admitted))
+        completed = response_of(outcome, admitted, request_id_var.get())  # (a stream's images are bytes)
+        yield gateway_service_pb2.GenerateImagesStreamResponse(completed=completed)
 
     def _check(self, request: gateway_service_pb2.GenerateImagesRequest, limits: Limits) -> Admitted:
         return check_generate(request, limits, default_height=self.config.default_height,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quota, Quotas
@@ -105,6 +105,26 @@ class TenantGate:
             raise ResourceExhausted(decision.message, retry_after=decision.retry_after_s,
                                     metadata=(*decision.headers, (QUOTA_KEY, decision.quota)))
         return Ticket(self, tenant, images, decision.headers)
+
+    async def charge(self, tenant: Tenant, images: int) -> tuple[tuple[str, str], ...]:
+        """A job's submission: counted against the tenant's rate quotas now, or refused (ResourceExhausted). The
+        job runs later under its in-flight bound only (``admit_run``), so nothing is held here and nothing is
+        charged twice."""
+        if not tenant.has_quotas:
+            return ()
+        if which := quota_of(tenant).too_large(images):
+            raise InvalidArgument("n", f"n={images} is more images than tenant {tenant.name!r} may have at once "
+                                       f"({which.replace('_', ' ')} = {getattr(tenant, which)})")
+        rated = replace(tenant, max_inflight_images=None)
+        ticket = await self.admit(rated, images)
+        if rated.has_quotas:
+            self.quotas.release(tenant.name, images)
+        ticket._ended = True  # counted as a request when it runs
+        return ticket.headers
+
+    async def admit_run(self, tenant: Tenant, images: int) -> Ticket:
+        """A job about to run: its tenant's in-flight bound only (its rates were charged at submission)."""
+        return await self.admit(replace(tenant, requests_per_minute=None, images_per_minute=None), images)
 
     def _ended(self, ticket: Ticket, outcome: str, usage: Usage | None) -> None:
         tenant = ticket.tenant

@@ -22,6 +22,8 @@ import socket
 import sys
 from pathlib import Path
 
+from gateway.jobs.defaults import jobs_dir
+from gateway.jobs.urls import ensure_secret_file
 from services.runtime.logs import configure_logging
 from services.runtime.tracing import add_tracing_args
 from services.supervisor import StartupError, Supervisor
@@ -75,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "SIGHUP to the launcher reloads it in each of them")
     p.add_argument("--quota-store", default=None, metavar="redis://HOST:PORT/N",
                    help="every gateway counts the tenants' quotas in this Redis (unset: each on its own)")
+    p.add_argument("--jobs-dir", type=Path, default=None, metavar="DIR",
+                   help="the stack's job store (SQLite), stored images and their secrets, kept across restarts "
+                        "(default: $GLMIMAGE_JOBS_DIR, else the cache directory's jobs/)")
+    p.add_argument("--jobs-db", default=None, metavar="URL",
+                   help="a job store shared beyond this stack (postgresql://...) instead of the SQLite file")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra flag passed to every gateway")
     p.add_argument("--rest-arg", action="append", default=[], help="extra flag passed to the REST front")
     add_tracing_args(p)
@@ -204,8 +211,15 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
     gw_env = {**token_env, "GLMIMAGE_STATUS_KEYS": status_key} if status_key else token_env
     rest_env = {"GLMIMAGE_GATEWAY_API_KEY": status_key} if status_key else None
     store_flags = ["--quota-store", a.quota_store] if a.quota_store else []
+    jobs = (a.jobs_dir or jobs_dir()).expanduser().resolve()
+    # One secret for the image links, which the gateways sign and the REST front checks.
+    url_secret = str(ensure_secret_file(jobs / "url-secret"))
+    images = str(jobs / "images")
+    job_flags = ["--jobs-db", a.jobs_db or f"sqlite:///{jobs / 'jobs.sqlite3'}", "--image-store", images,
+                 "--url-secret-file", url_secret, "--webhook-secret-file",
+                 str(ensure_secret_file(jobs / "webhook-secret")), "--public-url", f"http://{_url_host(a.host)}:{a.rest_port}"]
     gw_flags = ["--ar", ar.address, *[f"--denoiser={d.address}" for d in denoisers], *trace_flags, *tenant_flags,
-                *store_flags, *a.gateway_arg]
+                *store_flags, *job_flags, *a.gateway_arg]
     gw_metrics: list[int | None] = [None] * len(a.gateway_ports)
     if a.gateway_metrics_ports is not None:
         given = a.gateway_metrics_ports
@@ -219,10 +233,17 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
     # The REST front takes them in turn and resubmits a call that a gateway dropped unanswered to the next one.
     rest = sup.child("rest", "gateway.rest", a.rest_port,
                      ["--gateway-address", ",".join(g.address for g in gateways), *trace_flags, *tenant_flags,
-                      *a.rest_arg], None, rest_env)
+                      "--image-store", images, "--url-secret-file", url_secret, *a.rest_arg], None, rest_env)
     await sup.start([rest], deadline)
     rest.metrics_port = rest.port  # the REST front serves /metrics on its own port
     return sup.addresses()
+
+
+def _url_host(host: str) -> str:
+    """The REST front's host as a link names it: a wildcard bind is reached on loopback here; IPv6 in brackets."""
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
 
 
 def _reloads_tenants(name: str) -> bool:

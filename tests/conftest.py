@@ -38,6 +38,16 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny_checkpoint(cache / TINY_VERSION)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def jobs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Each worker's own default job store, images and secrets (gateway.jobs.defaults): a gateway a test starts
+    without job flags must not share a queue with another worker's, nor with the machine's ~/.cache. Tests about
+    jobs give theirs a directory of their own."""
+    path = tmp_path_factory.mktemp("jobs")
+    os.environ["GLMIMAGE_JOBS_DIR"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     """A CA, a server and a client certificate signed by it, and another CA with a client certificate of its own."""

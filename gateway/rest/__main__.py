@@ -80,6 +80,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes,
                    help="largest request body accepted; larger ones get 413, chunked ones as soon as they pass it "
                    f"(default {_DEFAULTS.max_body_bytes}, 1 MiB)")
+    p.add_argument("--image-store", type=Path, default=None, metavar="DIR",
+                   help="the gateways' disk image store, whose files this front serves at their signed links "
+                        "(default: the gateways' default directory; an s3:// store serves its own links)")
+    p.add_argument("--url-secret-file", type=Path, default=None, metavar="FILE",
+                   help="the image links' HMAC key, the gateways' --url-secret-file (default: $GLMIMAGE_URL_SECRET, "
+                        "else the cache directory's default file)")
     tls = p.add_argument_group("TLS to the gateway", "any of these turns TLS on for the gateway channel")
     tls.add_argument("--gateway-tls-ca", type=Path, default=None,
                      help="PEM CA bundle that signed the gateway's certificate (default: the system roots)")
@@ -126,6 +132,8 @@ def settings_from_args(args: argparse.Namespace) -> RestSettings:
         request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
         cors_origins=tuple(args.cors_origin),
+        image_store=args.image_store,
+        url_secret_file=args.url_secret_file,
         enable_cache_report=args.enable_cache_report,
         gateway_tls_ca=args.gateway_tls_ca,
         gateway_tls_client_cert=args.gateway_tls_client_cert,

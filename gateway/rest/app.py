@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,11 +30,16 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from gateway.jobs.defaults import default_image_store, default_url_secret_file
+from gateway.jobs.images import DiskImageStore
+from gateway.jobs.urls import SECRET_ENV, UrlSigner, ensure_secret_file, load_url_secret
 from services.runtime.details import RATE_LIMIT_HEADERS, RETRY_AFTER_KEY
 
 from .adapters import AdapterCache
 from .edits import router as edits_router
 from .errors import APIError, error_response, from_validation_errors
+from .files import router as files_router
+from .jobs import router as jobs_router
 from .keys import FrontKeys
 from .limits import LimitsCache, with_limits
 from .metrics import RestMetrics
@@ -53,6 +60,18 @@ from .upstream import channel_credentials, open_gateways
 __all__ = ["GATEWAY_AUTH_MODES", "RestSettings", "create_app"]
 
 log = logging.getLogger("glmimage.rest")
+
+
+def image_serving(settings: RestSettings) -> tuple[UrlSigner, DiskImageStore]:
+    """The signer of image links and the disk store this front serves, as the gateways default them."""
+    path = settings.url_secret_file
+    if path is None and not os.environ.get(SECRET_ENV):
+        path = ensure_secret_file(default_url_secret_file())
+    try:
+        signer = UrlSigner(load_url_secret(path), 3600.0)  # (the TTL is the signing gateway's; this only verifies)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"rest: image links: {exc}") from None
+    return signer, DiskImageStore(settings.image_store or Path(default_image_store()), signer)
 
 
 def create_app(settings: RestSettings) -> FastAPI:
@@ -93,6 +112,7 @@ def create_app(settings: RestSettings) -> FastAPI:
     app.state.adapters = AdapterCache()
     app.state.created = int(time.time())
     app.state.keys = FrontKeys(settings)  # reads a tenants file now: a bad one stops the front here
+    app.state.url_signer, app.state.image_store = image_serving(settings)
     app.add_middleware(FrontMiddleware, settings=settings, metrics=metrics, router=app.router, limits=app.state.limits,
                        keys=app.state.keys)
     if settings.cors_origins:
@@ -127,6 +147,8 @@ def create_app(settings: RestSettings) -> FastAPI:
 
     app.include_router(router)
     app.include_router(edits_router)
+    app.include_router(jobs_router)
+    app.include_router(files_router)
     app.include_router(status_router)
 
     def openapi() -> dict[str, Any]:

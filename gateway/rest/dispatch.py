@@ -13,7 +13,9 @@ from fastapi.responses import JSONResponse, Response
 from services.runtime.auth import bearer_metadata
 from services.runtime.tracing import with_trace
 
-from . import streaming, translate, upstream
+from . import jobs, streaming, translate, upstream
+from .errors import APIError
+from .jobs_json import absolute
 from .metrics import RestMetrics
 from .middleware import REQUEST_ID_HEADER
 from .settings import RestSettings
@@ -39,8 +41,13 @@ def gateway_metadata(request: Request, settings: RestSettings, rid: str) -> tupl
 
 async def answer(gen: translate.Generation, request: Request, settings: RestSettings, metrics: RestMetrics,
                  gateway: upstream.Gateways) -> Response:
-    """Run the gateway call for ``gen``: events when it streams, else one ImagesResponse JSON (499 when the
-    client went away first)."""
+    """Run the gateway call for ``gen``: a job when the client prefers an asynchronous answer (202), events when it
+    streams, else one ImagesResponse JSON (499 when the client went away first)."""
+    if jobs.wants_async(request):
+        return await jobs.submit(gen, request, settings, gateway)
+    if gen.webhook_url:
+        raise APIError(400, "webhook_url needs the header 'Prefer: respond-async': a webhook reports a job's end",
+                       param="webhook_url", code="invalid_value")
     if gen.stream:
         return await streaming.stream(gateway, gen, settings, metrics, request.receive, request.scope["state"])
     reply = await upstream.generate(gateway, gen, settings.request_timeout, request.receive)
@@ -50,6 +57,9 @@ async def answer(gen: translate.Generation, request: Request, settings: RestSett
     resp = reply.response
     metrics.images.inc(len(resp.images))
     result = translate.images_json(resp, gen, settings)
+    for item in result["data"]:  # links the gateway made relative (it has no --public-url): this front's
+        if "url" in item:
+            item["url"] = absolute(item["url"], str(request.base_url))
     log.info("%s done: %d image(s), %d+%d tokens", gen.rid, len(resp.images),
              resp.usage.prompt_tokens, resp.usage.completion_tokens)
     return JSONResponse(result, headers=reply.headers)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from services.runtime.details import OWN_ERROR_KEY, field_violation, retry_delay
 from services.runtime.status import row_of
 
+from .jobs_json import param_of
 from .ratelimits import quota_of, rate_limit_headers, retry_after
 
 log = logging.getLogger("glmimage.rest")
@@ -66,29 +67,11 @@ def client_text(err: grpc.aio.AioRpcError) -> str:
     return row.rest_text
 
 
-# A gateway request field (from an INVALID_ARGUMENT's google.rpc.BadRequest) -> the REST parameter a client sent.
-# height and width come from `size`; `sampling.*` (no REST parameter of its own) is named as is; an edit's
-# `reference_images` and `reference_images[i]` are its `image` files.
-_REST_PARAM = {"height": "size", "width": "size", "prompt": "prompt", "n": "n", "seed": "seed",
-               "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale",
-               "output_format": "output_format", "output_compression": "output_compression",
-               "partial_images": "partial_images", "step_cache": "step_cache", "priority": "priority"}
-
-
 def rest_param(err: grpc.aio.AioRpcError) -> str | None:
     """OpenAI's `param` for a refused request: the field of the status' BadRequest violation, in REST terms."""
     if err.code() is not grpc.StatusCode.INVALID_ARGUMENT or (violation := field_violation(err)) is None:
         return None
     return param_of(violation[0])
-
-
-def param_of(field: str) -> str | None:
-    """A GenerateImagesRequest field in REST terms."""
-    if field == "reference_images" or field.startswith("reference_images["):
-        return "image"
-    if field == "loras" or field.startswith("loras["):  # named as the body's `loras` names it (loras[0].scale)
-        return field
-    return field if field.startswith("sampling.") else _REST_PARAM.get(field)
 
 
 def from_rpc_error(err: grpc.aio.AioRpcError, request_id: str = "") -> APIError:

@@ -29,6 +29,8 @@ from .limits import LimitsCache, edit_body_bytes
 from .metrics import RestMetrics
 from .settings import RestSettings
 
+FILES_PREFIX = "/v1/images/files/"
+
 log = logging.getLogger("glmimage.rest")
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -128,7 +130,10 @@ class FrontMiddleware:
         try:
             path: str = scope["path"]
             body_limit = self._body_limit(route)
-            if path.startswith("/v1/") and not self.keys.user(bearer_token(scope["headers"])):
+            # A stored image's signed link is its own credential (a browser or the openai SDK fetches it with no
+            # key); the files route checks a key that is presented (another tenant's gets 404).
+            if path.startswith("/v1/") and not path.startswith(FILES_PREFIX) \
+                    and not self.keys.user(bearer_token(scope["headers"])):
                 log.info("%s rejected: missing or invalid API key", rid)
                 resp = error_response(
                     401, "invalid or missing API key", type="authentication_error", code="invalid_api_key"

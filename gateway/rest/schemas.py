@@ -117,7 +117,9 @@ class ImageRequest(BaseModel):
         "`medium` and `high`.",
     )
     response_format: Literal["b64_json", "url"] | None = Field(
-        None, description="Only `b64_json` is supported: this server has no image store for `url`."
+        None, description="`b64_json` (default): the images in the answer. `url`: each image stored and answered as "
+        "`data[i].url`, a signed link that expires (1 h by default); a stream answers `b64_json` whatever this says. "
+        "A job's images (`Prefer: respond-async`) always come by URL."
     )
     output_format: OutputFormat | None = Field(
         None, description="Image encoding: png (default), jpeg or webp."
@@ -156,6 +158,12 @@ class ImageRequest(BaseModel):
         description="Extension: the request's class, `interactive` > `default` > `batch`: within its tenant, work "
         "waits in class order, then arrival; `batch` runs only on capacity nothing else waits for. At most the "
         "tenant's `max_priority` (a higher one is a 400 on `priority`). Unset: `default`.",
+    )
+    webhook_url: str | None = Field(
+        None, max_length=2048,
+        description="Extension, with `Prefer: respond-async` only: an https URL the job object is POSTed to when the "
+        "job ends, signed by the Standard Webhooks scheme with the tenant's secret (GET /v1/webhooks/secret). Only "
+        "hosts the gateway's --webhook-allow patterns admit.",
     )
 
 

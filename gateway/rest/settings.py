@@ -86,6 +86,11 @@ class RestSettings:
     max_body_bytes: int = 1024 * 1024
     # Browser origins allowed to call the API (CORS); empty: CORS off, browsers block cross-origin calls.
     cors_origins: tuple[str, ...] = ()
+    # The disk image store whose files this front serves at their signed links (the gateways' --image-store; an
+    # s3:// store serves its own presigned links), and the links' HMAC key, the gateways' --url-secret-file (None:
+    # $GLMIMAGE_URL_SECRET, else the default file of the cache directory, created once).
+    image_store: Path | None = None
+    url_secret_file: Path | None = None
 
     def __post_init__(self) -> None:
         split_addresses(self.gateway_address)  # raises ValueError when it names none

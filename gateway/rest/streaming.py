@@ -39,10 +39,11 @@ def _completed_events(
     events = []
     for i, img in enumerate(resp.images):
         if per_image:
-            usage = usage_json(img.usage, 1, settings)
+            usage = usage_json(img.usage, 1, settings.enable_cache_report)
         else:  # a gateway without per-image usage: the whole bill on the last event keeps the sum right
             last = i == len(resp.images) - 1
-            usage = usage_json(resp.usage if last else common_pb2.Usage(), len(resp.images) if last else 0, settings)
+            usage = usage_json(resp.usage if last else common_pb2.Usage(), len(resp.images) if last else 0,
+                               settings.enable_cache_report)
         events.append(sse.event(completed, {
             "type": completed,
             "b64_json": base64.b64encode(img.image).decode("ascii"),

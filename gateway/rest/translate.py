@@ -18,6 +18,7 @@ from services.runtime.errors import InvalidArgument
 from services.runtime.limits import MAX_ASPECT, SIZE_MULTIPLE, Limits, check_loras, check_reference_images
 
 from .errors import APIError
+from .jobs_json import usage_json
 from .limits import as_api_error
 from .schemas import ImageRequest, LoraRef
 from .settings import RestSettings
@@ -103,6 +104,7 @@ class Generation:
     metadata: tuple[tuple[str, str], ...]
     rid: str
     events: str = "image_generation"  # the stream's event names: "<events>.partial_image", "<events>.completed"
+    webhook_url: str = ""  # a job's (Prefer: respond-async)
 
     @property
     def request(self) -> gateway_service_pb2.GenerateImagesRequest:
@@ -155,9 +157,6 @@ def admit(body: ImageRequest, settings: RestSettings, limits: Limits, *, rid: st
         body.prompt.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates from JSON \ud800 escapes; protobuf would reject them
         raise APIError(400, "prompt is not valid Unicode", param="prompt", code="invalid_value") from None
-    if body.response_format == "url":
-        raise APIError(400, "response_format 'url' is not supported: no image store is configured; "
-                       "use 'b64_json'", param="response_format", code="unsupported_value")
     if body.background == "transparent":
         raise APIError(400, "transparent backgrounds are not supported", param="background",
                        code="unsupported_value")
@@ -190,31 +189,23 @@ def admit(body: ImageRequest, settings: RestSettings, limits: Limits, *, rid: st
             loras=[common_pb2.LoraRef(name=ref.name, scale=ref.scale)
                    for ref in lora_refs(body.loras or (), adapter, limits)],
             priority=PRIORITIES.get(body.priority or "", gateway_service_pb2.PRIORITY_UNSPECIFIED),
+            # Streams carry their images in the completed event, as OpenAI's do.
+            response_format=gateway_service_pb2.RESPONSE_FORMAT_URL if body.response_format == "url"
+            and not body.stream else gateway_service_pb2.RESPONSE_FORMAT_UNSPECIFIED,
         )
         admitted = check_generate(request, limits, default_height=height, default_width=width,
                                   reference_sizes=reference_sizes)
         check_partial_images(partial_images, limits)
     return Generation(admitted, quality=quality, stream=bool(body.stream), partial_images=partial_images,
-                      metadata=metadata, rid=rid, events=events)
+                      metadata=metadata, rid=rid, events=events, webhook_url=body.webhook_url or "")
 
 
-def usage_json(u: common_pb2.Usage, image_count: int, settings: RestSettings) -> dict[str, Any]:
-    # Of the prompt tokens, an edit's reference images contributed image_tokens (0 for a generation).
-    image_tokens = min(u.image_tokens, u.prompt_tokens)
-    usage: dict[str, Any] = {
-        "input_tokens": u.prompt_tokens,
-        "output_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens or u.prompt_tokens + u.completion_tokens,
-        "input_tokens_details": {"text_tokens": u.prompt_tokens - image_tokens, "image_tokens": image_tokens},
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "reasoning_tokens": u.reasoning_tokens,
-        "image_count": image_count,
-    }
-    # Cache hits reveal what other users prompted, so reporting them is opt-in.
-    if settings.enable_cache_report and u.cached_tokens > 0:
-        usage["prompt_tokens_details"] = {"cached_tokens": u.cached_tokens}
-    return usage
+def image_json(img: gateway_service_pb2.GeneratedImage) -> dict[str, Any]:
+    """One image as OpenAI's `data[i]`: a link when the gateway stored it (response_format url, a job's images),
+    else its bytes."""
+    if img.url:
+        return {"url": img.url}
+    return {"b64_json": base64.b64encode(img.image).decode("ascii")}
 
 
 def images_json(resp: gateway_service_pb2.GenerateImagesResponse, gen: Generation,
@@ -222,7 +213,7 @@ def images_json(resp: gateway_service_pb2.GenerateImagesResponse, gen: Generatio
     """A GenerateImagesResponse as the OpenAI ImagesResponse JSON."""
     return {
         "created": int(time.time()),
-        "data": [{"b64_json": base64.b64encode(img.image).decode("ascii")} for img in resp.images],
+        "data": [image_json(img) for img in resp.images],
         **gen.echo(gen.size(resp.width, resp.height), formats.name_of(resp.output_format, gen.output_format)),
-        "usage": usage_json(resp.usage, len(resp.images), settings),
+        "usage": usage_json(resp.usage, len(resp.images), settings.enable_cache_report),
     }

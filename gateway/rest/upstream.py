@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from starlette.types import Receive
 
-from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
+from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc, job_service_pb2_grpc
 from glmimage.wire.channels import TlsConfig, aio_channel, balanced_target
 from services.runtime import keepalive
 
@@ -65,6 +65,7 @@ class Gateway:
     target: str = ""
     balanced: bool = False
     _count: tuple[float, asyncio.Future[int]] | None = field(default=None, repr=False)
+    jobs: job_service_pb2_grpc.JobServiceStub | None = None
 
     async def connected(self) -> None:
         """Before a call: if the channel is reconnecting (the gateway restarted or is briefly away), give it up to
@@ -143,7 +144,7 @@ def open_gateway(settings: RestSettings, tls: TlsConfig | None, address: str | N
     options = [*CHANNEL_OPTIONS, *([("grpc.service_config", BALANCED_SERVICE_CONFIG)] if balanced else [])]
     channel = aio_channel(target, tls, options)
     return Gateway(channel, gateway_service_pb2_grpc.GatewayServiceStub(channel), health_pb2_grpc.HealthStub(channel),
-                   target=target, balanced=balanced)
+                   target=target, balanced=balanced, jobs=job_service_pb2_grpc.JobServiceStub(channel))
 
 
 @dataclass

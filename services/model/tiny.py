@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from services.runtime.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,7 @@ DENOISER_PARTS = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler"
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("GLMIMAGE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "glmimage"
-    )
-    return Path(base) / TINY_VERSION
+    return cache_root() / TINY_VERSION
 
 
 def _build_ar_tokenizer():
