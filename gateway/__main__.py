@@ -19,7 +19,7 @@ from gateway.auth import (
 )
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
-from gateway.jobs.setup import add_job_args, open_jobs
+from gateway.jobs.setup import JOBS_OFF, add_job_args, open_jobs
 from gateway.membership import parse_allow_rule, split_host_port
 from gateway.metrics import GatewayMetrics
 from gateway.quota_store import REDIS_TIMEOUT_S, store_from_url
@@ -248,8 +248,10 @@ async def serve(args: argparse.Namespace) -> None:
     driver = Driver(config, metrics=metrics)
     auth = GatewayAuth(tenants, status_keys_from())
     gate = TenantGate(Quotas(store), metrics)
-    jobs = await open_jobs(args, driver, gate, auth, tenants, config.default_height, config.default_width)
-    servicer = GatewayServicer(driver, config, tenants, gate, auth, keeper=jobs.keeper)
+    # --jobs-db none: no jobs and no stored images here (JobService is not served; response_format url is refused).
+    jobs = None if args.jobs_db == JOBS_OFF else await open_jobs(args, driver, gate, auth, tenants,
+                                                                 config.default_height, config.default_width)
+    servicer = GatewayServicer(driver, config, tenants, gate, auth, keeper=jobs.keeper if jobs else None)
     # Always installed: with no admin key it is what keeps AddWorker/RemoveWorker off.
     interceptors = [auth]
 
@@ -266,9 +268,11 @@ async def serve(args: argparse.Namespace) -> None:
 
     def add_servicers(s: grpc.aio.Server) -> None:
         gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s)
-        job_service_pb2_grpc.add_JobServiceServicer_to_server(jobs.servicer, s)
+        if jobs is not None:
+            job_service_pb2_grpc.add_JobServiceServicer_to_server(jobs.servicer, s)
 
-    server = await start_server(add_servicers, [SERVICE_NAME, JOB_SERVICE], f"{args.host}:{args.port}",
+    names = [SERVICE_NAME, JOB_SERVICE] if jobs is not None else [SERVICE_NAME]
+    server = await start_server(add_servicers, names, f"{args.host}:{args.port}",
                                 interceptors=interceptors, tls=tls, intake=intake, max_send_mb=256)
     await driver.start()
     announce(server, args, "GatewayService")
@@ -292,12 +296,14 @@ async def serve(args: argparse.Namespace) -> None:
     # SERVING once it knows its static workers (each answered a first health check, or failed to: at most two probe
     # timeouts), so a restarted gateway does not fail-fast its first requests; GetStatus and /health say the rest.
     await driver.first_checks(2 * config.health_probe_timeout)
-    jobs.start()
+    if jobs is not None:
+        jobs.start()
     await server.set_serving(True)
     try:
         await run_until_signalled(server, grace=args.drain_seconds)
     finally:
-        await jobs.close()  # its runner's jobs go back to the store before the driver stops under them
+        if jobs is not None:
+            await jobs.close()  # its runner's jobs go back to the store before the driver stops under them
         await driver.close()
         await store.close()
 

@@ -38,6 +38,7 @@ from services.runtime.tenants import Tenant, TenantsFile
 log = logging.getLogger(__name__)
 
 JOBS_DB_ENV = "GLMIMAGE_JOBS_DB"
+JOBS_OFF = "none"  # --jobs-db none: this gateway keeps no jobs and no images
 WEBHOOK_SECRET_ENV = "GLMIMAGE_WEBHOOK_SECRET"
 GiB = 1 << 30
 
@@ -54,7 +55,8 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                                      "stored images (response_format url) and webhooks")
     g.add_argument("--jobs-db", default=os.environ.get(JOBS_DB_ENV), metavar="URL",
                    help=f"the durable job store: sqlite:///PATH (default: {default_jobs_db()}; the gateways of one "
-                        f"machine may share it) or postgresql://... (several gateways anywhere); ${JOBS_DB_ENV}")
+                        f"machine may share it), postgresql://... (several gateways anywhere), or {JOBS_OFF} (no "
+                        f"jobs, no stored images); ${JOBS_DB_ENV}")
     g.add_argument("--image-store", default=None, metavar="DIR|s3://BUCKET/PREFIX",
                    help=f"where stored images go (default: {default_image_store()}, served by the REST front given "
                         "the same directory; s3:// returns presigned URLs)")
