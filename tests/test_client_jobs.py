@@ -45,10 +45,11 @@ def drive(servicer: FakeJobService, job_id: str, steps: int = 3, *, end: str = "
     """Once a client watches, run the job through a queue position, its steps and its end, from another thread."""
     def run() -> None:
         wait_watching(servicer)
-        servicer.queue_position(job_id, 0)
-        servicer.start(job_id, steps)
-        for k in range(1, steps + 1):
-            servicer.step(job_id, k)
+        for change in [lambda: servicer.queue_position(job_id, 0), lambda: servicer.start(job_id, steps),
+                       *[lambda k=k: servicer.step(job_id, k) for k in range(1, steps + 1)]]:
+            servicer.wait_sent(job_id)  # the client sees each state
+            change()
+        servicer.wait_sent(job_id)
         if end == "complete":
             servicer.complete(job_id)
         else:
@@ -112,9 +113,9 @@ def test_wait_follows_the_job_to_its_images(jobs: FakeJobsServer, tmp_path: Path
         full = client.get_job(job.id, include_images=True)
     assert done.ok and done.done and again is done
     assert [j.status for j in seen][-1] == "completed"
-    # Each change is seen once, in order (states may merge when they change faster than the stream sends them).
-    steps = [j.progress.step for j in seen if j.status == "in_progress"]
-    assert steps == sorted(steps) and len(seen) == len({(j.status, j.progress) for j in seen})
+    # Each state once, in order (the driver changes the job only once the watch has sent it as it was).
+    assert [(j.status, j.progress.queue_position, j.progress.step) for j in seen] == [
+        ("queued", 0, 0), *[("in_progress", 0, k) for k in range(4)], ("completed", 0, 3)]
     assert (done.started_at, done.finished_at, done.expires_at) == (
         job.created_at + 1, job.created_at + 2, job.created_at + 2 + 86_400)
     assert done.attempts == 1 and done.seeds == [3, 4] and [im.index for im in done.images] == [0, 1]

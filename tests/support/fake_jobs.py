@@ -62,6 +62,8 @@ class FakeJobService(job_service_pb2_grpc.JobServiceServicer):
     cond: threading.Condition = field(default_factory=threading.Condition)
     # Released once per WatchJob call that began: a test drives the job once its client watches (wait_watching).
     watching: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    # Every job state a WatchJob call has sent, in order (`wait_sent`).
+    sent: list[job_service_pb2.Job] = field(default_factory=list)
     _clock: int = CREATED_AT
 
     def reset(self) -> None:
@@ -70,6 +72,7 @@ class FakeJobService(job_service_pb2_grpc.JobServiceServicer):
             self.fail.clear()
             self.watch_breaks.clear()
             self.entries.clear()
+            self.sent.clear()
             self._clock = CREATED_AT
         self.watching = threading.Semaphore(0)
 
@@ -139,6 +142,14 @@ class FakeJobService(job_service_pb2_grpc.JobServiceServicer):
             if j.status not in TERMINAL:
                 j.status, j.finished_at, j.expires_at = STATUS["cancelled"], j.created_at + 2, j.created_at + JOB_TTL
         self._change(job_id, cancelled)
+
+    def wait_sent(self, job_id: str, timeout: float = 30) -> None:
+        """Until a watch has sent the job as it is now: a test that changes it only then has its client see every
+        state (changes faster than the stream would merge into one message)."""
+        with self.cond:
+            now = self.entries[job_id].job
+            assert self.cond.wait_for(lambda: any(j == now for j in self.sent), timeout), \
+                f"no watch sent {job_id} as it is now"
 
     def job(self, job_id: str) -> job_service_pb2.Job:
         with self.cond:
@@ -234,6 +245,8 @@ class FakeJobService(job_service_pb2_grpc.JobServiceServicer):
                     continue
                 last = now
                 job = self._answer(entry, False)
+                self.sent.append(job)
+                self.cond.notify_all()
             yield job_service_pb2.WatchJobResponse(job=job)
             sent += 1
             if job.status in TERMINAL:

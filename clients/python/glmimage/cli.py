@@ -7,6 +7,8 @@
     glmimage generate "a red STOP sign" --priority batch -o out/
     glmimage status
     glmimage loras list
+    glmimage jobs submit "a red STOP sign" -n 4 --size 1024x1024 --wait -o out/
+    glmimage jobs list
 
 Printing is this module's interface; errors go to stderr with a non-zero exit code.
 """
@@ -18,10 +20,13 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
+
+import grpc
 
 from glmimage.client import (
     DEFAULT_ADDRESS,
@@ -31,6 +36,7 @@ from glmimage.client import (
     Completed,
     GenerationResult,
     GlmImageError,
+    Job,
     Limits,
     LoraCatalogue,
     LoraPlacement,
@@ -40,13 +46,16 @@ from glmimage.client import (
     RetryPolicy,
     Status,
     TlsConfig,
+    Usage,
     WorkerInfo,
 )
+from glmimage.jobs import JOB_STATUSES
 from glmimage.messages import PRIORITIES, STEP_CACHE_LEVELS, Lora
 from glmimage.wire.sizes import size_arg
 
 API_KEY_ENV = "GLMIMAGE_API_KEY"
 ADDRESS_ENV = "GLMIMAGE_ADDRESS"
+BASE_URL_ENV = "GLMIMAGE_BASE_URL"
 
 
 def _connection_args(parser: argparse.ArgumentParser, *, suppress: bool = False) -> None:
@@ -66,7 +75,8 @@ def _connection_args(parser: argparse.ArgumentParser, *, suppress: bool = False)
                    help=f"sent as 'authorization: Bearer <key>' (default ${API_KEY_ENV})")
     # Each default is written into its help: the subcommands' copies have none for argparse to show.
     g.add_argument("--timeout", type=float, default=default(600.0),
-                   help="overall deadline in seconds, retries included (default 600)")
+                   help="overall deadline in seconds, retries included; for jobs wait (and submit --wait), how long "
+                   "to wait (default 600)")
     g.add_argument("--retries", type=int, default=default(3),
                    help="retries on UNAVAILABLE / RESOURCE_EXHAUSTED, with exponential backoff (default 3; 0 "
                    "disables)")
@@ -82,7 +92,7 @@ def _connection_args(parser: argparse.ArgumentParser, *, suppress: bool = False)
     g.add_argument("-v", "--verbose", action="store_true", default=default(False),
                    help="log retries and connection details to stderr")
     g.add_argument("--json", action="store_true", default=default(False),
-                   help="print the result as JSON (generate, edit: files, seeds and usage)")
+                   help="print the result as JSON (generate, edit: files, seeds and usage; jobs: the job)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +124,60 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("names", nargs="+", metavar="NAME", help="adapter names, as `glmimage loras list` shows them")
         p.add_argument("--worker", action="append", default=[], metavar="ADDR",
                        help="a denoiser's address, repeatable (default: every denoiser of the pool)")
+    _jobs_parser(sub, conn)
     return parser
+
+
+def _jobs_parser(sub: argparse._SubParsersAction, conn: argparse.ArgumentParser) -> None:
+    jobs = sub.add_parser("jobs", help="generations that outlive the connection: submit, follow, cancel, list")
+    jobs_sub = jobs.add_subparsers(dest="jobs_command", required=True)
+    submit = jobs_sub.add_parser("submit", parents=[conn],
+                                 help="submit a generation (an edit with --image) as a job; prints its id")
+    submit.add_argument("prompt")
+    _request_args(submit)
+    submit.add_argument("--image", action="append", type=Path, default=[], metavar="FILE",
+                        help="a reference image (PNG, JPEG or WebP), repeatable: the job is an edit")
+    submit.add_argument("--webhook-url", default=None, metavar="URL",
+                        help="https URL the job is POSTed to when it ends, signed (the gateway's --webhook-allow "
+                        "must admit it)")
+    submit.add_argument("--idempotency-key", default=None, metavar="KEY",
+                        help="a second submit with the same key answers the first's job (default: a fresh key per "
+                        "run, so the CLI's own retries never make a second job)")
+    submit.add_argument("--wait", action="store_true",
+                        help="follow the job to its end (progress on stderr), as `jobs wait` does")
+    _job_output_args(submit)
+    for verb, what in (("get", "show a job as it is now"), ("cancel", "cancel a job (a running one frees its "
+                                                                      "denoisers); shows it after the call")):
+        p = jobs_sub.add_parser(verb, parents=[conn], help=what)
+        p.add_argument("id", metavar="ID", help="the job's id (job_...)")
+        if verb == "get":
+            _base_url_arg(p)
+    wait = jobs_sub.add_parser("wait", parents=[conn],
+                               help="follow a job to its end, progress on stderr (--timeout bounds the wait; the "
+                               "job goes on after it)")
+    wait.add_argument("id", metavar="ID", help="the job's id (job_...)")
+    _job_output_args(wait)
+    lst = jobs_sub.add_parser("list", parents=[conn], help="this key's jobs, newest first")
+    lst.add_argument("--limit", type=int, default=20, help="jobs per page, 1-100 (default 20)")
+    lst.add_argument("--after", default=None, metavar="ID", help="the page after this job (the last one shown)")
+    lst.add_argument("--status", choices=JOB_STATUSES, default=None, help="only jobs in this status")
+    lst.add_argument("--all", action="store_true", help="every page, not only the first")
+
+
+def _job_output_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--out", "--output-dir", dest="output_dir", type=Path, default=None, metavar="DIR",
+                        help="write a completed job's images here (implies --wait for submit; default: print their "
+                        "URLs)")
+    parser.add_argument("--name", default="image", help="file name stem: <name>-<i>.<ext> (default: image)")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite files of those names; without it an existing file is an error")
+    _base_url_arg(parser)
+
+
+def _base_url_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default=os.environ.get(BASE_URL_ENV), metavar="URL",
+                        help="the REST front's base URL (e.g. http://127.0.0.1:8000): image URLs a gateway without "
+                        f"--public-url gives as paths are shown against it (default ${BASE_URL_ENV})")
 
 
 def lora_arg(text: str) -> Lora:
@@ -128,15 +191,24 @@ def lora_arg(text: str) -> Lora:
 
 def _image_args(parser: argparse.ArgumentParser) -> None:
     """The output and request flags that generate and edit share."""
-    parser.add_argument("-n", type=int, default=1, help="number of images, 1-10 (default 1)")
-    parser.add_argument("--size", type=size_arg, default=None, metavar="WxH",
-                        help="e.g. 512x512 (default: the gateway's)")
     parser.add_argument("-o", "--output-dir", type=Path, default=Path("."),
                         help="directory for the images (default: the current one)")
     parser.add_argument("--name", default="image", help="file name stem: <name>-<i>.<ext> (default: image)")
     parser.add_argument("--force", action="store_true",
                         help="overwrite files of those names; without it an existing file is an error, before "
                         "anything is generated")
+    _request_args(parser)
+    parser.add_argument("--stream", action="store_true", help="stream progress (a progress bar on stderr)")
+    parser.add_argument("--partial-images", type=int, default=0, choices=range(4), metavar="{0-3}",
+                        help="with --stream: previews per image, written as <name>-<i>.partial-<k>.<ext> "
+                        "(default 0)")
+
+
+def _request_args(parser: argparse.ArgumentParser) -> None:
+    """The request flags of generate, edit and jobs submit."""
+    parser.add_argument("-n", type=int, default=1, help="number of images, 1-10 (default 1)")
+    parser.add_argument("--size", type=size_arg, default=None, metavar="WxH",
+                        help="e.g. 512x512 (default: the gateway's)")
     parser.add_argument("--format", choices=sorted(FORMATS), default=None, help="image encoding (default png)")
     parser.add_argument("--compression", type=int, default=None,
                         help="0-100, 100 the least compressed (default: the gateway's)")
@@ -153,10 +225,6 @@ def _image_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority", choices=PRIORITIES, default=None,
                         help="the request's class within its tenant's share, up to the key's max_priority; batch "
                         "runs only on otherwise idle capacity (default: default)")
-    parser.add_argument("--stream", action="store_true", help="stream progress (a progress bar on stderr)")
-    parser.add_argument("--partial-images", type=int, default=0, choices=range(4), metavar="{0-3}",
-                        help="with --stream: previews per image, written as <name>-<i>.partial-<k>.<ext> "
-                        "(default 0)")
 
 
 def client_from(args: argparse.Namespace) -> Client:
@@ -164,7 +232,8 @@ def client_from(args: argparse.Namespace) -> Client:
     if args.tls or args.tls_ca or args.tls_cert or args.tls_key:
         tls = TlsConfig.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
     retry = NO_RETRY if args.retries <= 0 else RetryPolicy(max_attempts=args.retries + 1)
-    return Client(args.address, api_key=args.api_key, tls=tls, timeout=args.timeout, retry=retry)
+    return Client(args.address, api_key=args.api_key, tls=tls, timeout=args.timeout, retry=retry,
+                  base_url=getattr(args, "base_url", None))
 
 
 class ProgressBar:
@@ -200,10 +269,8 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
         run, stream = functools.partial(client.edit, args.images), functools.partial(client.edit_stream, args.images)
     else:
         run, stream = client.generate, client.generate_stream
-    kwargs = dict(n=args.n, size=args.size, output_format=args.format, output_compression=args.compression,
-                  seed=args.seed, steps=args.steps, guidance=args.guidance, step_cache=args.step_cache,
-                  loras=args.lora, priority=args.priority)
-    ext = {"jpeg": "jpg"}.get(args.format or "png", args.format or "png")
+    kwargs = _request_kwargs(args)
+    ext = _extension(args)
     planned = [args.output_dir / f"{args.name}-{i}.{ext}" for i in range(args.n)]
     if args.stream:
         planned += [_partial_path(args, i, k, ext) for i in range(args.n) for k in range(args.partial_images)]
@@ -243,14 +310,27 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
         print(f"wrote {path}  ({result.width}x{result.height}, seed {seed})")
     for path in partial_paths:
         print(f"wrote {path}  (partial)")
-    u = result.usage
-    print(f"usage: prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
-          f"total_tokens={u.total_tokens} cached_tokens={u.cached_tokens} image_tokens={u.image_tokens} "
-          f"images={len(paths)}")
+    _print_usage(result.usage, len(paths))
     limits = format_rate_limits(result.rate_limits)
     if limits:
         print(limits)
     return 0
+
+
+def _request_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return dict(n=args.n, size=args.size, output_format=args.format, output_compression=args.compression,
+                seed=args.seed, steps=args.steps, guidance=args.guidance, step_cache=args.step_cache,
+                loras=args.lora, priority=args.priority)
+
+
+def _extension(args: argparse.Namespace) -> str:
+    return {"jpeg": "jpg"}.get(args.format or "png", args.format or "png")
+
+
+def _print_usage(usage: Usage, images: int) -> None:
+    print(f"usage: prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens} "
+          f"total_tokens={usage.total_tokens} cached_tokens={usage.cached_tokens} image_tokens={usage.image_tokens} "
+          f"images={images}")
 
 
 def format_rate_limits(limits: RateLimits) -> str | None:
@@ -386,7 +466,191 @@ def _print_refusal(exc: GlmImageError) -> None:
         print(f"glmimage: {limits}", file=sys.stderr)
 
 
-COMMANDS = {"generate": _generate, "edit": _generate, "status": _status, "limits": _limits, "loras": _loras}
+# --- jobs ----------------------------------------------------------------------------------------------------------
+
+
+def _when(ts: int | None) -> str:
+    """Unix seconds as UTC ISO 8601 ("-" for not yet): the same text on every machine."""
+    return "-" if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def job_progress(job: Job) -> str:
+    """The PROGRESS column: where a queued job waits, a running one's steps, an ended one's outcome."""
+    p = job.progress
+    if job.status == "queued":
+        return f"queue {p.queue_position}" if p.queue_position else "queued"
+    if job.status == "in_progress":
+        return f"{p.step}/{p.total_steps} steps" if p.total_steps else "starting"
+    if job.status == "completed":
+        return f"{len(job.images)} image{'s' if len(job.images) != 1 else ''}"
+    if job.status == "failed" and job.error is not None:
+        return job.error.code
+    return "-"
+
+
+def format_jobs(jobs: Sequence[Job]) -> str:
+    rows = [[j.id, j.status, _when(j.created_at), job_progress(j)] for j in jobs]
+    return _table(["ID", "STATUS", "CREATED", "PROGRESS"], rows) if rows else "no jobs"
+
+
+def _urls(job: Job) -> list[str]:
+    """The images' URLs, absolute when they are or a base URL is known; as the gateway gave them otherwise."""
+    try:
+        return job.image_urls()
+    except ValueError:
+        return [im.url for im in job.images]
+
+
+def format_job(job: Job) -> str:
+    """One job, a field a line; a completed job's images by URL (signed links that expire)."""
+    fields = [("id", job.id), ("status", job.status), ("progress", job_progress(job)),
+              ("created", _when(job.created_at)), ("started", _when(job.started_at)),
+              ("finished", _when(job.finished_at)), ("expires", _when(job.expires_at)),
+              ("attempts", str(job.attempts)), ("images asked", str(job.n)), ("edit", "yes" if job.edit else "no"),
+              ("request id", job.request_id or "-"), ("webhook", job.webhook_url or "-")]
+    if job.error is not None:
+        fields.append(("error", str(job.error)))
+    if job.ok:
+        fields.append(("size", f"{job.width}x{job.height} {job.output_format}"))
+    fields += [(f"image {im.index}", f"{url}  (seed {im.seed})") for im, url in zip(job.images, _urls(job),
+                                                                                      strict=True)]
+    width = max(len(name) for name, _ in fields)
+    return "\n".join(f"{name.ljust(width)}  {value}" for name, value in fields)
+
+
+class JobProgressLine:
+    """One line on stderr redrawn at each update: the queue position, then a bar over the job's steps."""
+
+    def __init__(self, out: TextIO, width: int = 30) -> None:
+        self.out = out
+        self.width = width
+        self.drawn = 0
+
+    def update(self, job: Job) -> None:
+        p = job.progress
+        if job.status == "in_progress" and p.total_steps:
+            frac = p.step / p.total_steps
+            filled = int(round(frac * self.width))
+            text = f"[{'#' * filled}{'-' * (self.width - filled)}] {frac:4.0%}  {p.step}/{p.total_steps} steps"
+        else:
+            text = f"{job.id} {job.status}" + (f", queue position {p.queue_position}"
+                                               if job.status == "queued" and p.queue_position else "")
+        # Padded over the previous text, so a shorter line leaves nothing of a longer one.
+        self.out.write("\r" + text.ljust(self.drawn))
+        self.out.flush()
+        self.drawn = len(text)
+
+    def finish(self) -> None:
+        if self.drawn:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def _job_files(args: argparse.Namespace, n: int, ext: str) -> list[Path]:
+    return [args.output_dir / f"{args.name}-{i}.{ext}" for i in range(n)]
+
+
+def _follow(client: Client, job: Job | str) -> Job:
+    """The job followed to its end, its progress drawn on stderr; --timeout bounds the wait."""
+    line = JobProgressLine(sys.stderr)
+    if isinstance(job, Job):
+        line.update(job)  # wait calls back only on changes: the state known already is drawn now
+    try:
+        return client.wait(job, on_update=line.update)
+    finally:
+        line.finish()
+
+
+def _report_end(args: argparse.Namespace, client: Client, job: Job) -> int:
+    """An ended job: a completed one's images written (-o) or listed by URL; a failed or cancelled one exits 1."""
+    paths: list[Path] = []
+    if job.ok and args.output_dir is not None:
+        _refuse_to_overwrite(_job_files(args, len(job.images), job.extension), args.force)
+        # The bytes over gRPC (GetJob include_images): the same key and channel, no REST front to reach.
+        full = client.get_job(job.id, include_images=True)
+        paths = full.download(args.output_dir, args.name, overwrite=args.force)
+    if args.json:
+        print(json.dumps({**job.as_dict(), "files": [str(p) for p in paths]}, indent=2))
+    elif job.ok:
+        print(f"{job.id} completed")
+        if paths:
+            for path, seed in zip(paths, job.seeds, strict=True):
+                print(f"wrote {path}  ({job.width}x{job.height}, seed {seed})")
+        else:
+            for im, url in zip(job.images, _urls(job), strict=True):
+                print(f"image {im.index}: {url}  (seed {im.seed})")
+        if job.usage is not None:
+            _print_usage(job.usage, len(job.images))
+    if job.status == "failed":
+        print(f"glmimage: error: job {job.id} failed: {job.error or 'no reason given'}", file=sys.stderr)
+        return 1
+    if job.status == "cancelled":
+        print(f"glmimage: error: job {job.id} was cancelled", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _jobs_submit(args: argparse.Namespace, client: Client) -> int:
+    waiting = args.wait or args.output_dir is not None
+    if args.output_dir is not None:
+        _refuse_to_overwrite(_job_files(args, args.n, _extension(args)), args.force)
+    job = client.submit_job(args.prompt, images=args.image or None, webhook_url=args.webhook_url,
+                            idempotency_key=args.idempotency_key, **_request_kwargs(args))
+    if not waiting:
+        print(json.dumps(job.as_dict(), indent=2) if args.json else job.id)
+        return 0
+    # Said before the wait, so an interrupted one still leaves the id to come back to.
+    print(f"glmimage: submitted {job.id}", file=sys.stderr)
+    return _report_end(args, client, _follow(client, job))
+
+
+def _jobs_wait(args: argparse.Namespace, client: Client) -> int:
+    # Existing files are checked once the job has ended: its images' number and format are known only then.
+    return _report_end(args, client, _follow(client, args.id))
+
+
+def _jobs_get(args: argparse.Namespace, client: Client) -> int:
+    job = client.get_job(args.id)
+    print(json.dumps(job.as_dict(), indent=2) if args.json else format_job(job))
+    return 0
+
+
+def _jobs_cancel(args: argparse.Namespace, client: Client) -> int:
+    job = client.cancel_job(args.id)
+    if args.json:
+        print(json.dumps(job.as_dict(), indent=2))
+    elif job.status == "in_progress":
+        print(f"{job.id} in_progress: cancelling (its runner stops it)")
+    else:
+        print(f"{job.id} {job.status}")
+    return 0
+
+
+def _jobs_list(args: argparse.Namespace, client: Client) -> int:
+    if args.all:
+        jobs, has_more = list(client.iter_jobs(args.status, page_size=args.limit)), False
+    else:
+        page = client.list_jobs(args.limit, args.after, args.status)
+        jobs, has_more = page.jobs, page.has_more
+    if args.json:
+        print(json.dumps({"jobs": [j.as_dict() for j in jobs], "has_more": has_more}, indent=2))
+    else:
+        print(format_jobs(jobs))
+    if has_more and not args.json:  # on stderr: stdout stays the table
+        print(f"glmimage: more: glmimage jobs list --after {jobs[-1].id}", file=sys.stderr)
+    return 0
+
+
+JOB_COMMANDS = {"submit": _jobs_submit, "wait": _jobs_wait, "get": _jobs_get, "cancel": _jobs_cancel,
+                "list": _jobs_list}
+
+
+def _jobs(args: argparse.Namespace, client: Client) -> int:
+    return JOB_COMMANDS[args.jobs_command](args, client)
+
+
+COMMANDS = {"generate": _generate, "edit": _generate, "status": _status, "limits": _limits, "loras": _loras,
+            "jobs": _jobs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -397,6 +661,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with client_from(args) as client:
             return COMMANDS[args.command](args, client)
     except GlmImageError as exc:
+        if args.command == "jobs" and exc.code == grpc.StatusCode.NOT_FOUND and getattr(args, "id", None):
+            # Another tenant's job answers as one that never existed: the message cannot tell them apart either.
+            print(f"glmimage: error: no such job (or not yours): {args.id}", file=sys.stderr)
+            return 1
         print(f"glmimage: error: {exc.code.name}: {exc.details}", file=sys.stderr)
         _print_refusal(exc)
         return 1
