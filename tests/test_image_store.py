@@ -404,6 +404,8 @@ async def test_s3_put_get_and_presigned_url(s3_endpoint: str) -> None:
     _, capped = store.url(key, now, now + 90.5)
     assert capped == int(now + 90.5)
     assert query_of(store.url(key, now, now + 90.5)[0])["X-Amz-Expires"] == str(int(now + 90.5) - int(now))
+    week = S3ImageStore(BUCKET, "", 30 * 86400, endpoint_url=s3_endpoint).url(key, now)
+    assert week[1] == int(now + 7 * 86400) and query_of(week[0])["X-Amz-Expires"] == str(7 * 86400)
     assert await store.get(object_key("alpha", "webp")) is None
     assert await store.get("../" + key) is None
     with pytest.raises(ValueError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import logging
+import math
 import os
 import re
 import secrets
@@ -21,11 +21,10 @@ from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
 from .urls import CONTENT_TYPES, UrlSigner, ext_of_key, tenant_tag_of_key
 
-log = logging.getLogger("glmimage.jobs")
-
 S3_SCHEME = "s3://"
 # S3 DeleteObjects takes at most this many keys per call.
 S3_DELETE_BATCH = 1000
+S3_MAX_PRESIGN_S = 7 * 86400
 _TAG_DIR_RE = re.compile(r"[0-9a-f]{16}", re.ASCII)
 _TOKEN_DIR_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)
 # A disk put's temporary file, next to its object: ".{index}.{ext}.{random}.tmp".
@@ -306,7 +305,8 @@ class S3ImageStore:
     def url(self, key: str, now: float, not_after: float | None = None) -> tuple[str, int]:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        until = now + self.ttl if not_after is None else min(now + self.ttl, not_after)
+        # SigV4 presigned URLs last 7 days at most (S3 refuses a longer X-Amz-Expires).
+        until = min(now + self.ttl, now + S3_MAX_PRESIGN_S, math.inf if not_after is None else not_after)
         expires = max(0, int(until))
         try:
             url = self._client.generate_presigned_url(
