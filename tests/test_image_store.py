@@ -478,3 +478,5 @@ def test_open_image_store(tmp_path: Path) -> None:
     for bad in ("", "http://host/images", "gs://bucket/x", "s3://", "s3://Bad_Bucket/x", "s3:///x"):
         with pytest.raises(ValueError):
             open_image_store(bad, signer, None, None)
+    with pytest.raises(ValueError, match="S3 client"):  # a configuration error, found at start-up
+        open_image_store("s3://my-bucket/x", signer, None, "not a URL")

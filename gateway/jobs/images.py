@@ -243,8 +243,8 @@ class S3ImageStore:
         try:
             self._client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region,
                                                           config=config)
-        except Exception as exc:  # botocore's configuration errors (no region for an endpoint, a bad profile...)
-            raise ImageStoreUnavailable(f"S3 client for bucket {bucket}: {exc}") from exc
+        except Exception as exc:  # botocore's configuration errors (a bad endpoint URL, an unknown profile...)
+            raise ValueError(f"S3 client for bucket {bucket}: {exc}") from exc
 
     def __repr__(self) -> str:
         return f"S3ImageStore('s3://{self.bucket}/{self.prefix}')"
