@@ -252,8 +252,8 @@ class SqlJobStore:
                     if job.deadline <= now:
                         code, message = "DEADLINE_EXCEEDED", "the job was not done by its deadline"
                     else:
-                        code, message = "ABORTED", (f"the job's runner was lost {job.attempts} times (at most "
-                                                    f"{max_attempts} attempts)")
+                        code, message = "ABORTED", (f"the job was tried {job.attempts} times without an end "
+                                                    f"(at most {max_attempts} attempts)")
                     record = await self._end(tx, job, outcome_for(job, code, message),
                                              "id = :id AND status = :old_status AND attempts = :attempt")
                     if record is not None:

@@ -101,9 +101,11 @@ class SqliteJobStore(SqlJobStore):
                 yield _Tx(conn)
                 await _run(conn, "COMMIT")
             except BaseException as e:
-                if conn.in_transaction:
-                    with suppress(Exception):
-                        await _run(conn, "ROLLBACK")
+                # Always, and through the connection's queue: a cancelled call's BEGIN may still be waiting for the
+                # lock in aiosqlite's thread and open its transaction later; this ROLLBACK runs after it either way
+                # ("no transaction is active" otherwise), shielded so a second cancel cannot skip it.
+                with suppress(Exception):
+                    await asyncio.shield(_run(conn, "ROLLBACK"))
                 if _unavailable(e):
                     raise StoreUnavailable(f"{self.url_for_logs}: {e}") from e
                 raise
