@@ -239,7 +239,7 @@ BAD_FORMS: list[tuple[str, list[Any], str]] = [
     ("seed negative", ONE + PROMPT + [_text("seed", "-1")], "seed"),
     ("guidance NaN", ONE + PROMPT + [_text("guidance_scale", "nan")], "guidance_scale"),
     ("steps too many", ONE + PROMPT + [_text("num_inference_steps", "1001")], "num_inference_steps"),
-    ("response_format url", ONE + PROMPT + [_text("response_format", "url")], "response_format"),
+    ("response_format unknown", ONE + PROMPT + [_text("response_format", "png")], "response_format"),
     ("a typo", ONE + PROMPT + [_text("sead", "3")], "sead"),
     ("a generation's field", ONE + PROMPT + [_text("style", "vivid")], "style"),
     ("an unknown file", ONE + PROMPT + [_file(RED, "markup")], "markup"),
