@@ -48,17 +48,23 @@ LAYERS = (
           packages=("gateway.scheduler",),
           may_import_modules=frozenset({"services.runtime.errors", "services.runtime.priority"}),
           stdlib_only=True, forbidden_stdlib=frozenset({"asyncio"})),
-    Layer("gateway", "the gateway server sees the scheduler, the runtime and the protocol; never the REST front, a "
-          "worker, the model or the SDK", packages=("gateway",),
-          may_import=frozenset({"protocol", "runtime", "scheduler"})),
-    Layer("rest", "the REST front is a client of the gateway: it sees the SDK, the runtime and the protocol; never "
-          "gateway server modules, a worker or the model", packages=("gateway.rest",),
-          may_import=frozenset({"protocol", "sdk", "runtime"})),
+    # What the gateway and the REST front both need of jobs: the job data, its JSON, where the embedded store lives,
+    # the image stores and their signed links (the gateways write and sign, the REST front serves and checks).
+    Layer("jobs", "the jobs' shared parts (data, JSON, defaults, image stores, links) see the runtime and the "
+          "protocol only", modules=("gateway.jobs", "gateway.jobs.model", "gateway.jobs.render",
+                                    "gateway.jobs.defaults", "gateway.jobs.images", "gateway.jobs.urls"),
+          may_import=frozenset({"protocol", "runtime"})),
+    Layer("gateway", "the gateway server sees the scheduler, the jobs' shared parts, the runtime and the protocol; "
+          "never the REST front, a worker, the model or the SDK", packages=("gateway",),
+          may_import=frozenset({"protocol", "runtime", "scheduler", "jobs"})),
+    Layer("rest", "the REST front is a client of the gateway: it sees the SDK, the jobs' shared parts, the runtime "
+          "and the protocol; never gateway server modules, a worker or the model", packages=("gateway.rest",),
+          may_import=frozenset({"protocol", "sdk", "runtime", "jobs"})),
     Layer("supervisor", "the supervisor spawns processes by command line; it imports no server module",
           modules=("services.supervisor",), may_import=frozenset({"runtime", "protocol"})),
-    Layer("launcher", "the launcher sees the supervisor, the runtime and the model (the tiny checkpoint); it starts "
-          "servers by command line, never by import", modules=("services.launcher",),
-          may_import=frozenset({"runtime", "model", "supervisor", "protocol"})),
+    Layer("launcher", "the launcher sees the supervisor, the runtime, the model (the tiny checkpoint) and the jobs' "
+          "defaults and secrets; it starts servers by command line, never by import", modules=("services.launcher",),
+          may_import=frozenset({"runtime", "model", "supervisor", "protocol", "jobs"})),
     Layer("root", "the services package itself imports nothing", modules=("services",)),
 )
 BY_NAME = {layer.name: layer for layer in LAYERS}

@@ -26,12 +26,12 @@ from gateway.jobs.images import ImageStore, open_image_store
 from gateway.jobs.keeper import ImageKeeper
 from gateway.jobs.metrics import JobMetrics
 from gateway.jobs.outcomes import Finisher
+from gateway.jobs.render import job_json
 from gateway.jobs.runner import Runner, RunnerConfig
 from gateway.jobs.service import JobServicer, JobSettings
 from gateway.jobs.store import JobStore, StoreUnavailable, open_store
 from gateway.jobs.urls import UrlSigner, ensure_secret_file, load_url_secret
 from gateway.jobs.webhooks import webhook_secret_for
-from gateway.rest.jobs_json import job_json
 from gateway.tenancy import TenantGate
 from services.runtime.tenants import Tenant, TenantsFile
 

@@ -10,12 +10,12 @@ import re
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.jobs.render import absolute
 from services.runtime.auth import bearer_metadata
 from services.runtime.tracing import with_trace
 
 from . import jobs, streaming, translate, upstream
 from .errors import APIError
-from .jobs_json import absolute
 from .metrics import RestMetrics
 from .middleware import REQUEST_ID_HEADER
 from .settings import RestSettings

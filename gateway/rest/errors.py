@@ -11,10 +11,10 @@ from typing import Any
 import grpc
 from fastapi.responses import JSONResponse
 
+from gateway.jobs.render import param_of
 from services.runtime.details import OWN_ERROR_KEY, field_violation, retry_delay
 from services.runtime.status import row_of
 
-from .jobs_json import param_of
 from .ratelimits import quota_of, rate_limit_headers, retry_after
 
 log = logging.getLogger("glmimage.rest")

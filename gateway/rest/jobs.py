@@ -12,12 +12,12 @@ import grpc
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.jobs.render import STATUS_VALUES, job_json
 from glmimage.v1 import job_service_pb2
 
 from . import dispatch, translate, upstream
 from .deps import GatewayDep, Settings
 from .errors import APIError, from_rpc_error
-from .jobs_json import STATUS_VALUES, job_json
 from .middleware import request_id
 from .schemas import ErrorResponse
 from .settings import RestSettings

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.jobs.render import usage_json
 from glmimage.v1 import common_pb2, gateway_service_pb2
 from glmimage.wire import formats, sizes
 from services.runtime.admission import Admitted, check_generate, check_partial_images
@@ -18,7 +19,6 @@ from services.runtime.errors import InvalidArgument
 from services.runtime.limits import MAX_ASPECT, SIZE_MULTIPLE, Limits, check_loras, check_reference_images
 
 from .errors import APIError
-from .jobs_json import usage_json
 from .limits import as_api_error
 from .schemas import ImageRequest, LoraRef
 from .settings import RestSettings
