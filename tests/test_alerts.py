@@ -25,16 +25,19 @@ def _rules() -> list[dict]:
 
 
 def _exported_names() -> set[str]:
-    """Every metric family the gateway, the denoiser and the AR export, as the code defines them."""
+    """Every metric family the gateway (its jobs' included), the denoiser and the AR export, as the code defines
+    them."""
+    from gateway.jobs.metrics import JobMetrics
     from gateway.metrics import GatewayMetrics
     from services.ar import metrics as ar_metrics  # noqa: F401 - registers its metrics on the default registry
     from services.denoiser import metrics as denoiser_metrics  # noqa: F401
 
-    registry = CollectorRegistry()
+    registry, jobs = CollectorRegistry(), CollectorRegistry()
     GatewayMetrics(registry).quota_store(True)  # glmimage_gateway_quota_store_up: exported with --quota-store only
+    JobMetrics(jobs)
     from prometheus_client import REGISTRY
 
-    return {family.name for reg in (registry, REGISTRY) for family in reg.collect()}
+    return {family.name for reg in (registry, jobs, REGISTRY) for family in reg.collect()}
 
 
 def test_promtool_accepts_the_rules_and_every_unit_test_passes(promtool: str) -> None:

@@ -132,31 +132,123 @@ def _row(doc: dict, title: str) -> list[dict]:
     return panels[start:end]
 
 
+def _check_on_synthetic_series(promtool: str, tmp_path: Path, series: dict[str, str],
+                               cases: list[tuple[str, dict[str, float]]]) -> None:
+    """promtool evaluates each (panel query, Grafana's variables set as "All" would set them; expected samples) at
+    minute 10 of the series, one sample a minute, rates over 5m."""
+    tests = [{"expr": re.sub(r"\$(gateway|denoiser)\b", ".*", expr.replace("$__rate_interval", "5m")),
+              "eval_time": "10m", "exp_samples": [{"labels": labels, "value": value} for labels, value in want.items()]}
+             for expr, want in cases]
+    spec = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": [{"series": k, "values": v} for k, v in series.items()],
+        "promql_expr_test": tests}]}
+    (tmp_path / "row_test.yaml").write_text(json.dumps(spec))  # JSON is YAML
+    done = subprocess.run([promtool, "test", "rules", "row_test.yaml"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _alert_bound(name: str) -> float:
+    (rule,) = [r for r in _rules() if r["alert"] == name]
+    return float(re.fullmatch(r".*> (\d+)", rule["expr"].strip()).group(1))
+
+
+def _draws_bound_as_a_line(panel: dict, bound: float) -> None:
+    defaults = panel["fieldConfig"]["defaults"]
+    assert defaults["thresholds"]["steps"][-1]["value"] == bound
+    assert defaults["custom"]["thresholdsStyle"]["mode"] == "line"
+
+
 def test_the_tenants_row_computes_what_its_titles_say_on_synthetic_series(promtool: str, tmp_path: Path) -> None:
-    """Each Tenants panel's query, Grafana's variables set as "All" would set them, evaluated by promtool over series
-    of two gateways and two tenants; a new panel in the row needs a case here."""
+    """Each Tenants panel's query evaluated by promtool over series of two gateways and two tenants; a new panel in
+    the row needs a case here."""
     panels = _row(json.loads(DASHBOARD.read_text()), "Tenants")
     assert {p["title"] for p in panels} == set(TENANT_PANELS)
     cases = []
     for panel in panels:
         (target,) = panel["targets"]
-        expr = re.sub(r"\$gateway\b", ".*", target["expr"].replace("$__rate_interval", "5m"))
-        samples = [{"labels": labels, "value": value} for labels, value in TENANT_PANELS[panel["title"]].items()]
-        cases.append({"expr": expr, "eval_time": "10m", "exp_samples": samples})
-    spec = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
-        "interval": "1m", "input_series": [{"series": k, "values": v} for k, v in TENANT_SERIES.items()],
-        "promql_expr_test": cases}]}
-    (tmp_path / "tenants_test.yaml").write_text(json.dumps(spec))  # JSON is YAML
-    done = subprocess.run([promtool, "test", "rules", "tenants_test.yaml"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
+        cases.append((target["expr"], TENANT_PANELS[panel["title"]]))
+    _check_on_synthetic_series(promtool, tmp_path, TENANT_SERIES, cases)
     # The oldest-wait panel draws the starvation alert's bound as a line.
-    (rule,) = [r for r in _rules() if r["alert"] == "GlmImageTenantStarved"]
-    bound = float(re.fullmatch(r".*> (\d+)", rule["expr"].strip()).group(1))
     (oldest,) = [p for p in panels if p["title"] == "Oldest wait by tenant"]
-    defaults = oldest["fieldConfig"]["defaults"]
-    assert defaults["thresholds"]["steps"][-1]["value"] == bound
-    assert defaults["custom"]["thresholdsStyle"]["mode"] == "line"
+    _draws_bound_as_a_line(oldest, _alert_bound("GlmImageTenantStarved"))
+
+
+# ---- the Jobs row on synthetic series (promtool) -------------------------------------------------------------------
+
+# Two gateways on one job store, 1-minute samples. Store-wide gauges (jobs by status, the oldest queued, the store's
+# leases, pending webhooks) come from every gateway, read a few seconds apart: the panels take the largest report.
+# Counters and the runner's leases are each gateway's own: the panels sum them.
+JOB_SERIES = {
+    'glmimage_jobs{status="queued", instance="gw-a"}': "5x10",
+    'glmimage_jobs{status="queued", instance="gw-b"}': "4x10",
+    'glmimage_jobs{status="in_progress", instance="gw-a"}': "3x10",
+    'glmimage_jobs{status="in_progress", instance="gw-b"}': "3x10",
+    'glmimage_jobs{status="completed", instance="gw-a"}': "40x10",
+    'glmimage_jobs{status="completed", instance="gw-b"}': "41x10",
+    'glmimage_jobs_oldest_queued_seconds{instance="gw-a"}': "120x10",
+    'glmimage_jobs_oldest_queued_seconds{instance="gw-b"}': "115x10",
+    'glmimage_jobs_submitted_total{tenant="alpha", instance="gw-a"}': "0+60x10",
+    'glmimage_jobs_submitted_total{tenant="alpha", instance="gw-b"}': "0+30x10",
+    'glmimage_jobs_submitted_total{tenant="beta", instance="gw-a"}': "0+6x10",
+    'glmimage_jobs_finished_total{status="completed", instance="gw-a"}': "0+60x10",
+    'glmimage_jobs_finished_total{status="completed", instance="gw-b"}': "0+60x10",
+    'glmimage_jobs_finished_total{status="failed", instance="gw-a"}': "0+6x10",
+    'glmimage_jobs_finished_total{status="cancelled", instance="gw-a"}': "0x10",
+    # The runners hold 3 leases, the store counts 4: one of a runner that stopped reporting.
+    'glmimage_job_leases{scope="runner", instance="gw-a"}': "2x10",
+    'glmimage_job_leases{scope="runner", instance="gw-b"}': "1x10",
+    'glmimage_job_leases{scope="store", instance="gw-a"}': "4x10",
+    'glmimage_job_leases{scope="store", instance="gw-b"}': "4x10",
+    'glmimage_job_takeovers_total{instance="gw-a"}': "0+12x10",
+    'glmimage_job_takeovers_total{instance="gw-b"}': "0x10",
+    'glmimage_job_lease_lost_total{instance="gw-a"}': "0x10",
+    'glmimage_job_lease_lost_total{instance="gw-b"}': "0+6x10",
+    'glmimage_webhook_deliveries_total{outcome="delivered", instance="gw-a"}': "0+60x10",
+    'glmimage_webhook_deliveries_total{outcome="retry", instance="gw-b"}': "0+30x10",
+    'glmimage_webhook_deliveries_total{outcome="failed", instance="gw-a"}': "0x10",
+    'glmimage_webhook_deliveries_total{outcome="refused", instance="gw-b"}': "0+6x10",
+    'glmimage_webhook_pending{instance="gw-a"}': "7x10",
+    'glmimage_webhook_pending{instance="gw-b"}': "6x10",
+}
+# Panel title -> the legend of each of its queries -> what that query must compute.
+JOB_PANELS = {
+    "Jobs by status": {"{{status}}": {'{status="queued"}': 5, '{status="in_progress"}': 3,
+                                      '{status="completed"}': 41}},
+    "Oldest queued job": {"oldest queued": {"{}": 120}},
+    "Jobs submitted by tenant": {"{{tenant}}": {'{tenant="alpha"}': 1.5, '{tenant="beta"}': 0.1}},
+    "Jobs finished by status": {"{{status}}": {'{status="completed"}': 2, '{status="failed"}': 0.1,
+                                               '{status="cancelled"}': 0}},
+    "Job leases: runners and store": {"runners (sum)": {"{}": 3}, "store": {"{}": 4}},
+    "Takeovers and lost leases": {"takeovers": {"{}": 0.2}, "leases lost": {"{}": 0.1}},
+    "Webhook deliveries by outcome": {"{{outcome}}": {'{outcome="delivered"}': 1, '{outcome="retry"}': 0.5,
+                                                      '{outcome="failed"}': 0, '{outcome="refused"}': 0.1}},
+    "Webhooks pending": {"pending": {"{}": 7}},
+}
+
+
+def test_the_jobs_row_computes_what_its_titles_say_on_synthetic_series(promtool: str, tmp_path: Path) -> None:
+    """Each Jobs panel's queries evaluated by promtool over series of two gateways sharing a job store; a new panel
+    or query in the row needs a case here."""
+    panels = _row(json.loads(DASHBOARD.read_text()), "Jobs")
+    assert {p["title"] for p in panels} == set(JOB_PANELS)
+    cases = []
+    for panel in panels:
+        by_legend = {t["legendFormat"]: t["expr"] for t in panel["targets"]}
+        assert set(by_legend) == set(JOB_PANELS[panel["title"]]), panel["title"]
+        cases += [(by_legend[legend], want) for legend, want in JOB_PANELS[panel["title"]].items()]
+    _check_on_synthetic_series(promtool, tmp_path, JOB_SERIES, cases)
+    # The row reads every job metric the gateway exports.
+    from prometheus_client import CollectorRegistry
+
+    from gateway.jobs.metrics import JobMetrics
+
+    registry = CollectorRegistry()
+    JobMetrics(registry)
+    read = {m for p in panels for t in p["targets"] for m in re.findall(r"\bglmimage_\w+", t["expr"])}
+    assert {m.removesuffix("_total") for m in read} == {family.name for family in registry.collect()}
+    (oldest,) = [p for p in panels if p["title"] == "Oldest queued job"]
+    _draws_bound_as_a_line(oldest, _alert_bound("GlmImageJobsBacklogged"))
 
 
 # ---- a real Prometheus over a real stack --------------------------------------------------------------------------
@@ -212,21 +304,27 @@ def _value(url: str, expr: str) -> float | None:
 
 
 def _traffic(rest: str, gateway: str) -> None:
-    """Requests of each kind a panel shows: n=2 (a batch, two denoise jobs), a cached one, a streamed one, a bad one
-    and two naming the tiny model's demo adapter over gRPC (a load, then a hit), twice over a few scrapes so the rates
-    have two samples."""
+    """Requests of each kind a panel shows: n=2 (a batch, two denoise jobs), a cached one, a streamed one, a bad one,
+    two naming the tiny model's demo adapter over gRPC (a load, then a hit) and a job (JobService, run to its end),
+    twice over a few scrapes so the rates have two samples."""
     import grpc
 
-    from glmimage.v1 import common_pb2, gateway_service_pb2_grpc
+    from glmimage.v1 import common_pb2, gateway_service_pb2_grpc, job_service_pb2, job_service_pb2_grpc
     from glmimage.v1 import gateway_service_pb2 as pb
     from services.model.tiny import TINY_LORA
 
     body = {"prompt": 'a red "STOP" sign', "size": "64x64", "seed": 5}
     styled = pb.GenerateImagesRequest(prompt='a "lora" sign', height=64, width=64, seed=5, num_inference_steps=2,
                                       loras=[common_pb2.LoraRef(name=TINY_LORA)])
+    job = job_service_pb2.SubmitJobRequest(request=pb.GenerateImagesRequest(
+        prompt='a "job" sign', height=64, width=64, seed=5, num_inference_steps=2))
     with httpx.Client(base_url=f"http://{rest}", timeout=120) as http, grpc.insecure_channel(gateway) as channel:
         stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+        jobs = job_service_pb2_grpc.JobServiceStub(channel)
         for _ in range(2):
+            submitted = jobs.SubmitJob(job, timeout=30).job
+            *_, last = jobs.WatchJob(job_service_pb2.WatchJobRequest(id=submitted.id), timeout=120)
+            assert last.job.status == job_service_pb2.JOB_STATUS_COMPLETED, last.job
             for _ in range(2):
                 assert stub.GenerateImages(styled, timeout=120).images[0].image.startswith(b"\x89PNG")
             assert http.post("/v1/images/generations", json={**body, "n": 2}).status_code == 200

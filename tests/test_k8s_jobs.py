@@ -88,8 +88,10 @@ def _annotations(docs: list[dict]) -> dict[str, str]:
 def test_off_by_default_the_gateways_keep_no_jobs(docs: dict[str, list[dict]]) -> None:
     """Off, each gateway is told to keep no job store: left to its default it would keep one on its own disk, and a
     job submitted through one gateway would be unknown to the others."""
+    from gateway.jobs.setup import JOBS_OFF
+
     off = docs["off"]
-    assert _job_args(off, "gateway") == ["--jobs-db=none"]
+    assert _job_args(off, "gateway") == [f"--jobs-db={JOBS_OFF}"]
     assert _job_args(off, "rest") == []
     assert not {"jobs-db", "job-images", "url-secret", "webhook-secret"} & set(_volumes(off))
     assert "checksum/jobs" not in _annotations(off)
