@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 from typing import Annotated, Any
 
 import grpc
@@ -81,7 +82,9 @@ async def submit(gen: translate.Generation, request: Request, settings: RestSett
     if gen.stream:
         raise APIError(400, "stream cannot be used with Prefer: respond-async: a job is read with GET "
                        f"{JOBS_PATH}/{{id}}", param="stream", code="invalid_value")
-    key = request.headers.get(IDEMPOTENCY_HEADER, "")
+    # The client's key, else one of this call's own: _call sends a submit that failed UNAVAILABLE to the next
+    # gateway, and the first may have written the job before its answer was lost; the key makes that one job.
+    key = request.headers.get(IDEMPOTENCY_HEADER, "") or f"rest-{uuid.uuid4().hex}"
     submit_request = job_service_pb2.SubmitJobRequest(request=gen.request, webhook_url=gen.webhook_url,
                                                       idempotency_key=key)
     reply = await _call(gateways, "SubmitJob", submit_request, gen.metadata, settings.request_timeout, gen.rid)
