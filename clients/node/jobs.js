@@ -66,7 +66,8 @@ function usage(message) {
 
 function parse() {
   const [verb, ...rest] = process.argv.slice(2);
-  if (verb === undefined || verb === '--help' || verb === '-h') usage(verb === undefined ? 'a verb is required' : undefined);
+  if (verb === undefined) usage('a verb is required');
+  if (verb === '--help' || verb === '-h') usage();
   if (!(verb in VERBS)) usage(`unknown verb ${verb}: one of ${Object.keys(VERBS).join(', ')}`);
   let parsed;
   try {
@@ -124,7 +125,9 @@ function jobJson(job) {
       step: job.progress?.step ?? 0,
       total_steps: job.progress?.total_steps ?? 0,
     },
-    images: images.map((im) => ({ index: im.index, seed: im.seed, url: im.url, url_expires_at: orNull(im.url_expires_at) })),
+    images: images.map((im) => ({
+      index: im.index, seed: im.seed, url: im.url, url_expires_at: orNull(im.url_expires_at),
+    })),
     error: error ? { code: error.code, message: error.message, field: error.field } : null,
     attempts: job.attempts,
     webhook_url: job.webhook_url,
@@ -228,7 +231,9 @@ async function wait(client, id, metadata, timeoutS, first) {
       const timedOut = () => new Failure(`job ${id} still ${seen ? seen.status : 'not seen'} after ${timeoutS}s; ` +
         'it goes on: wait again, or cancel it');
       if (code === grpc.status.DEADLINE_EXCEEDED && Date.now() >= deadline - 500) throw timedOut();
-      if (code !== grpc.status.OK && !REWATCH_CODES.has(code)) throw Object.assign(new Error(details), { code, details });
+      if (code !== grpc.status.OK && !REWATCH_CODES.has(code)) {
+        throw Object.assign(new Error(details), { code, details });
+      }
       const delay = Math.min(5000, 200 * 2 ** Math.max(0, failures - 1)) * (1 - 0.5 * Math.random());
       if (Date.now() + delay >= deadline) throw timedOut();
       process.stderr.write(`\rjobs.js: watch ended (${grpc.status[code]}: ${details}); watching again\n`);
@@ -253,7 +258,8 @@ async function writeImages(client, job, args, metadata) {
 
 // An ended job: printed (with the files written under --out); a failed or cancelled one is exit code 1.
 async function reportEnd(client, job, args, metadata) {
-  const files = job.status === 'completed' && args.out !== undefined ? await writeImages(client, job, args, metadata) : [];
+  const wanted = job.status === 'completed' && args.out !== undefined;
+  const files = wanted ? await writeImages(client, job, args, metadata) : [];
   console.log(JSON.stringify({ ...job, files }, null, 2));
   if (job.status === 'failed') {
     const e = job.error ?? { code: '', message: 'no reason given', field: '' };
@@ -292,7 +298,9 @@ async function run(args, client) {
       for (;;) {
         const page = await call('ListJobs', { limit: args.limitN, after, status });
         jobs.push(...page.jobs.map(jobJson));
-        if (!args.all || !page.has_more || page.jobs.length === 0) return print({ jobs, has_more: args.all ? false : page.has_more });
+        if (!args.all || !page.has_more || page.jobs.length === 0) {
+          return print({ jobs, has_more: args.all ? false : page.has_more });
+        }
         after = page.jobs[page.jobs.length - 1].id;
       }
     }
