@@ -112,6 +112,13 @@ def _check_output(argv: list[str], role: str, stdout: str) -> None:
     elif verb == "glmimage.v1.GatewayService/ListLoras":
         (reply,) = json_documents(stdout)
         assert "tiny-style" in [info["name"] for info in reply["loras"]]
+    elif verb == "glmimage.v1.JobService/SubmitJob":
+        (reply,) = json_documents(stdout)
+        assert re.fullmatch(r"job_[0-9a-f]{32}", reply["job"]["id"]) and reply["job"]["status"] in (
+            "JOB_STATUS_QUEUED", "JOB_STATUS_IN_PROGRESS", "JOB_STATUS_COMPLETED")
+    elif verb == "glmimage.v1.JobService/GetWebhookSecret":
+        (reply,) = json_documents(stdout)
+        assert reply["secret"].startswith("whsec_")
     elif verb == "glmimage.v1.GatewayService/GetStatus":
         (reply,) = json_documents(stdout)
         roles = sorted(w["role"] for w in reply["workers"])
