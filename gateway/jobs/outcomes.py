@@ -23,13 +23,17 @@ class Finisher:
         self.webhook_retry_for = webhook_retry_for
 
     def outcome(self, job: JobRecord, status: str, now: float, result: bytes | None = None, code: str = "",
-                message: str = "", field: str = "", objects: tuple[StoredObject, ...] = ()) -> Outcome:
+                message: str = "", field: str = "", objects: tuple[StoredObject, ...] = (),
+                progress: tuple[int, int] | None = None) -> Outcome:
+        """``progress``: the steps done and of how many, as the runner last saw them (``job`` is the record as it
+        was taken, before any)."""
         expires_at = now + self.job_ttl
         webhook = None
         if job.webhook_url:
+            step, total = progress if progress is not None else (job.step, job.total_steps)
             final = dataclasses.replace(job, status=status, finished_at=now, expires_at=expires_at, result=result,
                                         error_code=code, error_message=message, error_field=field,
-                                        lease_owner=None, lease_until=None)
+                                        lease_owner=None, lease_until=None, step=step, total_steps=total)
             delivery_id = new_delivery_id()
             body = event_body(delivery_id, self.render(job_proto(final, self.keeper, now)), now)
             webhook = NewDelivery(id=delivery_id, job_id=job.id, tenant=job.tenant, url=job.webhook_url,
@@ -40,5 +44,5 @@ class Finisher:
     def failed(self, job: JobRecord, code: str, message: str, now: float, field: str = "") -> Outcome:
         return self.outcome(job, FAILED, now, code=code, message=message, field=field)
 
-    def cancelled(self, job: JobRecord, now: float) -> Outcome:
-        return self.outcome(job, CANCELLED, now)
+    def cancelled(self, job: JobRecord, now: float, progress: tuple[int, int] | None = None) -> Outcome:
+        return self.outcome(job, CANCELLED, now, progress=progress)

@@ -25,7 +25,9 @@ _REST_PARAM = {"height": "size", "width": "size", "prompt": "prompt", "n": "n", 
                "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale",
                "output_format": "output_format", "output_compression": "output_compression",
                "partial_images": "partial_images", "step_cache": "step_cache", "priority": "priority",
-               "webhook_url": "webhook_url"}
+               "webhook_url": "webhook_url", "idempotency_key": "Idempotency-Key",
+               # ListJobs' fields: GET /v1/images/jobs's query parameters
+               "limit": "limit", "after": "after", "status": "status"}
 
 
 def param_of(field: str) -> str | None:

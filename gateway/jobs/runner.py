@@ -190,7 +190,7 @@ class Runner:
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
                 if isinstance(keep.exception(), _Cancel):
-                    await self._end(lease, self.finisher.cancelled(job, self.clock()))
+                    await self._end(lease, self.finisher.cancelled(job, self.clock(), (progress[0], progress[1])))
                 return
             keep.cancel()
             await asyncio.gather(keep, return_exceptions=True)
@@ -200,7 +200,8 @@ class Runner:
             keep.cancel()
             await asyncio.gather(run, keep, return_exceptions=True)
             if job.id in self._cancel_now:  # CancelJob on this gateway
-                await asyncio.shield(self._end(lease, self.finisher.cancelled(job, self.clock())))
+                await asyncio.shield(self._end(lease, self.finisher.cancelled(job, self.clock(),
+                                                                              (progress[0], progress[1]))))
                 return
             # Shutting down: the job goes back to the queue for the next runner, now.
             await asyncio.shield(self._release(lease, self.clock()))
@@ -276,7 +277,7 @@ class Runner:
             except StoreUnavailable:
                 pass
         outcome = self.finisher.outcome(job, COMPLETED, self.clock(), result=stored.SerializeToString(),
-                                        objects=objects)
+                                        objects=objects, progress=(progress[1], progress[1]))
         await self._end(lease, outcome)
 
     def _backoff(self, lease: Lease, failure: Failure | None) -> float:

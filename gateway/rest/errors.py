@@ -138,8 +138,9 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]], known: Iterable[
     if err_type == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
-    # loc is ("body", field, ...); a bare ("body",) means the whole body was wrong.
-    param = loc[1] if len(loc) > 1 and loc[0] == "body" and isinstance(loc[1], str) else None
+    # loc is ("body", field, ...) or ("query", name) / ("path", name); a bare ("body",) means the whole body was
+    # wrong.
+    param = loc[1] if len(loc) > 1 and loc[0] in ("body", "query", "path") and isinstance(loc[1], str) else None
     code = _VALIDATION_CODES.get(err_type, "invalid_value")
     if param is None:
         message = (
