@@ -112,6 +112,9 @@ class Outcome:
     error_field: str = ""
     objects: tuple[StoredObject, ...] = ()
     webhook: NewDelivery | None = None
+    # The job's last progress, as its runner saw it (None: as the row has it).
+    step: int | None = None
+    total_steps: int | None = None
 
 
 @dataclass(frozen=True)

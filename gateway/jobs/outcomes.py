@@ -38,8 +38,10 @@ class Finisher:
             body = event_body(delivery_id, self.render(job_proto(final, self.keeper, now)), now)
             webhook = NewDelivery(id=delivery_id, job_id=job.id, tenant=job.tenant, url=job.webhook_url,
                                   payload=body, created_at=now, give_up_at=now + self.webhook_retry_for)
+        step, total = progress if progress is not None else (None, None)
         return Outcome(status=status, finished_at=now, expires_at=expires_at, result=result, error_code=code,
-                       error_message=message, error_field=field, objects=objects, webhook=webhook)
+                       error_message=message, error_field=field, objects=objects, webhook=webhook, step=step,
+                       total_steps=total)
 
     def failed(self, job: JobRecord, code: str, message: str, now: float, field: str = "") -> Outcome:
         return self.outcome(job, FAILED, now, code=code, message=message, field=field)

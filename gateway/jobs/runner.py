@@ -271,11 +271,6 @@ class Runner:
             log.warning("job %s: image store unavailable; given back: %s", job.id, exc)
             await self._release(lease, now + self._backoff(lease, None))
             return
-        if progress[1]:  # its last steps, which the renewals (one a second at most) may not have written
-            try:
-                await self.store.renew(lease, self.clock(), self.config.lease_s, progress[1], progress[1])
-            except StoreUnavailable:
-                pass
         outcome = self.finisher.outcome(job, COMPLETED, self.clock(), result=stored.SerializeToString(),
                                         objects=objects, progress=(progress[1], progress[1]))
         await self._end(lease, outcome)

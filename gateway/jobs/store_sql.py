@@ -113,6 +113,7 @@ _CLAIMABLE = ("((c.status = 'queued' AND c.available_at <= :now) OR "
 _FENCED = "id = :id AND status = 'in_progress' AND lease_owner = :owner AND attempts = :attempt"
 _END = ("UPDATE jobs SET status = :status, finished_at = :finished_at, expires_at = :expires_at, result = :result, "
         "error_code = :error_code, error_message = :error_message, error_field = :error_field, "
+        "step = COALESCE(:step, step), total_steps = COALESCE(:total_steps, total_steps), "
         "lease_owner = NULL, lease_until = NULL WHERE {where} RETURNING " + _COLS)
 
 
@@ -308,7 +309,8 @@ class SqlJobStore:
         params = {"id": job.id, "old_status": job.status, "attempt": job.attempts, **(fence or {}),
                   "status": outcome.status, "finished_at": outcome.finished_at, "expires_at": outcome.expires_at,
                   "result": outcome.result, "error_code": outcome.error_code,
-                  "error_message": outcome.error_message, "error_field": outcome.error_field}
+                  "error_message": outcome.error_message, "error_field": outcome.error_field,
+                  "step": outcome.step, "total_steps": outcome.total_steps}
         rows = await tx.fetch(_END.format(where=where), params)
         if not rows:
             return None
