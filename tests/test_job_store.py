@@ -301,7 +301,7 @@ async def test_reap_ends_jobs_out_of_attempts_or_time(store: JobStore) -> None:
     fresh, = await insert(store, new_job("d"))
     ended = await store.reap(now, MAX_ATTEMPTS, reaped(now))
     assert [(j.id, j.status, j.error_code) for j in ended] == [(lost.id, FAILED, "ABORTED")]
-    assert "tried 3 times" in ended[0].error_message
+    assert "died 3 times" in ended[0].error_message
     assert await store.reap(now, MAX_ATTEMPTS, reaped(now)) == []
     later = now + 11  # late's and running's deadlines passed; running's lease is alive: its runner ends it
     ended = await store.reap(later, MAX_ATTEMPTS, reaped(later))

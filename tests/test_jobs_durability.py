@@ -8,7 +8,7 @@ images, the objects table exactly those images; a job ended before a kill keeps 
 gateway's glmimage_jobs_finished_total counts exactly the ends that were still missing.
 
 Last, in-process on the real store and runner: a job given back for a failure that heals is tried again up to its
-deadline, not aborted once its give-backs reach --job-max-attempts (xfail: a reported bug).
+deadline, not aborted once its give-backs reach --job-max-attempts (they are no runner dying under it).
 """
 from __future__ import annotations
 
@@ -179,11 +179,6 @@ def _lists(client: JobClient, base: str) -> bool:
 
 # ---- a job given back for a failure that heals ------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reported to the lead: Runner._settle gives a transiently failed job back with store.release(), which keeps the "
-    "attempts its claim() counted, so --job-max-attempts give-backs (a tenant's in-flight bound full, a full queue; "
-    "a clean shutdown's give-back too) make claim() skip the job and reap() fail it ABORTED long before its "
-    "deadline"))
 async def test_a_job_given_back_for_a_failure_that_heals_is_not_aborted(tmp_path: Path) -> None:
     """The runner gives a job back to be tried again later, up to its deadline, when the failure heals (the tenant's
     in-flight bound is full, a queue is full, no worker is ready): those give-backs are no runner dying under the

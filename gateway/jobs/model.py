@@ -63,6 +63,9 @@ class JobRecord:
     request_id: str
     edit: bool
     available_at: float  # not claimable before (backoff after a transient failure)
+    # Takes given back (a runner stopping cleanly, a failure that heals): attempts - released - 1 of the takes before
+    # this one ended with their runner's death, which is what --job-max-attempts bounds.
+    released: int = 0
 
     @property
     def ended(self) -> bool:

@@ -117,8 +117,8 @@ class Runner:
                 if lease is None:
                     await self._idle(stop, cfg.poll_s)
                     continue
-                if lease.attempt > 1 and self.metrics is not None:
-                    self.metrics.takeovers.inc()
+                if lease.attempt - 1 > lease.job.released and self.metrics is not None:
+                    self.metrics.takeovers.inc()  # an earlier take ended with its runner's death
                 self._start(lease)
         finally:
             await self._give_back_all()

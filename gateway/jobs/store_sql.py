@@ -66,7 +66,8 @@ CREATE TABLE IF NOT EXISTS jobs (
   idempotency_key TEXT NOT NULL DEFAULT '',
   request_id TEXT NOT NULL DEFAULT '',
   edit {bool} NOT NULL DEFAULT FALSE,
-  available_at {real} NOT NULL
+  available_at {real} NOT NULL,
+  released INTEGER NOT NULL DEFAULT 0
 );
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (tenant, idempotency_key) WHERE idempotency_key <> '';
 CREATE INDEX IF NOT EXISTS jobs_claim ON jobs (status, available_at);
@@ -108,7 +109,7 @@ _RUNNING = ("SELECT tenant, COUNT(*) AS running FROM jobs WHERE status = 'in_pro
             "GROUP BY tenant")
 _CLAIMABLE = ("((c.status = 'queued' AND c.available_at <= :now) OR "
               "(c.status = 'in_progress' AND c.lease_until < :now)) "
-              "AND c.deadline > :now AND c.attempts < :max_attempts")
+              "AND c.deadline > :now AND c.attempts - c.released < :max_attempts")
 # A lease's writes: only while the job is still in progress under this owner and attempt.
 _FENCED = "id = :id AND status = 'in_progress' AND lease_owner = :owner AND attempts = :attempt"
 _END = ("UPDATE jobs SET status = :status, finished_at = :finished_at, expires_at = :expires_at, result = :result, "
@@ -247,14 +248,14 @@ class SqlJobStore:
                 # Queued jobs out of attempts too: claim() never takes them, so they would wait for their deadline.
                 rows = await tx.fetch(
                     f"SELECT {_C_COLS} FROM jobs c WHERE (c.status = 'queued' OR (c.status = 'in_progress' "
-                    "AND c.lease_until < :now)) AND (c.deadline <= :now OR c.attempts >= :max_attempts) "
+                    "AND c.lease_until < :now)) AND (c.deadline <= :now OR c.attempts - c.released >= :max_attempts) "
                     f"ORDER BY c.seq LIMIT {REAP_BATCH} {self.skip_locked}", {"now": now, "max_attempts": max_attempts})
                 for job in map(job_from_row, rows):
                     if job.deadline <= now:
                         code, message = "DEADLINE_EXCEEDED", "the job was not done by its deadline"
                     else:
-                        code, message = "ABORTED", (f"the job was tried {job.attempts} times without an end "
-                                                    f"(at most {max_attempts} attempts)")
+                        code, message = "ABORTED", (f"the job's runners died {job.attempts - job.released} "
+                                                    f"times under it (at most {max_attempts} attempts)")
                     record = await self._end(tx, job, outcome_for(job, code, message),
                                              "id = :id AND status = :old_status AND attempts = :attempt")
                     if record is not None:
@@ -274,7 +275,7 @@ class SqlJobStore:
         async with self._tx(write=True) as tx:
             changed = await tx.execute(
                 "UPDATE jobs SET status = 'queued', lease_owner = NULL, lease_until = NULL, "
-                f"available_at = :available_at, step = 0, total_steps = 0 WHERE {_FENCED}",
+                f"available_at = :available_at, step = 0, total_steps = 0, released = released + 1 WHERE {_FENCED}",
                 {**_fence(lease), "available_at": available_at})
         return changed > 0
 
