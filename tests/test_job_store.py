@@ -313,14 +313,16 @@ async def test_reap_ends_jobs_out_of_attempts_or_time(store: JobStore) -> None:
     # Each reaped job's webhook row was written with its end.
     assert await store.delivery_counts() == {"pending": 2, "delivered": 0, "failed": 0}
     assert await store.finish(live, outcome(live.job))  # a live lease past the deadline finishes normally
-    # A released job that used its last attempt is reaped too (claim would never take it again).
-    spent, = await insert(store, new_job("e"))
+    # Takes given back (a failure that heals, a clean stop) are no runner dying: they spend no attempt.
+    back, = await insert(store, new_job("e"))
     t = later + 1
-    for _ in range(MAX_ATTEMPTS):
+    for _ in range(MAX_ATTEMPTS + 2):
         lease = await store.claim("r", t, LEASE_S, MAX_ATTEMPTS)
-        assert lease is not None and lease.job.id == spent.id
+        assert lease is not None and lease.job.id == back.id
         assert await store.release(lease, t)
-    assert [(j.id, j.error_code) for j in await store.reap(t, MAX_ATTEMPTS, reaped(t))] == [(spent.id, "ABORTED")]
+    assert await store.reap(t, MAX_ATTEMPTS, reaped(t)) == []
+    record = await store.get(back.id, None)
+    assert (record.status, record.attempts, record.released) == (QUEUED, MAX_ATTEMPTS + 2, MAX_ATTEMPTS + 2)
 
 
 async def test_cancel_in_each_state(store: JobStore) -> None:
