@@ -34,6 +34,7 @@ MAX_IDEMPOTENCY_KEY = 256
 MAX_WEBHOOK_URL = 2048
 DEFAULT_PAGE, MAX_PAGE = 20, 100
 WATCH_POLL_S = 0.5
+STORE_CALL_TIMEOUT_S = 8.0  # under SQLite's 10 s busy timeout's worst case, far over a healthy store's milliseconds
 
 
 @dataclass
@@ -66,11 +67,14 @@ class JobServicer(job_service_pb2_grpc.JobServiceServicer):
         return tenant if tenant is not None else Tenant("default")
 
     async def _stored(self, call):
-        """A store call whose failure is the client's UNAVAILABLE (retry later), never an internal error."""
+        """A store call whose failure is the client's UNAVAILABLE (retry later), never an internal error; bounded,
+        so that a hung database (its pool and statement timeouts are 10 s and 30 s) is answered in seconds and the
+        REST front or SDK may go to another gateway meanwhile."""
         try:
-            return await call
-        except StoreUnavailable as exc:
-            log.warning("job store unavailable: %s", exc)
+            async with asyncio.timeout(STORE_CALL_TIMEOUT_S):
+                return await call
+        except (StoreUnavailable, TimeoutError) as exc:
+            log.warning("job store unavailable: %s", exc or "no answer in time")
             raise Unavailable("the job store is unavailable; try again shortly") from None
 
     async def _proto(self, record: JobRecord, include_images: bool = False) -> job_service_pb2.Job:

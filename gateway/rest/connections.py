@@ -75,15 +75,31 @@ class _OneFraming(h11.Connection):
     answers its RemoteProtocolError with send_400_response, and closes."""
 
     refusal = ""  # why the last request was refused, in the client's terms
+    status = 400  # and with which status (h11's hint: 431 for a head past the bound)
 
     def next_event(self) -> Any:
-        event = super().next_event()
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self._refuse_head(exc.error_status_hint)
+            raise
         if isinstance(event, h11.Request):
             names = {name for name, _ in event.headers}
             if b"content-length" in names and b"transfer-encoding" in names:
                 self.refusal = "a request may give Content-Length or Transfer-Encoding, not both"
                 raise h11.RemoteProtocolError(self.refusal, error_status_hint=400)
+            # h11 bounds a head only while it is incomplete: one that arrived whole in one read is measured here.
+            size = len(event.method) + len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers)
+            if size > self._max_incomplete_event_size:
+                self._refuse_head(431)
+                raise h11.RemoteProtocolError(self.refusal, error_status_hint=431)
         return event
+
+    def _refuse_head(self, status: int) -> None:
+        if status == 431:
+            self.status = 431
+            self.refusal = (f"the request head (its line and headers) is larger than the "
+                            f"{self._max_incomplete_event_size // 1024} KiB this server accepts")
 
 
 class _Refusals:
@@ -187,7 +203,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """Malformed HTTP, answered in OpenAI's error shape like every other refusal."""
-        self._answer(400, self.conn.refusal or "the request is not valid HTTP/1.1", "invalid_request")
+        status = getattr(self.conn, "status", 400)
+        self._answer(status, self.conn.refusal or "the request is not valid HTTP/1.1",
+                     "request_header_fields_too_large" if status == 431 else "invalid_request")
 
     # ---- the clocks ----------------------------------------------------------------------------------------
 

@@ -33,14 +33,32 @@ _TOKEN_RE = re.compile(r"\s*([!#$%&'*+.^_`|~0-9A-Za-z-]+)")
 
 
 def preferences(request: Request) -> set[str]:
-    """The preference tokens of every Prefer header (RFC 7240: comma-separated, each a token with optional
-    `=value` and `;` parameters), lower-cased."""
+    """The preference names of every Prefer header, lower-cased (RFC 7240: `name [= value] *(; param)`, several
+    comma-separated; a value may be a quoted string, in which a comma or a name is no preference of its own)."""
     found = set()
     for header in request.headers.getlist("prefer"):
-        for item in header.split(","):
+        for item in _split_outside_quotes(header):
             if m := _TOKEN_RE.match(item):
                 found.add(m.group(1).lower())
     return found
+
+
+def _split_outside_quotes(header: str) -> list[str]:
+    items, current, quoted, escaped = [], [], False, False
+    for ch in header:
+        if escaped:
+            escaped = False
+        elif quoted and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "," and not quoted:
+            items.append("".join(current))
+            current = []
+            continue
+        current.append(ch)
+    items.append("".join(current))
+    return items
 
 
 def wants_async(request: Request) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from grpc._cython import cygrpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import context as otel_context
@@ -39,6 +40,8 @@ from services.runtime.logs import new_request_id, request_id_var
 from services.runtime.tls import ServerTls, add_server_tls_args
 
 log = logging.getLogger(__name__)
+# What grpc.aio raises when a call is written to after it ended: an answer is no longer possible.
+_CALL_ENDED = (cygrpc.ExecuteBatchError, cygrpc.UsageError)
 
 REQUEST_ID_KEY = "x-request-id"
 # A client's id ends up in logs and in metadata to the next hop: printable ASCII, bounded; otherwise a fresh one.
@@ -174,6 +177,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         rpc = method.rsplit("/", 1)[-1]
 
         async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+            if isinstance(exc, _CALL_ENDED):
+                # gRPC itself ended the call first (e.g. metadata past its 16 KiB limit: RESOURCE_EXHAUSTED), so
+                # whatever the handler or an interceptor then sends fails: nothing more to answer, and no error of
+                # ours (a flood of such calls must not fill the log with tracebacks).
+                log.info("%s: the call had already ended (%s)", method, type(exc).__name__)
+                return
             if isinstance(exc, Malformed):
                 log.info("%s refused: the request bytes are not a valid message", method)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
