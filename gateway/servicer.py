@@ -69,6 +69,9 @@ def response_of(outcome: Outcome, admitted: Admitted, request_id: str) -> gatewa
         width=admitted.width, output_format=outcome.images[0].output_format, request_id=request_id)
 
 
+_RESPONSE_FORMATS = frozenset(gateway_service_pb2.ResponseFormat.values())
+
+
 async def _kept(call):
     """An image or job store call whose failure is the caller's UNAVAILABLE (retry later)."""
     try:
@@ -154,6 +157,9 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         tenant = self._tenant(context)
         admitted = self._check(request, limits)
         priority = priority_of(request.priority, tenant)
+        if request.response_format not in _RESPONSE_FORMATS:
+            raise InvalidArgument("response_format", f"unknown response format {request.response_format}; use "
+                                                     "RESPONSE_FORMAT_BYTES or RESPONSE_FORMAT_URL")
         if request.response_format == gateway_service_pb2.RESPONSE_FORMAT_URL:
             if self.keeper is None:
                 raise InvalidArgument("response_format", "this gateway keeps no images: ask for bytes")

@@ -135,7 +135,8 @@ def test_the_table_covers_every_numeric_field() -> None:
     assert set(paths.values()) <= set(TYPE_EXTREMES), "a numeric type without extremes in TYPE_EXTREMES"
     assert set(paths) == {"partial_images", *(f"request.{f}" for f in (
         "n", "height", "width", "output_format", "output_compression", "num_inference_steps", "guidance_scale",
-        "seed", "step_cache", "priority", "sampling.temperature", "sampling.top_p", "sampling.top_k"))}
+        "seed", "step_cache", "priority", "response_format", "sampling.temperature", "sampling.top_p",
+        "sampling.top_k"))}
 
 
 async def test_every_numeric_field_of_generate_images_at_its_type_extremes(gateway: FuzzGateway) -> None:
