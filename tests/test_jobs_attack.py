@@ -529,8 +529,8 @@ def test_job_ids_that_are_no_job_of_the_caller_are_404_on_rest(stack: Stack) -> 
                                   metadata=md(BETA), timeout=30).job.id
     never = "job_" + os.urandom(16).hex()
     with httpx.Client(base_url=stack.base_url, timeout=30) as rest:
-        for method, path in (("GET", "/v1/images/jobs/" + "j" * 60_000),
-                             ("POST", "/v1/images/jobs/" + "j" * 60_000 + "/cancel"),
+        for method, path in (("GET", "/v1/images/jobs/" + "j" * 12_000),
+                             ("POST", "/v1/images/jobs/" + "j" * 12_000 + "/cancel"),
                              ("GET", "/v1/images/jobs/" + quote("job_🙂\u202e\x00")),
                              ("GET", "/v1/images/jobs/%C3%28"), ("GET", "/v1/images/jobs/0")):
             r = rest.request(method, path, headers=ALPHA_HEADERS)

@@ -102,6 +102,8 @@ class Intake:
         """The call's single request message, decoded. Malformed if none came or it does not decode."""
         message = await self._receive(context, decode)
         if message is _END:
+            if context.cancelled():  # the caller went away before its message arrived: not malformed input
+                raise asyncio.CancelledError
             raise Malformed
         return message
 
