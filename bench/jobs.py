@@ -56,7 +56,7 @@ def run_stack(requests: int) -> dict[str, Any]:
     argv = launcher_argv(work, work / "jobs", port, denoisers=2)
     sync_s, job_s, accepted_s = [], [], []
     try:
-        with running(argv, work) as stack, httpx.Client(base_url=stack.rest, timeout=120) as http:
+        with running(argv, work) as stack, httpx.Client(base_url=stack.rest(), timeout=120) as http:
             body = {"prompt": 'a red "STOP" sign', "size": "256x256", "n": 1}
             http.post("/v1/images/generations", json={**body, "seed": 0}).raise_for_status()  # warm
             for i in range(requests):
