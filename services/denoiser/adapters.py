@@ -5,7 +5,9 @@ thread, which owns the transformer.
 The directory (``--lora-dir``) holds ``NAME.safetensors``, or a folder ``NAME/`` in diffusers' layout
 (``NAME/pytorch_lora_weights.safetensors``), each with an optional sidecar ``NAME.json``: ``{"scale": 0.8,
 "description": "..."}``. A request names adapters, never paths: a name is checked (services.runtime.limits) before
-anything on disk is looked up, so nothing outside the directory is ever read.
+anything on disk is looked up. Links are followed only within the directory: every path is resolved first and one
+that leads outside it (or to nothing) is refused without being opened, so nothing outside the directory is ever read.
+A file whose name is not an adapter name is left out; each refusal is logged once per process, not at every listing.
 
 A file is read once, whole (it is within max_lora_bytes), and checked from those bytes: a safetensors header that
 fits the file (not truncated), only ``<module>.lora_A.weight`` / ``<module>.lora_B.weight`` keys (optionally under
@@ -23,6 +25,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import struct
 import time
 import warnings
@@ -80,21 +83,55 @@ class AdapterDirectory:
         self.root = Path(root).expanduser()
         if not self.root.is_dir():
             raise ValueError(f"--lora-dir {self.root}: not a directory")
+        self.real = self.root.resolve(strict=True)  # what every adapter path must resolve within
+
+    def _inside(self, path: Path) -> Path | None:
+        """``path`` with every link followed, None when nothing is there; AdapterError when it is a link that leads
+        outside the directory, to nothing, or round in a loop. Only stats: nothing is opened."""
+        shown = path.relative_to(self.root)
+        try:
+            real = path.resolve(strict=True)
+        except FileNotFoundError:
+            if path.is_symlink() or (path.parent != self.root and path.parent.is_symlink()):
+                raise AdapterError(f"has {shown}, a link to nothing") from None
+            return None
+        except (OSError, RuntimeError):  # a loop of links: RuntimeError before Python 3.13
+            raise AdapterError(f"has {shown}, a link that cannot be followed") from None
+        if not real.is_relative_to(self.real):
+            raise AdapterError(f"has {shown}, a link that leads outside the adapter directory")
+        return real
 
     def _weights(self, name: str) -> Path | None:
+        """The resolved weights file of ``name``: the plain file first, else the folder's. One that leads outside is
+        refused (AdapterError), not passed over for the other form."""
         for path in (self.root / f"{name}{SUFFIX}", self.root / name / FOLDER_WEIGHTS):
-            if path.is_file():
-                return path
+            real = self._inside(path)
+            if real is not None and real.is_file():
+                return real
         return None
 
+    def _candidates(self) -> list[str]:
+        """The names the directory's entries stand for, of the allowed form (the others logged once, left out)."""
+        found = {p.name.removesuffix(SUFFIX): p.name for p in self.root.glob(f"*{SUFFIX}")}
+        for p in self.root.glob(f"*/{FOLDER_WEIGHTS}"):
+            found.setdefault(p.parent.name, f"{p.parent.name}/{FOLDER_WEIGHTS}")
+        names = []
+        for name, entry in sorted(found.items()):
+            try:
+                check_lora_name(name, "name")
+            except InvalidArgument as exc:
+                _warn_once(self.real, entry, "LoRA adapter file %s left out of the listing: %s", exc.description)
+                continue
+            names.append(name)
+        return names
+
     def names(self) -> list[str]:
-        found = {p.name.removesuffix(SUFFIX) for p in self.root.glob(f"*{SUFFIX}")}
-        found |= {p.parent.name for p in self.root.glob(f"*/{FOLDER_WEIGHTS}")}
-        return sorted(n for n in found if _valid_name(n))
+        """The names ``listing`` gives."""
+        return [info.name for info in self.listing()]
 
     def find(self, name: str) -> AdapterInfo | None:
-        """The adapter called ``name`` (a name already checked), None when there is none; AdapterError for a
-        sidecar that is not what the docs say."""
+        """The adapter called ``name`` (a name already checked), its path resolved within the directory; None when
+        there is none; AdapterError for a link leading outside or a sidecar that is not what the docs say."""
         path = self._weights(name)
         if path is None:
             return None
@@ -102,46 +139,51 @@ class AdapterDirectory:
             size = path.stat().st_size
         except OSError:  # gone since the look-up
             return None
-        sidecar = self.root / f"{name}.json"
-        if not sidecar.is_file():
+        sidecar = self._inside(self.root / f"{name}.json")
+        if sidecar is None or not sidecar.is_file():
             return AdapterInfo(name, path, size_bytes=size)
         try:
             if sidecar.stat().st_size > SIDECAR_MAX_BYTES:
-                raise AdapterError(f"has a sidecar {sidecar.name} over {SIDECAR_MAX_BYTES} bytes")
+                raise AdapterError(f"has a sidecar {name}.json over {SIDECAR_MAX_BYTES} bytes")
             doc = json.loads(sidecar.read_bytes())
         except (OSError, ValueError) as exc:
             if isinstance(exc, AdapterError):
                 raise
-            raise AdapterError(f"has a sidecar {sidecar.name} that is not JSON") from None
+            raise AdapterError(f"has a sidecar {name}.json that is not JSON") from None
         doc = doc if isinstance(doc, dict) else {"scale": None}
         scale, description = doc.get("scale", 1.0), doc.get("description", "")
         if (not isinstance(scale, int | float) or isinstance(scale, bool) or not math.isfinite(scale)
                 or abs(scale) > MAX_LORA_SCALE or not isinstance(description, str)):
-            raise AdapterError(f"has a sidecar {sidecar.name} that is not an object with a numeric \"scale\" in "
+            raise AdapterError(f"has a sidecar {name}.json that is not an object with a numeric \"scale\" in "
                                f"[{-MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}] and a string \"description\"")
         return AdapterInfo(name, path, float(scale), description, size)
 
     def listing(self) -> list[AdapterInfo]:
-        """Every adapter a job may name, by name, read afresh (names, stats and sidecars; never weights). One whose
-        sidecar fails its checks is left out: any job naming it is refused."""
+        """Every adapter a job may name, by name, read afresh (names, stats and sidecars; never weights). One that
+        fails its checks (a link leading outside, a bad sidecar) is left out, logged once: a job naming it is
+        refused."""
         out = []
-        for name in self.names():
+        for name in self._candidates():
             try:
                 info = self.find(name)
             except AdapterError as exc:
-                log.warning("LoRA adapter %s left out of the listing: it %s", name, exc)
+                _warn_once(self.real, name, "LoRA adapter %s left out of the listing: it %s", str(exc))
                 continue
-            if info is not None:  # None: removed since names()
+            if info is not None:  # None: removed since the glob
                 out.append(info)
         return out
 
 
-def _valid_name(name: str) -> bool:
-    try:
-        check_lora_name(name, "name")
-    except InvalidArgument:
-        return False
-    return True
+# What was logged as left out, so a directory listed at every ListLoras logs each problem once per process; keyed by
+# the reason too, so a file that goes wrong another way is logged again.
+_warned: set[tuple[Path, str, str]] = set()
+
+
+def _warn_once(root: Path, entry: str, message: str, why: str) -> None:
+    key = (root, entry, why)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, entry, why)
 
 
 def linear_targets(transformer: torch.nn.Module) -> dict[str, tuple[int, int]]:
@@ -206,10 +248,13 @@ def read_adapter(path: Path, targets: Mapping[str, tuple[int, int]], limits: Lim
     its largest rank; AdapterError saying what is wrong."""
     from safetensors.torch import load as load_safetensors
 
-    size = path.stat().st_size
-    if size > limits.max_lora_bytes:
-        raise AdapterError(f"is {size} bytes; the limit is {limits.max_lora_bytes} (--max-lora-bytes)")
-    data = path.read_bytes()
+    # O_NOFOLLOW: ``path`` was resolved within the directory; a link put in its place since is refused (ELOOP), not
+    # followed. Stat and read through the one descriptor, and never more than the limit and a byte.
+    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size > limits.max_lora_bytes:
+            raise AdapterError(f"is {size} bytes; the limit is {limits.max_lora_bytes} (--max-lora-bytes)")
+        data = file.read(limits.max_lora_bytes + 1)
     if len(data) > limits.max_lora_bytes:  # grew since the stat
         raise AdapterError(f"is {len(data)} bytes; the limit is {limits.max_lora_bytes} (--max-lora-bytes)")
     header, metadata = _header(data)
