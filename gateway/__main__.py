@@ -300,10 +300,11 @@ async def serve(args: argparse.Namespace) -> None:
         jobs.start()
     await server.set_serving(True)
     try:
-        await run_until_signalled(server, grace=args.drain_seconds)
+        await run_until_signalled(server, grace=args.drain_seconds, on_drain=jobs.drain if jobs else None)
     finally:
         if jobs is not None:
-            await jobs.close()  # its runner's jobs go back to the store before the driver stops under them
+            # Its jobs end within the drain grace, or go back to the store, before the driver stops under them.
+            await jobs.close(grace=args.drain_seconds)
         await driver.close()
         await store.close()
 

@@ -245,3 +245,22 @@ async def test_no_job_is_taken_before_workers_are_ready(parts) -> None:
         assert await status_of(store, job_id) == QUEUED and script.runs == 0
         script.is_ready = True
         await until(lambda: _ended(store, job_id), "the job's end once workers are ready")
+
+
+async def test_a_draining_runner_takes_nothing_new_and_lets_its_jobs_end(parts) -> None:
+    """SIGTERM of the gateway: its runner stops taking jobs (another gateway's takes them), and the jobs it holds
+    run on to their end within the grace rather than being cut off."""
+    store, *_ = parts
+    script = Script()
+    script.gate.clear()
+    held = await submit(store)
+    async with Running(runner(parts, script, concurrency=4)) as r:
+        await asyncio.wait_for(script.started.wait(), DEADLINE_S)
+        r.drain()
+        later = await submit(store)
+        r.wake()
+        await asyncio.sleep(0.3)  # several polls: none may take the new job
+        assert await status_of(store, later) == QUEUED and script.runs == 1
+        script.gate.set()
+        assert await r.finish_within(DEADLINE_S)
+    assert await status_of(store, held) == COMPLETED and await status_of(store, later) == QUEUED

@@ -94,7 +94,8 @@ class Housekeeping:
                 log.warning("job housekeeping skipped: %s", exc)
             except Exception:
                 log.exception("job housekeeping failed")
-            try:
-                await asyncio.wait_for(stop.wait(), self.config.every_s)
+            try:  # (asyncio.timeout: wait_for may swallow a cancel that comes as stop is set)
+                async with asyncio.timeout(self.config.every_s):
+                    await stop.wait()
             except TimeoutError:
                 pass

@@ -78,6 +78,7 @@ class Runner:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancel_now: set[str] = set()
         self._wake = asyncio.Event()
+        self._draining = False
 
     # ---- what the service tells it -----------------------------------------------------------------------------
 
@@ -97,6 +98,20 @@ class Runner:
     def held(self) -> int:
         return len(self._tasks)
 
+    def drain(self) -> None:
+        """The gateway is stopping: take no more jobs; those held run on (``finish_within``)."""
+        self._draining = True
+        self._wake.set()
+
+    async def finish_within(self, seconds: float) -> bool:
+        """Wait (at most ``seconds``) for the jobs held to end; True if they all did. What is left is given back
+        when the loop stops."""
+        tasks = list(self._tasks.values())
+        if not tasks or seconds <= 0:
+            return not tasks
+        _, pending = await asyncio.wait(tasks, timeout=seconds)
+        return not pending
+
     # ---- the loop ----------------------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -105,7 +120,8 @@ class Runner:
         try:
             while not stop.is_set():
                 lease = None
-                if cfg.concurrency and len(self._tasks) < cfg.concurrency and self.executor.ready():
+                if (cfg.concurrency and not self._draining and len(self._tasks) < cfg.concurrency
+                        and self.executor.ready()):
                     try:
                         lease = await self.store.claim(self.owner, self.clock(), cfg.lease_s, cfg.max_attempts)
                         failures = 0
@@ -224,8 +240,12 @@ class Runner:
                     await asyncio.sleep(due - now)
                 else:
                     changed.clear()
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that comes as the event is
+                    # set (the run's last progress, then its end, in one turn of the loop), and this loop would
+                    # never stop.
                     try:
-                        await asyncio.wait_for(changed.wait(), due - now)
+                        async with asyncio.timeout(due - now):
+                            await changed.wait()
                     except TimeoutError:
                         pass
                 continue

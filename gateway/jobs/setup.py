@@ -126,14 +126,25 @@ class Jobs:
     metrics: JobMetrics
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _drain_started: float | None = None
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self.runner.run(self._stop), name="jobs:runner"),
                        asyncio.create_task(self.deliverer.run(self._stop), name="jobs:webhooks"),
                        asyncio.create_task(self.housekeeping.run(self._stop), name="jobs:housekeeping")]
 
-    async def close(self) -> None:
-        """Stop taking work; the runner gives its jobs back to the store (the next runner takes them at once)."""
+    async def drain(self) -> None:
+        """SIGTERM: take no more jobs (other gateways' runners take them); those held run on until close()."""
+        self.runner.drain()
+        self._drain_started = asyncio.get_running_loop().time()
+
+    async def close(self, grace: float = 0.0) -> None:
+        """Let the jobs held end within what is left of ``grace`` since drain(), then stop: the runner gives what is
+        still running back to the store (the next runner takes it at once)."""
+        if grace > 0 and self._drain_started is not None:
+            left = self._drain_started + grace - asyncio.get_running_loop().time()
+            if not await self.runner.finish_within(left):
+                log.info("jobs still running after the drain grace: given back to the store")
         self._stop.set()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)

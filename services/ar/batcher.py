@@ -245,8 +245,9 @@ class CallMerger(Generic[R, T]):
         try:
             stop = time.monotonic() + self._window
             while self._claim(batch) < self._cap and (left := stop - time.monotonic()) > 0:
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), left)
+                try:  # (asyncio.timeout: on 3.11 wait_for swallows a cancel that comes as the event is set)
+                    async with asyncio.timeout(left):
+                        await self._arrived.wait()
                 except TimeoutError:
                     pass
             calls = [c for c in batch.calls if not c.result.done()]

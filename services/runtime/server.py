@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import re
 import signal
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -36,23 +35,19 @@ from services.runtime.intake import (
     trim_freed_memory,
 )
 from services.runtime.limits import Limits, max_request_bytes
-from services.runtime.logs import new_request_id, request_id_var
+from services.runtime.logs import REQUEST_ID_KEY, accepted_request_id, new_request_id, request_id_var
 from services.runtime.tls import ServerTls, add_server_tls_args
 
 log = logging.getLogger(__name__)
 # What grpc.aio raises when a call is written to after it ended: an answer is no longer possible.
 _CALL_ENDED = (cygrpc.ExecuteBatchError, cygrpc.UsageError)
 
-REQUEST_ID_KEY = "x-request-id"
-# A client's id ends up in logs and in metadata to the next hop: printable ASCII, bounded; otherwise a fresh one.
-_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
-
 
 def request_id_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The caller's first x-request-id if logs.accepted_request_id keeps it (the REST front's rule too), else None."""
     for key, value in metadata or ():
-        if key == REQUEST_ID_KEY and value:
-            text = value if isinstance(value, str) else value.decode("latin-1")
-            return text if _REQUEST_ID_RE.fullmatch(text) else None
+        if key == REQUEST_ID_KEY:
+            return accepted_request_id(value)
     return None
 
 
@@ -95,8 +90,10 @@ class InflightWork:
             self._idle.set()
 
     async def wait_idle(self, timeout: float) -> bool:
+        # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that comes as the event is set.
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
             return True
         except TimeoutError:
             return False
@@ -136,7 +133,8 @@ class InflightWork:
     async def close_streams(self, timeout: float) -> None:
         self.closing.set()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._no_streams.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._no_streams.wait()
 
 
 def release_frames(exc: BaseException) -> None:
