@@ -4,7 +4,8 @@ AR server, denoisers, one or more GatewayServices (each with its own queue, all 
 the REST front (over every gateway) each run in their own process. The launcher starts them in dependency order,
 waits for each to report SERVING, prints the addresses and PIDs, restarts any that exits (on the same port, with a
 backoff and a restart budget: see supervisor.RestartPolicy; SIGUSR1 retries those given up), and on Ctrl-C or
-SIGTERM, and only then, stops them all.
+SIGTERM, and only then, stops them all. `python -m services.launcher ctl stop|start NAME` stops one server so that it
+stays down, and starts it again, through the launcher's control socket (see CTL_HELP).
 Children also get SIGKILL from the kernel if the launcher itself dies, so none is orphaned. This module is the
 command line and the suite's shape (which servers, with which flags, in which order); starting, health-gating and
 stopping processes is services/supervisor.py.
@@ -20,6 +21,7 @@ import secrets
 import signal
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from gateway.jobs.defaults import jobs_dir
@@ -33,8 +35,15 @@ log = logging.getLogger("services.launcher")
 DEFAULT_GATEWAY_PORT = 50050
 
 
+CONTROL_SOCKET = "control.sock"  # in the supervisor's run directory; its path is in the ready file as "control"
+CTL_HELP = ("python -m services.launcher ctl [--socket PATH | --ready-file F] stop|start NAME: stop one server "
+            "(drained by SIGTERM) so that it is not restarted, or start it again (a server given up on, too: with a "
+            "fresh restart budget) and wait until it is healthy. NAME as in the banner (denoiser-1, gateway, ...). "
+            "The socket is the ready file's \"control\"; without either flag, the one running stack's.")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0], epilog=CTL_HELP)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--rest-port", type=int, default=8000)
     p.add_argument("--gateway-port", type=int, default=None,
@@ -276,12 +285,85 @@ def ready_map(addresses: dict[str, str], metrics: dict[str, str], pids: dict[str
     return {**addresses, **metrics, **extra}
 
 
-def write_ready_file(path: Path, sup: Supervisor) -> None:
-    """Atomically: it is rewritten on each restart (a new PID), and a reader must never see half a file."""
+def write_ready_file(path: Path, sup: Supervisor, control: Path | None = None) -> None:
+    """Atomically: it is rewritten on each restart (a new PID) or stop (no PID), and a reader must never see half a
+    file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(ready_map(sup.addresses(), sup.metrics_urls(),
-                                        {"launcher": os.getpid(), **sup.pids()})))
+    ready = ready_map(sup.addresses(), sup.metrics_urls(), {"launcher": os.getpid(), **sup.pids()})
+    if control is not None:
+        ready["control"] = str(control)
+    tmp.write_text(json.dumps(ready))
     tmp.replace(path)
+
+
+async def serve_control(sup: Supervisor) -> asyncio.AbstractServer | None:
+    """The control socket: one line in (`stop NAME` or `start NAME`), one line out (`ok ...` or `error ...`). A Unix
+    socket in the run directory (mode 0700, as mkdtemp makes it): only this user reaches it, and a reply can say
+    what happened, which a signal could not. None, logged, if it cannot be made (a path too long for AF_UNIX)."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            words = (await asyncio.wait_for(reader.readline(), 10)).decode(errors="replace").split()
+            child = sup.find(words[1]) if len(words) == 2 else None
+            if len(words) != 2 or words[0] not in ("stop", "start"):
+                reply = "error expected 'stop NAME' or 'start NAME'"
+            elif child is None:
+                reply = f"error no server named {words[1]!r}; the servers: {', '.join(c.name for c in sup.children)}"
+            else:
+                reply = "ok " + await (sup.stop_child(child) if words[0] == "stop" else sup.start_child(child))
+            writer.write(reply.encode() + b"\n")
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass  # a client that said nothing or went away: nothing to answer
+        finally:
+            writer.close()
+
+    path = sup.run_dir / CONTROL_SOCKET
+    try:
+        return await asyncio.start_unix_server(handle, path)
+    except OSError as exc:
+        log.warning("no control socket (%s): `ctl stop|start` will not reach this launcher", exc)
+        return None
+
+
+def ctl(argv: list[str]) -> int:
+    """`python -m services.launcher ctl ...`: send one command to a running launcher and print its reply."""
+    p = argparse.ArgumentParser(prog="python -m services.launcher ctl", allow_abbrev=False, description=CTL_HELP)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", type=Path, help="the launcher's control socket")
+    where.add_argument("--ready-file", type=Path, help="the launcher's --ready-file, which names its socket")
+    p.add_argument("command", choices=("stop", "start"))
+    p.add_argument("name", help="the server, as the banner names it (denoiser-1, gateway, ...)")
+    a = p.parse_args(argv)
+    if a.ready_file:
+        a.socket = Path(json.loads(a.ready_file.read_text())["control"])
+    if a.socket is None:
+        # Every launcher's run directory is a glmimage-stack-* in the temporary directory; a killed one's socket
+        # is left behind but refuses connections.
+        live = [path for path in sorted(Path(tempfile.gettempdir()).glob(f"glmimage-stack-*/{CONTROL_SOCKET}"))
+                if _reachable(path)]
+        if len(live) != 1:
+            p.exit(1, f"ctl: {'several stacks run' if live else 'no running launcher found'}: give --socket or "
+                      "--ready-file\n")
+        a.socket = live[0]
+    with socket.socket(socket.AF_UNIX) as sock:
+        try:
+            sock.connect(str(a.socket))
+        except OSError as exc:
+            p.exit(1, f"ctl: cannot reach the launcher at {a.socket} ({exc.strerror})\n")
+        sock.sendall(f"{a.command} {a.name}\n".encode())
+        reply = sock.makefile(encoding="utf-8", errors="replace").readline().rstrip("\n")
+    ok, _, text = reply.partition(" ")
+    print(text or "no reply: see the launcher's log", file=sys.stdout if ok == "ok" else sys.stderr)
+    return 0 if ok == "ok" else 1
+
+
+def _reachable(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as sock:
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -313,14 +395,17 @@ async def run(args: argparse.Namespace) -> int:
         # After the address lines, which stay as they were (tools parse them): one line per /metrics endpoint.
         metrics = sup.metrics_urls()
         lines += [f"  {name:<20} {url}" for name, url in metrics.items()]
+        control = await serve_control(sup)
+        control_path = sup.run_dir / CONTROL_SOCKET if control is not None else None
         if args.ready_file:
-            write_ready_file(args.ready_file, sup)
-            sup.on_restart = lambda: write_ready_file(args.ready_file, sup)
+            write_ready_file(args.ready_file, sup, control_path)
+            sup.on_restart = lambda: write_ready_file(args.ready_file, sup, control_path)
         pids = ", ".join(f"{name} {pid}" for name, pid in {"launcher": os.getpid(), **sup.pids()}.items())
         print("GLM-Image stack is up:\n" + "\n".join(lines) + f"\n\n  pids: {pids}" +
               f"\n  try: curl -s http://{rest}/v1/images/generations -H 'Content-Type: application/json' "
               "-d '{\"prompt\":\"a red \\\"STOP\\\" sign\",\"n\":1,\"size\":\"256x256\"}'\n"
-              f"  Ctrl-C stops everything; kill -USR1 {os.getpid()} restarts any server given up on.", flush=True)
+              f"  Ctrl-C stops everything; kill -USR1 {os.getpid()} restarts any server given up on; "
+              "python -m services.launcher ctl stop|start NAME stops one server, or starts it again.", flush=True)
         # From here on a child that exits is restarted (or given up, loudly): only a signal stops the stack.
         supervising = asyncio.ensure_future(sup.supervise())
         stopping = asyncio.ensure_future(stop.wait())
@@ -328,6 +413,8 @@ async def run(args: argparse.Namespace) -> int:
         if supervising.done():
             supervising.result()  # it returns only by raising: a bug in the supervisor surfaces here
         # Cancelled before `stop`, so no restart races the shutdown.
+        if control is not None:
+            control.close()
         supervising.cancel()
         await asyncio.gather(supervising, return_exceptions=True)
     except StartupError as exc:
@@ -340,6 +427,9 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ctl"]:  # a client of a running launcher, not a stack
+        sys.exit(ctl(argv[1:]))
     args = parse_args(argv)
     configure_logging(args.log_level)
     sys.exit(asyncio.run(run(args)))

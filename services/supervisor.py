@@ -3,11 +3,13 @@
 Every server module takes the same `--host/--port/--port-file/--log-level` flags, so a child is a module name plus
 its own flags. Children run through the die_with_parent trampoline, so none outlives the supervisor. Once the stack
 is up, `supervise` restarts a child that exits (same flags, same port, health-gated again) under a RestartPolicy;
-one given up stays down until `retry_given_up` (the launcher's SIGUSR1) gives it a fresh budget.
+one given up stays down until `retry_given_up` (the launcher's SIGUSR1) gives it a fresh budget. `stop_child` and
+`start_child` (the launcher's `ctl stop|start NAME`) take one down on purpose, so it is not restarted, and back.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -38,6 +40,10 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment
     restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts (within the window)
     given_up: bool = False  # crashed through its restart budget: left down
+    held: bool = False  # stopped by the operator (stop_child): left down until start_child
+    serving: bool = False  # passed its health gate, and has not exited since
+    parked: bool = False  # held and down: _keep_up waits for start_child
+    start_failed: bool = False  # its last restart did not come up (what start_child waits for, besides serving)
 
     @property
     def address(self) -> str:
@@ -64,6 +70,11 @@ class RestartPolicy:
     def backoff(self, recent: int) -> float:
         """The wait before a restart, given how many restarts already happened within the window."""
         return min(self.max_backoff, self.initial_backoff * 2 ** recent)
+
+
+# The exit codes of a server stopped by SIGTERM or SIGINT: its graceful exit (0), the signal itself (-15, -2: no
+# handler yet), or a shell's 128+N. Anything else, SIGKILL included, is a crash.
+SIGNALLED_CODES = frozenset({0, -signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT})
 
 
 class StartupError(RuntimeError):
@@ -152,8 +163,8 @@ class Supervisor:
         self.children: list[Child] = []
         self._groups: list[list[Child]] = []  # as first started together: they stop together too
         self.run_dir = Path(tempfile.mkdtemp(prefix="glmimage-stack-"))
-        self._retry = asyncio.Event()  # set (then replaced) by retry_given_up: wakes every given-up child once
-        self.on_restart: Callable[[], None] | None = None  # after a child is back (new PID): the ready file
+        self._changed = asyncio.Event()  # set (then replaced) whenever a child's state changes: see _until
+        self.on_restart: Callable[[], None] | None = None  # after a child is back (new PID) or stopped: the ready file
 
     def child(self, name: str, module: str, port: int, flags: list[str], health: str | None,
               env: dict[str, str] | None = None, metrics_port: int | None = None) -> Child:
@@ -186,13 +197,16 @@ class Supervisor:
         for c in group:
             c.pin_port()
         await asyncio.gather(*(_gate(c, deadline) for c in group))
+        for c in group:
+            c.serving = True
 
     def addresses(self) -> dict[str, str]:
         return {c.name: c.address for c in self.children}
 
     def pids(self) -> dict[str, int]:
         """Each running child's PID (the server itself: the trampoline execs it)."""
-        return {c.name: c.process.pid for c in self.children if c.process is not None}
+        return {c.name: c.process.pid for c in self.children
+                if c.process is not None and c.process.returncode is None}
 
     def send(self, sig: int, which: Callable[[str], bool]) -> list[str]:
         """Send ``sig`` to each running child whose name ``which`` accepts (SIGHUP: reload the tenants file)."""
@@ -215,9 +229,49 @@ class Supervisor:
             log.warning("retrying %s, as asked", ", ".join(names))
         else:
             log.warning("asked to retry given-up servers: none is given up")
-        event, self._retry = self._retry, asyncio.Event()
-        event.set()
+        self._notify()
         return names
+
+    def _notify(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    async def _until(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self._changed.wait()
+
+    def find(self, name: str) -> Child | None:
+        return next((c for c in self.children if c.name == name), None)
+
+    async def stop_child(self, child: Child, grace: float = 20.0) -> str:
+        """Stop ``child`` on purpose (drained by SIGTERM, as the whole stack stops): it stays down, and is not
+        restarted, until `start_child`. What happened, in words."""
+        if child.held:
+            return f"{child.name} is already stopped"
+        child.held, child.given_up = True, False
+        self._notify()
+        running = child.process is not None and child.process.returncode is None
+        log.warning("stopping %s, as asked; it stays down until started again", child.name)
+        await _terminate(child, grace)
+        # _keep_up logs the exit and rewrites the ready file; wait for that, so the reply comes after.
+        await self._until(lambda: child.parked or not child.held)
+        return f"{child.name} stopped (exit code {child.process.returncode})" if running else \
+            f"{child.name} was not running; it stays down"
+
+    async def start_child(self, child: Child) -> str:
+        """Start ``child`` again (stopped, or given up: with a fresh budget, at once) and wait until it is healthy
+        or has failed once; a running one is left alone. What happened, in words."""
+        if not (child.held or child.given_up):
+            return (f"{child.name} is already running (pid {child.process.pid})" if child.serving
+                    else f"{child.name} is not stopped: it is being restarted")
+        child.held, child.given_up = False, False
+        child.restarts.clear()
+        child.start_failed = False
+        self._notify()
+        await self._until(lambda: child.serving or child.held or child.given_up or child.start_failed)
+        if child.serving:
+            return f"{child.name} is back on {child.address} (pid {child.process.pid})"
+        return f"{child.name} did not come back: see the launcher's log"
 
     def metrics_urls(self) -> dict[str, str]:
         """`<name>-metrics` -> the /metrics URL of each server that serves one (the REST front always does)."""
@@ -233,30 +287,52 @@ class Supervisor:
 
     async def supervise(self) -> None:
         """Keep every started child running until cancelled (the launcher cancels it before `stop`); a child
-        given up waits for `retry_given_up`, so this returns only by raising."""
+        given up waits for `retry_given_up`, one held for `start_child`, so this returns only by raising."""
         await asyncio.gather(*(self._keep_up(c) for c in self.children if c.process is not None))
 
     async def _keep_up(self, child: Child) -> None:
         policy, loop = self.restart, asyncio.get_running_loop()
         while True:
             await child.process.wait()
+            child.serving = False
             # A restart that fails to come up is a crash like any other: it counts against the same budget.
             while True:
-                now = time.monotonic()
-                child.restarts = [t for t in child.restarts if now - t < policy.window]
-                code = child.process.returncode
-                if len(child.restarts) >= policy.max_restarts:
-                    child.given_up = True
-                    log.error("GIVING UP on %s: it exited (last code %s) %d times within %.0fs; it stays down, the "
-                              "rest of the stack keeps serving; kill -USR1 %d (the launcher) retries it",
-                              child.name, code, len(child.restarts) + 1, policy.window, os.getpid())
-                    await self._retry.wait()
-                    continue
-                delay = policy.backoff(len(child.restarts))
-                log.error("%s exited unexpectedly with code %s; restarting it on port %d in %.1fs (restart %d of "
-                          "%d within %.0fs)", child.name, code, child.port, delay, len(child.restarts) + 1,
-                          policy.max_restarts, policy.window)
-                await asyncio.sleep(delay)
+                if child.held:
+                    log.warning("%s stopped, as asked (exit code %s); it stays down until `python -m services."
+                                "launcher ctl start %s`", child.name, child.process.returncode, child.name)
+                    if self.on_restart is not None:
+                        self.on_restart()  # the ready file drops its PID
+                    child.parked = True
+                    self._notify()
+                    await self._until(lambda: not child.held)
+                    child.parked = False
+                    log.warning("starting %s again, as asked", child.name)
+                else:
+                    now = time.monotonic()
+                    child.restarts = [t for t in child.restarts if now - t < policy.window]
+                    code = child.process.returncode
+                    if len(child.restarts) >= policy.max_restarts:
+                        child.given_up = True
+                        log.error("GIVING UP on %s: it exited (last code %s) %d times within %.0fs; it stays down, "
+                                  "the rest of the stack keeps serving; kill -USR1 %d (the launcher) retries it",
+                                  child.name, code, len(child.restarts) + 1, policy.window, os.getpid())
+                        self._notify()
+                        await self._until(lambda: not child.given_up or child.held)
+                        continue  # retried (a fresh budget) or stopped on purpose meanwhile
+                    delay = policy.backoff(len(child.restarts))
+                    budget = (child.port, delay, len(child.restarts) + 1, policy.max_restarts, policy.window)
+                    if code in SIGNALLED_CODES:
+                        # Stopped from outside the supervisor (an operator's kill, a node's shutdown): restarted all
+                        # the same, but it is no crash.
+                        log.warning("%s stopped by a signal (exit code %s); restarting it on port %d in %.1fs "
+                                    "(restart %d of %d within %.0fs)", child.name, code, *budget)
+                    else:
+                        log.error("%s exited unexpectedly with code %s; restarting it on port %d in %.1fs (restart "
+                                  "%d of %d within %.0fs)", child.name, code, *budget)
+                    with contextlib.suppress(TimeoutError):  # an operator's stop cuts the backoff short
+                        await asyncio.wait_for(self._until(lambda: child.held), delay)
+                    if child.held:
+                        continue
                 child.restarts.append(time.monotonic())
                 try:
                     await self.start([child], loop.time() + policy.startup_timeout)
@@ -265,9 +341,12 @@ class Supervisor:
                     if child.process.returncode is None:  # bound but never healthy: do not leave it behind
                         child.process.kill()
                         await child.process.wait()
+                    child.start_failed = True
+                    self._notify()
                     continue
                 log.warning("%s is back on %s (restart %d, pid %d)", child.name, child.address, len(child.restarts),
                             child.process.pid)
                 if self.on_restart is not None:
                     self.on_restart()
+                self._notify()
                 break
