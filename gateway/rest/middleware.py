@@ -7,9 +7,7 @@ force (the gateway's limits) plus that much again for its text fields (limits.ed
 from __future__ import annotations
 
 import logging
-import re
 import time
-import uuid
 from collections.abc import Mapping
 
 from fastapi import APIRouter, Request
@@ -22,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.runtime import tracing
 from services.runtime.auth import bearer_token
+from services.runtime.logs import REQUEST_ID_KEY, new_request_id, request_id_or_new
 
 from .errors import error_response
 from .keys import FrontKeys
@@ -33,12 +32,11 @@ FILES_PREFIX = "/v1/images/files/"
 
 log = logging.getLogger("glmimage.rest")
 
-REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID_HEADER = REQUEST_ID_KEY
+_RID_BYTES = REQUEST_ID_KEY.encode()
 # scope["state"] key: the status to count in the metrics instead of the one the response started with (a stream
 # has sent its 200 long before it learns that the client went away).
 OUTCOME_STATUS_KEY = "outcome_status"
-# Client-supplied ids end up in gRPC metadata and logs: printable ASCII only.
-_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
 # Routes whose body is JSON: anything else there is answered 415 before the body is read.
 _JSON_BODY_ROUTES = frozenset({("POST", "/v1/images/generations")})
 # Routes whose body is multipart/form-data (file uploads), with a bound of their own.
@@ -102,9 +100,8 @@ class FrontMiddleware:
             await self.app(scope, receive, send)
             return
         headers = _headers(scope)
-        rid = headers.get(REQUEST_ID_HEADER, "")
-        if not _REQUEST_ID_RE.fullmatch(rid):
-            rid = f"req-{uuid.uuid4().hex}"
+        # The gRPC servers' rule (services.runtime.logs), on the first header as they take the first metadata value.
+        rid = request_id_or_new(next((v for k, v in scope.get("headers", ()) if k.lower() == _RID_BYTES), None))
         scope.setdefault("state", {})["request_id"] = rid
         status = 500
         started = False
@@ -216,4 +213,4 @@ def _headers(scope: Scope) -> dict[str, str]:
 
 
 def request_id(request: Request) -> str:
-    return str(request.scope.get("state", {}).get("request_id") or f"req-{uuid.uuid4().hex}")
+    return str(request.scope.get("state", {}).get("request_id") or new_request_id())

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import re
 import uuid
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -15,8 +16,31 @@ request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 
 
+# The request id's name on every hop: the REST front's header and the gRPC metadata key.
+REQUEST_ID_KEY = "x-request-id"
+MAX_REQUEST_ID_CHARS = 128
+# A client's id is echoed, logged and sent on to the next hop: visible ASCII only (no space, control character,
+# CR/LF or non-ASCII byte can forge a log line or a header), bounded.
+_CLIENT_ID_RE = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
+
+
 def new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex[:16]}"
+    """A fresh id, the same form on every hop: the REST front's and a gRPC server's alike."""
+    return f"req-{uuid.uuid4().hex}"
+
+
+def accepted_request_id(value: str | bytes | None) -> str | None:
+    """The client's id if it is fit to keep, else None: the one rule of the REST front and every gRPC server.
+    Bytes are read as latin-1, so a non-ASCII byte stays a character outside the allowed set."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else value.decode("latin-1")
+    return text if _CLIENT_ID_RE.fullmatch(text) else None
+
+
+def request_id_or_new(value: str | bytes | None) -> str:
+    """The client's id when accepted_request_id keeps it; a fresh one in place of a missing or hostile one."""
+    return accepted_request_id(value) or new_request_id()
 
 
 def spawn(coro: Coroutine[Any, Any, T], *, name: str | None = None, request_id: str = "-") -> asyncio.Task[T]:
