@@ -31,6 +31,7 @@ import grpc
 import httpx
 import pytest
 
+from gateway.jobs.service import STORE_CALL_TIMEOUT_S
 from gateway.jobs.urls import tenant_tag
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc, job_service_pb2, job_service_pb2_grpc
@@ -677,10 +678,13 @@ def test_webhooks_are_refused_on_a_gateway_without_allow_patterns(pg_stack: PgSt
         pg_stack.clean(err.details(), label)
 
 
-# The PostgreSQL store's pool acquire (10 s) and statement (30 s) timeouts, with room to spare. Measured on a 2-core
-# machine: SubmitJob and GetJob answer UNAVAILABLE after 40 s of a hung server, ListJobs and WatchJob after 10 s;
-# a dead one, at once.
-HUNG_ANSWER_BOUND_S = 60.0
+# JobService bounds each store call on the request path (STORE_CALL_TIMEOUT_S, 8 s): a hung server is answered
+# UNAVAILABLE after that, 3x it is the margin on a loaded 2-core machine (the measured figures go to the test's
+# record_property: 8 s hung; a dead server under 15 ms).
+HUNG_ANSWER_BOUND_S = 3 * STORE_CALL_TIMEOUT_S
+# Calls that must not wait on the store at all (the synchronous side while it hangs, or a store that refuses
+# connections at once): answered before the store call bound would end them, measured in milliseconds.
+NOT_WAITING_BOUND_S = STORE_CALL_TIMEOUT_S
 
 
 def _timed(call, *args, **kwargs) -> tuple[grpc.StatusCode, str, float]:
@@ -713,7 +717,7 @@ def test_the_job_store_hung_then_dead_then_back(pg_stack: PgStack, record_proper
         }
         # Meanwhile the synchronous side does not notice: jobs failing must not harm it.
         code, details, took = _timed(gen.GetStatus, pb.GetStatusRequest(), timeout=30)
-        assert code == grpc.StatusCode.OK and took < 5, (code, details, took)
+        assert code == grpc.StatusCode.OK and took < NOT_WAITING_BOUND_S, (code, details, took)
         code, details, took = _timed(gen.GenerateImages, good_request(seed=12), timeout=60)
         assert code == grpc.StatusCode.OK, (code, details, took)
         answers = {name: f.result() for name, f in hung.items()}
@@ -732,7 +736,7 @@ def test_the_job_store_hung_then_dead_then_back(pg_stack: PgStack, record_proper
             ("CancelJob", jobs.CancelJob, job_service_pb2.CancelJobRequest(id=before.id))):
         code, details, took = _timed(call, message, timeout=60)
         record_property(f"dead_store_{name}_s", round(took, 1))
-        assert code == grpc.StatusCode.UNAVAILABLE and took < 15, (name, code, details, took)
+        assert code == grpc.StatusCode.UNAVAILABLE and took < NOT_WAITING_BOUND_S, (name, code, details, took)
         pg_stack.clean(details, name)
     code, details, _ = _timed(gen.GenerateImages, good_request(seed=14), timeout=60)
     assert code == grpc.StatusCode.OK, (code, details)
