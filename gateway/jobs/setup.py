@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from gateway.jobs.render import job_json
 from gateway.jobs.runner import Runner, RunnerConfig
 from gateway.jobs.service import JobServicer, JobSettings
 from gateway.jobs.store import JobStore, StoreUnavailable, open_store
-from gateway.jobs.urls import UrlSigner, ensure_secret_file, load_url_secret
+from gateway.jobs.urls import UrlSigner, load_secret, load_url_secret
 from gateway.jobs.webhooks import webhook_secret_for
 from gateway.tenancy import TenantGate
 from services.runtime.tenants import Tenant, TenantsFile
@@ -103,17 +102,6 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                    help="CA bundle trusted for webhook receivers besides the system's")
 
 
-def _secret(path: Path | None, default: Path, env: str, environ: Mapping[str, str] = os.environ) -> bytes:
-    if path is None and not environ.get(env):
-        path = ensure_secret_file(default)
-    if env == "GLMIMAGE_URL_SECRET":
-        return load_url_secret(path, environ)
-    secret = (path.read_bytes() if path is not None else environ[env].encode()).strip()
-    if len(secret) < 16:
-        raise ValueError(f"the webhook master secret has {len(secret)} bytes, at least 16 are needed")
-    return secret
-
-
 @dataclass
 class Jobs:
     store: JobStore
@@ -156,8 +144,9 @@ async def open_jobs(args: argparse.Namespace, driver: Driver, gate: TenantGate, 
     """Everything built and the store connected (it must answer at start-up: a gateway that cannot keep jobs says
     so at once rather than failing each submit)."""
     try:
-        url_secret = _secret(args.url_secret_file, default_url_secret_file(), "GLMIMAGE_URL_SECRET")
-        master = _secret(args.webhook_secret_file, default_webhook_secret_file(), WEBHOOK_SECRET_ENV)
+        url_secret = load_url_secret(args.url_secret_file, default=default_url_secret_file())
+        master = load_secret(args.webhook_secret_file, WEBHOOK_SECRET_ENV, what="webhook master secret",
+                             flag="--webhook-secret-file", default=default_webhook_secret_file())
         egress = EgressPolicy.from_patterns(args.webhook_allow)
         signer = UrlSigner(url_secret, args.url_ttl)
         images = open_image_store(args.image_store or default_image_store(), signer, args.public_url,

@@ -110,19 +110,28 @@ class UrlSigner:
         return self.check(key, expires, signature, now) == "ok"
 
 
-def load_url_secret(path: Path | None, environ: Mapping[str, str] = os.environ) -> bytes:
-    """The URL secret: the file's bytes (``--url-secret-file``), else ``$GLMIMAGE_URL_SECRET``; surrounding
-    whitespace stripped (a trailing newline from an editor or ``echo`` is no part of it). ValueError when there is
-    none, or it is shorter than 16 bytes."""
+def load_secret(path: Path | None, env: str, *, what: str, flag: str, default: Path | None = None,
+                environ: Mapping[str, str] = os.environ) -> bytes:
+    """A secret shared by processes: the file's bytes (``flag``), else ``$env``, else (given a ``default``) that
+    file, created once; surrounding whitespace stripped (a trailing newline from an editor or ``echo`` is no part of
+    it). ValueError when there is none, or it is shorter than 16 bytes."""
+    if path is None and not environ.get(env) and default is not None:
+        path = ensure_secret_file(default)
     if path is not None:
         secret, where = Path(path).read_bytes().strip(), str(path)
-    elif environ.get(SECRET_ENV):
-        secret, where = environ[SECRET_ENV].encode("utf-8").strip(), f"${SECRET_ENV}"
+    elif environ.get(env):
+        secret, where = environ[env].encode("utf-8").strip(), f"${env}"
     else:
-        raise ValueError(f"no URL secret: give --url-secret-file FILE or set ${SECRET_ENV}")
+        raise ValueError(f"no {what}: give {flag} FILE or set ${env}")
     if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"the URL secret in {where} has {len(secret)} bytes, at least {MIN_SECRET_BYTES} are needed")
+        raise ValueError(f"the {what} in {where} has {len(secret)} bytes, at least {MIN_SECRET_BYTES} are needed")
     return secret
+
+
+def load_url_secret(path: Path | None, environ: Mapping[str, str] = os.environ, default: Path | None = None) -> bytes:
+    """The image links' HMAC key (``--url-secret-file``, else ``$GLMIMAGE_URL_SECRET``, else ``default``)."""
+    return load_secret(path, SECRET_ENV, what="URL secret", flag="--url-secret-file", default=default,
+                       environ=environ)
 
 
 def ensure_secret_file(path: Path) -> Path:

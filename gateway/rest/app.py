@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -32,7 +31,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from gateway.jobs.defaults import default_image_store, default_url_secret_file
 from gateway.jobs.images import DiskImageStore
-from gateway.jobs.urls import SECRET_ENV, UrlSigner, ensure_secret_file, load_url_secret
+from gateway.jobs.urls import UrlSigner, load_url_secret
 from services.runtime.details import RATE_LIMIT_HEADERS, RETRY_AFTER_KEY
 
 from .adapters import AdapterCache
@@ -64,11 +63,9 @@ log = logging.getLogger("glmimage.rest")
 
 def image_serving(settings: RestSettings) -> tuple[UrlSigner, DiskImageStore]:
     """The signer of image links and the disk store this front serves, as the gateways default them."""
-    path = settings.url_secret_file
-    if path is None and not os.environ.get(SECRET_ENV):
-        path = ensure_secret_file(default_url_secret_file())
     try:
-        signer = UrlSigner(load_url_secret(path), 3600.0)  # (the TTL is the signing gateway's; this only verifies)
+        # (The TTL is the signing gateway's; this front only verifies.)
+        signer = UrlSigner(load_url_secret(settings.url_secret_file, default=default_url_secret_file()), 3600.0)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"rest: image links: {exc}") from None
     return signer, DiskImageStore(settings.image_store or Path(default_image_store()), signer)
