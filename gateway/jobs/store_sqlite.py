@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -64,7 +65,7 @@ class SqliteJobStore(SqlJobStore):
             # timeout: SQLite's busy timeout, how long a statement waits for another process's lock.
             conn = await aiosqlite.connect(self.path, isolation_level=None, timeout=self._busy_timeout_s)
             conn.row_factory = sqlite3.Row
-            mode = (await conn.execute_fetchall("PRAGMA journal_mode = WAL"))[0][0]
+            mode = await _wal(conn, self._busy_timeout_s)
             if str(mode).lower() != "wal":
                 raise StoreUnavailable(f"{self.url_for_logs}: SQLite would not use WAL mode (it kept {mode!r})")
             await _run(conn, "PRAGMA synchronous = FULL")  # an accepted job survives a power loss
@@ -109,3 +110,22 @@ class SqliteJobStore(SqlJobStore):
                 if _unavailable(e):
                     raise StoreUnavailable(f"{self.url_for_logs}: {e}") from e
                 raise
+
+
+async def _wal(conn: aiosqlite.Connection, within: float) -> str:
+    """Switch the file to WAL (it stays so: later openers find it set). The switch needs the file to itself, and
+    SQLite answers "database is locked" at once rather than through the busy timeout while another process opens or
+    writes it (several gateways starting together): tried again, for at most ``within`` seconds."""
+    deadline = time.monotonic() + within
+    delay = 0.01
+    while True:
+        try:
+            current = (await conn.execute_fetchall("PRAGMA journal_mode"))[0][0]
+            if str(current).lower() == "wal":
+                return str(current)
+            return str((await conn.execute_fetchall("PRAGMA journal_mode = WAL"))[0][0])
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
