@@ -65,6 +65,7 @@ class Driver:
         self._workers: dict[str, Worker] = {}
         self._removed: set[str] = set()  # removed from the scheduler, maybe still draining
         self._ar_calls: dict[int, asyncio.Task] = {}
+        self._ar_on: dict[int, str] = {}  # the worker each AR batch call went to
         self._abandoned_batches: set[int] = set()  # cancelled because nobody waits: report their end
         self._denoise_calls: dict[sch.JobId, asyncio.Task] = {}
         self._denoise_on: dict[sch.JobId, str] = {}  # the worker each denoise call went to
@@ -297,9 +298,12 @@ class Driver:
         """A worker's health change, from its watch. A draining worker (it said NOT_SERVING) that goes away has
         usually just answered its last job, and that answer may still be on its way through the loop: the job's own
         call decides it, so the unhealthy event waits for the call to end (briefly) instead of requeueing a finished
-        job to be done twice. A worker that was serving, or hangs, is marked unhealthy at once, as before."""
+        job to be done twice. The same for an AR's batches: its health stream ends just after its last reply went
+        out, and failing the batch then answered 503 for work the AR had finished. A worker that was serving, or
+        hangs, is marked unhealthy at once, as before."""
         if isinstance(event, sch.WorkerUnhealthy) and self.scheduler.is_not_serving(event.worker):
             calls = [t for job, t in self._denoise_calls.items() if self._denoise_on.get(job) == event.worker]
+            calls += [t for bid, t in self._ar_calls.items() if self._ar_on.get(bid) == event.worker]
             if calls:
                 waiting = self._spawn(asyncio.wait(calls, timeout=self.config.health_probe_timeout),
                                       f"drained:{event.worker}")
@@ -333,9 +337,11 @@ class Driver:
                 # For several requests: it logs their ids itself.
                 task = spawn(self._run_ar_batch(action), name=f"ar-batch:{action.batch_id}")
                 self._ar_calls[action.batch_id] = task
+                self._ar_on[action.batch_id] = action.worker
                 task.add_done_callback(functools.partial(self._ar_task_done, action))
             case sch.CancelArBatch(batch_id=batch_id, abandoned=abandoned):
                 task = self._ar_calls.pop(batch_id, None)
+                self._ar_on.pop(batch_id, None)
                 if task:
                     if abandoned:  # the scheduler holds the AR slot until it hears the call has ended
                         self._abandoned_batches.add(batch_id)
@@ -390,6 +396,7 @@ class Driver:
     def _ar_task_done(self, action: sch.DispatchArBatch, task: asyncio.Task) -> None:
         if self._ar_calls.get(action.batch_id) is task:
             del self._ar_calls[action.batch_id]
+            self._ar_on.pop(action.batch_id, None)
         abandoned = action.batch_id in self._abandoned_batches
         self._abandoned_batches.discard(action.batch_id)
         # Abandoned (nobody waits for it), maybe before it ever ran: report its end to free the AR slot. A batch
