@@ -95,7 +95,9 @@ def test_off_by_default_the_gateways_keep_no_jobs(docs: dict[str, list[dict]]) -
     assert _job_args(off, "rest") == []
     assert not {"jobs-db", "job-images", "url-secret", "webhook-secret"} & set(_volumes(off))
     assert "checksum/jobs" not in _annotations(off)
-    assert "strategy" not in by_kind(off, "Deployment")[GATEWAY]["spec"]
+    # The chart's surge-first roll (tests/test_k8s_rolling.py), not the stop-first one of a local job store.
+    assert by_kind(off, "Deployment")[GATEWAY]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1,
+                                                                                        "maxUnavailable": 0}
     assert set(by_kind(off, "Secret")) == {f"{RELEASE}-glmimage-internal-token"}
     assert "Jobs are off (jobs.enabled=false)" in notes()
 
@@ -169,7 +171,7 @@ def test_one_gateway_may_keep_sqlite_on_its_own_volume_and_rolls_stop_first(docs
         # The old pod lets the file go before the new one opens it (and a ReadWriteOnce claim can move).
         assert by_kind(d, "Deployment")[GATEWAY]["spec"]["strategy"] == {
             "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}, name
-    assert "strategy" not in by_kind(docs["postgres-disk"], "Deployment")[GATEWAY]["spec"]
+    assert by_kind(docs["postgres-disk"], "Deployment")[GATEWAY]["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 1
     assert "SQLite on the gateway pod's claim glm-jobs" in notes(LOCAL)
     assert "emptyDir: lost, queued jobs too, when the pod goes" in notes(SETS["local-empty-dir"])
 

@@ -1,3 +1,15 @@
+{{/*
+A role's terminationGracePeriodSeconds, refused unless it exceeds its preStop sleep plus its drain: a kill before the
+drain ends would lose the work the drain is there to finish.
+*/}}
+{{- define "glmimage.terminationGrace" -}}
+{{- $need := add (int .preStopSeconds) (int (ceil .drainSeconds)) -}}
+{{- if le (int .terminationGracePeriodSeconds) $need -}}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must exceed preStopSeconds + drainSeconds (%v)" .terminationGracePeriodSeconds $need) -}}
+{{- end -}}
+{{- .terminationGracePeriodSeconds -}}
+{{- end }}
+
 {{/* Names */}}
 {{- define "glmimage.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
