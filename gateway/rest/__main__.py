@@ -74,6 +74,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-cache-report", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens")
     p.add_argument("--request-timeout", type=float, default=_DEFAULTS.request_timeout, help="seconds")
+    p.add_argument("--drain-seconds", type=float, default=60.0,
+                   help="on SIGTERM: stop taking connections and give the requests in flight this long to finish "
+                        "(streams included) before the front exits anyway (default %(default)s)")
     p.add_argument("--cors-origin", action="append", default=[],
                    help="browser origin allowed to call the API, e.g. https://app.example.com (repeatable; "
                    "default none: CORS off)")
@@ -220,7 +223,8 @@ def build_server(args: argparse.Namespace) -> RestServer:
     app = create_app(settings_from_args(args))  # reads the tenants file: TenantsError when it is bad
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="on",
                             loop="asyncio", http=protocol_class(guards), ws="none",
-                            timeout_keep_alive=guards.keep_alive_timeout)  # type: ignore[arg-type]
+                            timeout_keep_alive=guards.keep_alive_timeout,
+                            timeout_graceful_shutdown=args.drain_seconds)  # type: ignore[arg-type]
     server = RestServer(config)
     if args.tenants is not None:
         server.on_sighup = app.state.keys.reload
