@@ -31,6 +31,8 @@ from gateway.traces import RequestTrace, ar_call, traced
 from gateway.workers import Worker, WorkerHealth
 from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2
 from services.runtime.admission import Admitted
+from services.runtime.capability import Capabilities, Needs, fits, refusal
+from services.runtime.errors import ErrorKind, InvalidArgument
 from services.runtime.limits import Limits, limits_in_force, round_up
 from services.runtime.logs import spawn, without_request_id
 
@@ -59,7 +61,8 @@ class Driver:
                  metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         # Seeded with the gateway's own id: gateways sharing denoisers each take free ones in an order of their own.
-        self.scheduler = scheduler or Scheduler(config.scheduler, pick_seed=config.instance_id)
+        # ``fits``: each denoise job goes only to a denoiser that can run it (services.runtime.capability).
+        self.scheduler = scheduler or Scheduler(config.scheduler, pick_seed=config.instance_id, fits=fits)
         self.observe = Observer(metrics)
         self._pending: dict[str, _Pending] = {}
         self._workers: dict[str, Worker] = {}
@@ -78,6 +81,7 @@ class Driver:
         self.downstream = Downstream(config, self.observe, self._sideline)
         self._limits: Limits | None = None  # in force; recomputed after any change of members or their limits
         self._loras: dict[str, common_pb2.LoraInfo] | None = None  # the catalogue, recomputed with the limits
+        self._told_caps: dict[str, Capabilities] = {}  # what the scheduler was last told each worker can run
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -135,21 +139,47 @@ class Driver:
         self._workers[address] = worker
         log.info("%s worker %s added", role.value.lower(), address)
         self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
-        worker.watch(self._from_watch, lambda: self._closed, self._limits_changed)
+        worker.watch(self._from_watch, lambda: self._closed, functools.partial(self._capabilities_changed, worker))
         return True
 
+    def _known(self, role: sch.WorkerRole | None = None) -> list[Worker]:
+        """The members (not removed) that have said what they can run, in the order they joined."""
+        return [w for a, w in self._workers.items() if a not in self._removed and w.limits is not None
+                and (role is None or w.role is role)]
+
     def limits(self) -> Limits:
-        """What admission refuses past: the tightest of the gateway's flags and of its members' own limits."""
+        """What admission refuses past, and GetLimits serves: what some member of each stage can do (the union of
+        their limits; a member down for a moment still counts, so its restart turns no feature into a refusal),
+        never more than the gateway's own flags. Whether one member serves all a request asks: ``capable``."""
         if self._limits is None:
-            members = [w for a, w in self._workers.items() if a not in self._removed and w.limits is not None]
             self._limits = limits_in_force(dict(self.config.own_limits),
-                                           [w.limits for w in members if w.role is sch.WorkerRole.AR],
-                                           [w.limits for w in members if w.role is sch.WorkerRole.DENOISER])
+                                           [w.limits for w in self._known(sch.WorkerRole.AR)],
+                                           [w.limits for w in self._known(sch.WorkerRole.DENOISER)])
         return self._limits
+
+    def capable(self, needs: Needs) -> InvalidArgument | None:
+        """Why no member of some stage can run a request of ``needs`` (services.runtime.capability.refusal, the
+        field named), or None: it is admitted, and the scheduler places it where it can run."""
+        for role in (sch.WorkerRole.AR, sch.WorkerRole.DENOISER):
+            why = refusal(needs, [w.capabilities() for w in self._known(role)])
+            if why is not None:
+                return why
+        return None
 
     def _limits_changed(self) -> None:
         self._limits = None
         self._loras = None
+
+    def _capabilities_changed(self, worker: Worker) -> None:
+        """Its limits or its adapter directory changed: the union is recomputed, and the scheduler told what it can
+        run (before it is first healthy: its limits are read before its health is)."""
+        self._limits_changed()
+        if self._workers.get(worker.address) is not worker or worker.limits is None:
+            return
+        caps = worker.capabilities()
+        if self._told_caps.get(worker.address) != caps:
+            self._told_caps[worker.address] = caps
+            self._feed(sch.WorkerCapabilities(now=time.monotonic(), worker=worker.address, capabilities=caps))
 
     def worker_progress(self, address: str) -> tuple[int, int]:
         """The steps done of the job a denoiser runs, and of how many (0, 0: none, or not known yet)."""
@@ -161,12 +191,14 @@ class Driver:
         return [w for a, w in self._workers.items() if a not in self._removed and w.role is sch.WorkerRole.DENOISER]
 
     def lora_catalogue(self) -> dict[str, common_pb2.LoraInfo]:
-        """The adapters a request may name, by name: those every denoiser that has said lists (any may run any
-        job, so a name one of them lacks would fail there), as the first of them describes each."""
+        """The adapters a request may name, by name: those some denoiser lists (its jobs go only to denoisers that
+        list all they name), as the first of them to list each describes it."""
         if self._loras is None:
-            listed = [w.loras for w in self.denoisers() if w.loras is not None]
-            names = set.intersection(*(set(d) for d in listed)) if listed else set()
-            self._loras = {name: listed[0][name] for name in sorted(names)}
+            catalogue: dict[str, common_pb2.LoraInfo] = {}
+            for w in self.denoisers():
+                for name, info in (w.loras or {}).items():
+                    catalogue.setdefault(name, info)
+            self._loras = {name: catalogue[name] for name in sorted(catalogue)}
         return self._loras
 
     def pool_size(self) -> int:
@@ -189,6 +221,7 @@ class Driver:
         for address in [a for a in self._removed if not self.scheduler.has_worker(a)]:
             self._removed.discard(address)
             worker = self._workers.pop(address)
+            self._told_caps.pop(address, None)
             for task in worker.tasks():
                 task.cancel()
             self._spawn(worker.channel.close(), f"close:{address}")
@@ -204,6 +237,9 @@ class Driver:
         awaiting task cancels the request downstream; when ``expired()`` says the cancel came from the caller's
         deadline, the request ends as a deadline. ``tenant`` (its weight then) and ``priority``: its place in the
         scheduler's fair share (GetStatus shows a caller the requests of its own tenant only)."""
+        needs = Needs.of(admitted, stream.partial_images if stream is not None else 0)
+        if (why := self.capable(needs)) is not None:  # (the pool changed since admission, or a job's request)
+            return sch.RequestError(ErrorKind.INVALID_ARGUMENT, why.message, why.field)
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         pending = _Pending(admitted=admitted, future=loop.create_future(), stream=stream, timing=Timing(arrived=now),
@@ -217,7 +253,7 @@ class Driver:
         self._feed(sch.RequestArrived(now=now, request_id=request_id, n=admitted.n, height=round_up(admitted.height),
                                       width=round_up(admitted.width), deadline=now + timeout, solo=admitted.edit,
                                       loras=frozenset(ref.name for ref in admitted.request.loras), tenant=tenant,
-                                      weight=weight, priority=priority))
+                                      weight=weight, priority=priority, needs=needs))
         try:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
@@ -292,7 +328,8 @@ class Driver:
     def _publish(self) -> None:
         self._publish_due = False
         self.observe.publish(self.scheduler, (w.role for w in self._workers.values() if w.health.stuck),
-                             (w.role for w in self._workers.values() if w.health is WorkerHealth.CREDENTIAL_REFUSED))
+                             (w.role for w in self._workers.values() if w.health is WorkerHealth.CREDENTIAL_REFUSED),
+                             (w.role for w in self._workers.values() if w.health is WorkerHealth.INCOMPATIBLE))
 
     def _from_watch(self, event: sch.Event, quiet: bool = False) -> None:
         """A worker's health change, from its watch. A draining worker (it said NOT_SERVING) that goes away has
@@ -454,6 +491,11 @@ class Driver:
         """What the worker said when that says more than its health (its refusal of the credential); else ""."""
         worker = self._workers.get(address)
         return "" if worker is None else worker.health_detail
+
+    def worker_build(self, address: str) -> common_pb2.BuildInfo:
+        """Its release and contract revisions, as its GetLimits last said (gateway.compat); empty if unknown."""
+        worker = self._workers.get(address)
+        return common_pb2.BuildInfo() if worker is None else worker.build
 
     def _sideline(self, worker: Worker, health: WorkerHealth, code: grpc.StatusCode, detail: str = "") -> None:
         """A call to it timed out or broke (or it refused the credential: ``detail``, what it said): unavailable

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from gateway.auth import ADMIN, GatewayAuth
+from gateway.compat import gateway_build
 from gateway.config import GatewayConfig
 from gateway.driver import Driver, Outcome, StreamOptions
 from gateway.jobs.images import ImageStoreUnavailable
@@ -25,8 +26,10 @@ from gateway.quotas import Quotas
 from gateway.scheduler import types as sch
 from gateway.stream_relay import StreamRelay
 from gateway.tenancy import PRIORITY_TO_PROTO, TenantGate, Ticket, Usage, priority_of, quota_of
+from gateway.workers import WorkerHealth
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from services.runtime.admission import Admitted, check_generate, check_partial_images
+from services.runtime.capability import Needs
 from services.runtime.errors import InvalidArgument, ServiceError, Unavailable, error_for
 from services.runtime.limits import Limits
 from services.runtime.logs import request_id_var
@@ -151,11 +154,11 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         return tenant
 
     async def _admit(self, request: gateway_service_pb2.GenerateImagesRequest, context: grpc.aio.ServicerContext,
-                     limits: Limits) -> tuple[Admitted, Ticket, int]:
+                     limits: Limits, partial_images: int = 0) -> tuple[Admitted, Ticket, int]:
         """The request's fields, its tenant's priority and quotas, in that order: a bad request counts against no
         quota. The ticket's rate-limit figures go out as the call's initial metadata."""
         tenant = self._tenant(context)
-        admitted = self._check(request, limits)
+        admitted = self._check(request, limits, partial_images)
         priority = priority_of(request.priority, tenant)
         if request.response_format not in _RESPONSE_FORMATS:
             raise InvalidArgument("response_format", f"unknown response format {request.response_format}; use "
@@ -220,7 +223,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
                                    ) -> AsyncIterator[gateway_service_pb2.GenerateImagesStreamResponse]:
         limits = self.driver.limits()
         check_partial_images(request.partial_images, limits)
-        admitted, ticket, priority = await self._admit(request.request, context, limits)
+        admitted, ticket, priority = await self._admit(request.request, context, limits, request.partial_images)
         relay = StreamRelay()
         outcome = None
         try:
@@ -247,12 +250,19 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         completed = response_of(outcome, admitted, request_id_var.get())  # (a stream's images are bytes)
         yield gateway_service_pb2.GenerateImagesStreamResponse(completed=completed)
 
-    def _check(self, request: gateway_service_pb2.GenerateImagesRequest, limits: Limits) -> Admitted:
-        return check_generate(request, limits, default_height=self.config.default_height,
-                              default_width=self.config.default_width,
-                              known_loras=self.driver.lora_catalogue() if request.loras else None)
+    def _check(self, request: gateway_service_pb2.GenerateImagesRequest, limits: Limits,
+               partial_images: int = 0) -> Admitted:
+        """Within what the pool can do (``limits``: the union of its workers'), and run whole by one worker of each
+        stage (the driver's ``capable``): else INVALID_ARGUMENT naming the field, before any quota is charged."""
+        admitted = check_generate(request, limits, default_height=self.config.default_height,
+                                  default_width=self.config.default_width,
+                                  known_loras=self.driver.lora_catalogue() if request.loras else None)
+        if (why := self.driver.capable(Needs.of(admitted, partial_images))) is not None:
+            raise why
+        return admitted
 
     async def GetLimits(self, request, context: grpc.aio.ServicerContext):
+        """What the pool can do: the union of its workers' limits, within the gateway's flags (Driver.limits)."""
         return gateway_service_pb2.GetLimitsResponse(limits=self.driver.limits().to_proto())
 
     async def GetStatus(self, request, context: grpc.aio.ServicerContext):
@@ -277,11 +287,14 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
                 address=w.address if full else "", role=ROLE_TO_PROTO[w.role], state=STATE_TO_PROTO[w.state],
                 inflight=w.inflight, current_job=shown(w.current_job), health=health.value, stuck=health.stuck,
                 held_elsewhere=w.held_elsewhere, loras_loaded=sorted(w.loras), step=step, total_steps=total_steps,
-                health_detail=self.driver.worker_health_detail(w.address) if full else ""))
+                health_detail=self.driver.worker_health_detail(w.address) if full else "",
+                incompatible=health is WorkerHealth.INCOMPATIBLE,
+                build=self.driver.worker_build(w.address) if full else None))
         return gateway_service_pb2.GetStatusResponse(
             pending_ar_requests=snap.pending_ar_requests, pending_ar_outputs=snap.pending_ar_outputs,
             pending_denoise_outputs=snap.pending_denoise_outputs, active_requests=snap.active_requests,
-            workers=workers, tenants=await self._tenant_status(snap, full, caller))
+            workers=workers, tenants=await self._tenant_status(snap, full, caller),
+            gateway_build=gateway_build() if full else None)
 
     async def _tenant_status(self, snap: sch.Snapshot, full: bool, caller: Tenant | None
                        ) -> list[gateway_service_pb2.TenantStatus]:

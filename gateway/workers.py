@@ -16,10 +16,12 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.compat import incompatibility
 from gateway.config import GatewayConfig
 from gateway.scheduler import types as sch
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
 from services.runtime import keepalive
+from services.runtime.capability import Capabilities
 from services.runtime.limits import advertised
 from services.runtime.logs import spawn
 from services.runtime.tls import make_channel
@@ -52,6 +54,13 @@ class WorkerHealth(enum.Enum):
     # Its health is open, so it looks serving, but it refuses every call that needs the internal token: a wrong
     # token file, or a rotation half done (see docs/operating.md, the internal token).
     CREDENTIAL_REFUSED = "refuses the gateway's credential"
+    # It speaks no contract revision this gateway does (gateway.compat): its GetLimits said so.
+    INCOMPATIBLE = "speaks no contract revision this gateway does (incompatible)"
+
+    @property
+    def held_back(self) -> bool:
+        """It answers, yet gets no work until a fresh check of it passes (what health_detail says is why)."""
+        return self in (WorkerHealth.CREDENTIAL_REFUSED, WorkerHealth.INCOMPATIBLE)
 
     @property
     def stuck(self) -> bool:
@@ -63,6 +72,8 @@ class WorkerHealth(enum.Enum):
         """Why it takes no work, in the scheduler's terms (what the client's message says)."""
         if self is WorkerHealth.CREDENTIAL_REFUSED:
             return sch.WorkerDown.CREDENTIAL_REFUSED
+        if self is WorkerHealth.INCOMPATIBLE:
+            return sch.WorkerDown.INCOMPATIBLE
         if self is WorkerHealth.TIMED_OUT:
             return sch.WorkerDown.TIMED_OUT
         return sch.WorkerDown.HUNG if self is WorkerHealth.HUNG else sch.WorkerDown.GONE
@@ -86,6 +97,10 @@ class _CredentialRefused(Exception):
     """The check with the gateway's credential (GetLimits) was refused; the message is the worker's answer."""
 
 
+class _Incompatible(Exception):
+    """Its GetLimits named contract revisions this gateway does not speak; the message says which."""
+
+
 class Worker:
     """One member of the pool: its channel and stub, and its health as a watch of its own follows it."""
 
@@ -105,9 +120,12 @@ class Worker:
         # The bounds it applies, as its GetLimits last said (read each time it comes up, before it gets work: a
         # restarted worker may run with other flags); None until then.
         self.limits: dict[str, float] | None = None
+        # Its release and contract revisions, as that GetLimits said (empty: it said none, an older release).
+        self.build = common_pb2.BuildInfo()
         self._on_limits: Callable[[], None] = lambda: None
         # Denoisers: the adapters of its adapter directory by name, as its ListLoras last said (read with its limits,
-        # and again at each GatewayService.ListLoras); None until then. What admission knows adapter names from.
+        # and again at each GatewayService.ListLoras); None until then. What admission knows adapter names from, and
+        # with ``limits`` what the scheduler places its jobs by (capabilities()).
         self.loras: dict[str, common_pb2.LoraInfo] | None = None
         # Denoisers: the steps done of the job holding its slot, and of how many, as its occupancy stream says.
         self.progress: tuple[int, int] = (0, 0)
@@ -119,6 +137,10 @@ class Worker:
             self.stub = denoiser_service_pb2_grpc.DenoiserServiceStub(self.channel)
             self.service = DENOISER_SERVICE
             self._limits_request = denoiser_service_pb2.DenoiserServiceGetLimitsRequest
+
+    def capabilities(self) -> Capabilities:
+        """What it can run, as its GetLimits (and a denoiser's ListLoras) last said (the defaults before then)."""
+        return Capabilities.of(self.role.value, self.limits or {}, frozenset(self.loras or ()))
 
     def watch(self, feed: Feed, closed: Callable[[], bool], on_limits: Callable[[], None] = lambda: None) -> None:
         """Start following its health; every change reaches the scheduler through ``feed``, and a change of its
@@ -220,6 +242,7 @@ class Worker:
             reply = await self.stub.GetLimits(self._limits_request(), timeout=self.config.health_probe_timeout,
                                               metadata=self.config.worker_metadata)
             limits = advertised(reply.limits)
+            self.build = reply.build
         except grpc.aio.AioRpcError as err:
             if err.code() in CREDENTIAL_CODES:
                 # Health is open, so it looks serving; but it would refuse every job sent to it, at once, and so be
@@ -232,6 +255,9 @@ class Worker:
             log.warning("%s %s: GetLimits: %s %s; assuming the default limits", self.role.name.lower(), self.address,
                         err.code().name, err.details())
             limits = {}
+            self.build = common_pb2.BuildInfo()
+        if why := incompatibility(self.build):
+            raise _Incompatible(why)
         if limits != self.limits:
             log.info("%s %s applies %s", self.role.name.lower(), self.address,
                      ", ".join(f"{k}={v:g}" for k, v in sorted(limits.items())) or "no advertised limits")
@@ -342,6 +368,10 @@ class Worker:
                 self.health = WorkerHealth.NOT_SERVING
             except _CredentialRefused as refused:
                 self._refused(str(refused))
+            except _Incompatible as incompatible:
+                if self.health is not WorkerHealth.INCOMPATIBLE or self.health_detail != str(incompatible):
+                    log.warning("%s %s %s: it gets no work", self.role.name.lower(), self.address, incompatible)
+                self.health, self.health_detail = WorkerHealth.INCOMPATIBLE, str(incompatible)
             except Exception:  # noqa: BLE001 - the watch must outlive any surprise, or the worker's state freezes
                 log.exception("health watch of %s failed unexpectedly", self.address)
                 self.health = WorkerHealth.UNREACHABLE
@@ -350,7 +380,7 @@ class Worker:
                     prober.cancel()
                 self.checked.set()
             serving = False
-            refused = self.health is WorkerHealth.CREDENTIAL_REFUSED
+            refused = self.health.held_back
             if not refused:
                 self.health_detail = ""  # what it said when it refused no longer holds
             down = self.health.down

@@ -33,6 +33,7 @@ from typing import Any, get_args
 # Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
 from services.runtime.errors import ErrorKind
 
+from .capability import Capability, Fits
 from .containers import ArQueue, MinQueue
 from .fairness import QueueKey, Shares
 from .placement import Placement
@@ -67,6 +68,7 @@ from .types import (
     Snapshot,
     Tick,
     WorkerAdded,
+    WorkerCapabilities,
     WorkerDown,
     WorkerHealthy,
     WorkerNotServing,
@@ -93,9 +95,11 @@ _ATTEMPT_MEMORY = 4096
 class Scheduler:
     """Deterministic two-stage scheduler. See the module docstring."""
 
-    def __init__(self, config: SchedulerConfig = SchedulerConfig(), pick_seed: str | None = None) -> None:
+    def __init__(self, config: SchedulerConfig = SchedulerConfig(), pick_seed: str | None = None,
+                 fits: Fits | None = None) -> None:
         """``pick_seed``: this gateway's own order of the denoisers, for the choice of a free one (see Pool); the
-        choices are deterministic given it. None: the order they joined in."""
+        choices are deterministic given it. None: the order they joined in. ``fits(needs, capabilities)``: whether a
+        job fits a denoiser (capability.py); None: every job fits every denoiser."""
         self.config = config
         self.counters = Counters()
         self._now: float = float("-inf")
@@ -119,6 +123,7 @@ class Scheduler:
         self._ar_dirty = False
         self._ar_recheck_at = NEVER
         self._placement = Placement(config.lora_load_cost)  # and what it learns (see placement.py)
+        self._capability = Capability(fits)  # which denoisers may run which jobs (see capability.py)
         # Event type -> its handler, in the order of the Event union (handle() looks up the exact type).
         self._handlers: dict[type, Callable[[Any, list[Action]], None]] = {
             RequestArrived: self._on_arrived,
@@ -133,6 +138,7 @@ class Scheduler:
             WorkerHealthy: self._on_worker_healthy,
             WorkerUnhealthy: self._on_worker_unhealthy,
             WorkerNotServing: self._on_worker_not_serving,
+            WorkerCapabilities: self._on_worker_capabilities,
             RequestCancelled: self._on_cancelled,
             Tick: self._on_tick,
         }
@@ -291,12 +297,14 @@ class Scheduler:
             solo=ev.solo,
             loras=ev.loras,
             priority=ev.priority,
+            needs=ev.needs,
         )
         self._active[rid] = req
         self.counters.admitted += 1
         self._shares.admit(ev, req)
         if req.loras:
             self._placement.requests += 1
+        self._capability.admit(req)
         self._enqueue_ar(req, front=False)
         if ev.deadline is not None and ev.deadline <= self._now:
             # Admitted and ended at once, so every admitted request still ends exactly once.
@@ -458,6 +466,11 @@ class Scheduler:
             w.not_serving = True  # unlike WorkerUnhealthy, nothing it holds is cancelled or requeued
             self._recount(w)
 
+    def _on_worker_capabilities(self, ev: WorkerCapabilities, actions: list[Action]) -> None:
+        w = self._pool.members.get(ev.worker)
+        if w is not None:  # (a job of its own already on it was placed by what it could do then, and may end)
+            self._capability.set(w, ev.capabilities, self._active.values())
+
     def _on_worker_unhealthy(self, ev: WorkerUnhealthy, actions: list[Action]) -> None:
         w = self._pool.members.get(ev.worker)
         if w is None:
@@ -507,6 +520,7 @@ class Scheduler:
     def _forget(self, w: Worker) -> None:
         """Drop a worker from membership."""
         self._pool.forget(w)
+        self._capability.set(w, None, self._active.values())
         if w.role is AR:
             self._ar_dirty = True
 
@@ -562,6 +576,7 @@ class Scheduler:
             self._shares.idle(t)
         if req.loras:
             self._placement.requests -= 1
+        self._capability.end(req)
         if req.stage is PENDING_AR:
             q = self._pending_ar[req.queue_key]
             q.remove(req)
@@ -756,10 +771,11 @@ class Scheduler:
     def _dispatch_denoise(self, actions: list[Action]) -> None:
         # One output per free denoiser, so a request's n outputs fan out to n workers at once, in the fair order
         # of the queue. (LoRA placement while a request names adapters, or a denoiser holds some, which plain jobs
-        # then keep off.)
-        if (self._placement.requests or self._pool.holders) and self.config.lora_affinity:
+        # then keep off; and while some request cannot run on every denoiser, capability placement, affinity or not.)
+        restricted = self._capability.restricted
+        if restricted or (self._placement.requests or self._pool.holders) and self.config.lora_affinity:
             self._placement.dispatch(self._denoise_q, self._pool, self._now, self._active, self._start_job,
-                                     self._live_output, actions)
+                                     self._live_output, actions, self._capability.can_run if restricted else None)
             return
         queue, pool = self._denoise_q, self._pool
         while queue.first is not None and pool.idle:  # (no entry left in the idle heap: none is free)

@@ -40,8 +40,11 @@ class Placement:
 
     def dispatch(self, queue: DenoiseQueue, pool: Pool, now: float, active: dict[str, Request],
                  start_job: Callable[[Worker, QueueKey, list[Action]], None],
-                 live_output: Callable[[JobId, str], tuple[Request, Output] | None], actions: list[Action]) -> None:
-        """The denoise pass while some request names LoRA adapters, or some denoiser holds one.
+                 live_output: Callable[[JobId, str], tuple[Request, Output] | None], actions: list[Action],
+                 can_run: Callable[[Request, Worker], bool] | None = None) -> None:
+        """The denoise pass while some request names LoRA adapters, or some denoiser holds one, or some request
+        cannot run on every kind of denoiser in the pool (``can_run``, capability.Capability's: such a job goes only
+        where it can run, and waits while those are busy; the jobs behind it go on, a window at a time).
 
         In queue order (the fair order of fairness.DenoiseQueue), over a window of the queue at a time, while a
         denoiser is free:
@@ -63,21 +66,28 @@ class Placement:
         bound = self.load_cost
         recheck = NEVER
         held = False  # a non-batch job looked at is still queued (kept, or in ``loading``)
+        unable = 0  # jobs kept because no free denoiser can run them: a window of them at most per pass
         queue.begin()
-        while queue.first is not None and pool.idle and not (held and queue.first[0] == BATCH):
+        while queue.first is not None and pool.idle and not (held and queue.first[0] == BATCH) \
+                and unable < _AFFINITY_WINDOW:
             # Steps 1 and 2 over the next window of the queue; the jobs that would load, for step 3.
             loading: list[tuple[QueueKey, frozenset[str], int]] = []
             dispatched = 0  # dispatches so far in this window: a job set aside before one of them was passed over
-            while queue.first is not None and pool.idle and len(loading) < _AFFINITY_WINDOW:
+            while queue.first is not None and pool.idle and len(loading) < _AFFINITY_WINDOW \
+                    and unable < _AFFINITY_WINDOW:
                 if queue.first[0] == BATCH and (held or (loading and loading[0][0][0] != BATCH)):
                     break  # step 3 first: whether a job of another class stays queued (they come first)
                 key = queue.take()
                 req = active[key[4]]
                 want = req.loras
-                w = pool.take_denoiser_for(want, pool.holders_of(want) if want else None)
+                able = _able(req, can_run)
+                w = pool.take_denoiser_for(want, pool.holders_of(want) if want else None, able)
                 if w is None:
                     queue.keep(key)
                     held = held or key[0] != BATCH
+                    if able is not None and pool.idle:
+                        unable += 1  # denoisers are free, none of them can run it: the jobs behind it go on
+                        continue
                     break
                 passed_at = req.outputs[key[3]].passed_at
                 if not want or want <= w.loras or (passed_at is not None and now >= passed_at + bound):
@@ -88,9 +98,13 @@ class Placement:
             # Step 3.
             waiting: dict[frozenset[str], int] = {}  # adapter set -> its jobs waiting for a holder in this pass
             for key, want, before in loading:
-                out = active[key[4]].outputs[key[3]]
+                req = active[key[4]]
+                out = req.outputs[key[3]]
+                able = _able(req, can_run)
                 holders = pool.holders_of(want)
-                w = pool.take_denoiser_for(want, holders) if pool.idle else None
+                if able is not None:
+                    holders = [h for h in holders if able(h)]  # a holder that cannot run it is no place to wait
+                w = pool.take_denoiser_for(want, holders, able) if pool.idle else None
                 if w is None:
                     if dispatched > before and out.passed_at is None:
                         out.passed_at = now  # later jobs' hits took the free denoisers it could have loaded on
@@ -132,3 +146,10 @@ class Placement:
         starts.sort()
         rounds, slot = divmod(ahead, len(starts))
         return starts[slot] + job_time * (rounds + 1)
+
+
+def _able(req: Request, can_run: Callable[[Request, Worker], bool] | None) -> Callable[[Worker], bool] | None:
+    """Which denoisers may take ``req``'s job: None (any) unless some kind in the pool cannot run it."""
+    if can_run is None or not req.restricted:
+        return None
+    return lambda w: can_run(req, w)

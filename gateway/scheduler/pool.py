@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .speed import AR, DENOISER
@@ -50,6 +51,8 @@ class Worker:
     # Denoisers: the LoRA adapters it holds, as its occupancy stream last said, plus those of the job it runs for
     # this gateway (loaded by the time it ends); kept by Pool.set_loras with the index Pool.holders.
     loras: frozenset[str] = frozenset()
+    # What it can run, as its WorkerCapabilities last said (opaque; None: not known), kept by capability.Capability.
+    caps: object = None
 
     def busy(self) -> bool:
         return self.job is not None or bool(self.batches)
@@ -218,18 +221,20 @@ class Pool:
         rarest = min(sets, key=len)  # type: ignore[arg-type]
         return sorted((w for w in rarest if want <= w.loras), key=lambda w: w.rank)
 
-    def take_denoiser_for(self, want: frozenset[str], holders: list[Worker] | None = None) -> Worker | None:
+    def take_denoiser_for(self, want: frozenset[str], holders: list[Worker] | None = None,
+                          able: Callable[[Worker], bool] | None = None) -> Worker | None:
         """A free denoiser for a job naming ``want``, taken (the caller dispatches to it): the one in ``holders``
         (from holders_of) that comes next in the rotation, if any is free; else, among every free one, the one that
         holds most of them, then the fewest others (a plain job, want empty: the one holding fewest, which keeps
-        the holders for the jobs that need them), then the next in the rotation. None: none is free.
+        the holders for the jobs that need them), then the next in the rotation. With ``able``, only a denoiser it
+        accepts (one that can run the job: capability.py). None: none is free (and able).
 
         It walks the idle heap (the free denoisers, short when the pool is busy), dropping entries that are no
         longer free as take_free_denoiser does; the entry of the one taken stays and is dropped when it reaches the
         top (its worker is busy by then)."""
         if holders:
             for w in holders:
-                if w.offered and w.ready and w.job is None and not w.elsewhere:
+                if w.offered and w.ready and w.job is None and not w.elsewhere and (able is None or able(w)):
                     return w
         heap = self.idle
         best: Worker | None = None
@@ -241,6 +246,8 @@ class Pool:
                 w.offered = False
                 continue
             live.append(entry)
+            if able is not None and not able(w):
+                continue
             held = w.loras
             key = (-len(held & want), len(held - want), lap, rank)
             if best is None or key < best_key:

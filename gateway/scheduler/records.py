@@ -66,6 +66,11 @@ class Request:
     priority: int = 1
     flow: Any = None
     listed: bool = True
+    # Capability placement (capability.py): what it needs (opaque; None: any denoiser runs it), whether it fits each
+    # kind of denoiser asked so far (capabilities -> bool), and whether some kind in the pool cannot run it.
+    needs: object = None
+    fit: dict[object, bool] | None = None
+    restricted: bool = False
 
     @property
     def queue_key(self) -> tuple[int, int, int]:

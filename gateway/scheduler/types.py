@@ -44,6 +44,7 @@ __all__ = [
     "TenantSnapshot",
     "Tick",
     "WorkerAdded",
+    "WorkerCapabilities",
     "WorkerDown",
     "WorkerHealthy",
     "WorkerNotServing",
@@ -143,6 +144,9 @@ class RequestArrived:
     tenant: str = "default"
     weight: float = 1.0
     priority: int = 1
+    # What it asks of the denoiser that runs it (services.runtime.capability.Needs; opaque here): it is placed only
+    # on a denoiser whose capabilities the scheduler's ``fits`` accepts for it. None: any denoiser can run it.
+    needs: object = None
 
 
 # Priority classes (RequestArrived.priority): lower runs first within a tenant (defined with their names in
@@ -247,6 +251,7 @@ class WorkerDown(enum.Enum):
     HUNG = "is not answering (hung)"
     TIMED_OUT = "did not answer in time"
     CREDENTIAL_REFUSED = "refuses the gateway's credential (its internal token)"
+    INCOMPATIBLE = "speaks no contract revision the gateway does (a release too old or too new)"
 
 
 @dataclass(frozen=True)
@@ -266,6 +271,17 @@ class WorkerNotServing:
 
     now: float
     worker: str
+
+
+@dataclass(frozen=True)
+class WorkerCapabilities:
+    """What a worker can run (its limits, its adapter directory...: services.runtime.capability.Capabilities, opaque
+    and hashable here), as it last said; sent before it is first healthy, and again whenever that changes. None:
+    not known (it runs anything, as before it said)."""
+
+    now: float
+    worker: str
+    capabilities: object = None
 
 
 @dataclass(frozen=True)
@@ -295,6 +311,7 @@ Event = (
     | WorkerHealthy
     | WorkerUnhealthy
     | WorkerNotServing
+    | WorkerCapabilities
     | RequestCancelled
     | Tick
 )

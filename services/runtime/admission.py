@@ -3,8 +3,9 @@ over the limits model (services.runtime.limits) that both the gateway servicer a
 
 Whatever a worker would refuse is refused here, with the field named, so a bad request never reaches a shared AR
 batch, never holds a slot and never costs AR or denoiser work. The limits are those in force (the gateway driver's
-``limits()``: the tightest of the gateway's flags and of what every worker advertised over GetLimits); the checks
-themselves are the workers' own, from services.runtime.limits.
+``limits()``: what some worker of each stage advertised over GetLimits, within the gateway's flags; whether one
+single worker serves the whole request is services.runtime.capability's); the checks themselves are the workers'
+own, from services.runtime.limits.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from services.runtime.limits import (
     check_step_cache,
     check_steps,
     model_size,
+    unknown_lora,
 )
 
 __all__ = ["Admitted", "LoraChoice", "check_generate", "check_partial_images", "lora_refs"]
@@ -42,6 +44,7 @@ class Admitted:
     height: int  # as asked (the workers round up to multiples of 32 and crop back)
     width: int
     reference_pixels: int = 0  # what the reference images' headers declare, in all
+    largest_reference_pixels: int = 0  # of them, the largest (what each worker's max_reference_pixels bounds)
 
     @property
     def edit(self) -> bool:
@@ -84,8 +87,7 @@ def check_generate(r: gateway_service_pb2.GenerateImagesRequest, limits: Limits,
     if known_loras is not None:
         for i, ref in enumerate(loras):
             if ref.name not in known_loras:
-                raise InvalidArgument("loras", f"loras[{i}]: no adapter named {ref.name!r} is served here (ListLoras, "
-                                               "or GET /v1/models on the REST front, lists those that are)")
+                raise unknown_lora(i, ref.name)
     check_guidance(r.guidance_scale if r.HasField("guidance_scale") else None, limits)
     check_seed(r.seed if r.HasField("seed") else None, n)
     if r.HasField("sampling"):  # a bad value reaching the AR would stall a shared batch
@@ -93,9 +95,11 @@ def check_generate(r: gateway_service_pb2.GenerateImagesRequest, limits: Limits,
         check_sampling(sp.temperature if sp.HasField("temperature") else None,
                        sp.top_p if sp.HasField("top_p") else None,
                        sp.top_k if sp.HasField("top_k") else None)
-    reference_pixels = 0
+    reference_pixels = largest = 0
     if r.reference_images:  # an edit: count, bytes and each header's format and pixels, before anything decodes
         sizes = (check_reference_images([image.data for image in r.reference_images], limits)
                  if reference_sizes is None else reference_sizes)
         reference_pixels = sum(w * h for w, h in sizes)
-    return Admitted(r, n=n, height=height, width=width, reference_pixels=reference_pixels)
+        largest = max(w * h for w, h in sizes)
+    return Admitted(r, n=n, height=height, width=width, reference_pixels=reference_pixels,
+                    largest_reference_pixels=largest)

@@ -3,8 +3,9 @@
 Who reads it:
 - the AR and the denoiser run with a ``Limits`` built from their flags (``--max-steps`` ...), check every request
   against it, and serve the part each of them applies over ``GetLimits`` (AR_FIELDS, DENOISER_FIELDS);
-- the gateway reads its workers' limits when each joins, takes the tightest of them and of its own flags, and
-  refuses at admission, the field named, anything a ready worker would refuse; its ``GetLimits`` serves the result;
+- the gateway reads its workers' limits when each joins and keeps them per worker (services.runtime.capability):
+  it admits what some worker of each stage can run, never more than its own flags, and refuses the rest, the field
+  named; its ``GetLimits`` serves that union (what the pool can do);
 - the REST front advertises the gateway's limits in /openapi.json (``maxLength``/``maximum``) and bounds bodies.
 
 Torch-free and gRPC-free apart from the protobuf conversion, so every process imports it.
@@ -71,12 +72,13 @@ class Limits:
     max_reference_bytes: int = 8 << 20
     max_reference_total_bytes: int = 32 << 20
     max_reference_pixels: int = 4096 * 4096
-    # Not a bound but a capability, merged the same way (the tightest: every denoiser must have it): whether the
-    # cached StepCache levels are served. A denoiser sets it from what its model and diffusers support.
+    # Not a bound but a capability, kept per denoiser like the bounds (the gateway serves the cached levels where
+    # one of them can, and places those jobs there): whether the cached StepCache levels are served. A denoiser sets
+    # it from what its model and diffusers support.
     step_cache: bool = False
     # LoRA adapters (services.denoiser.adapters): how many one job may name, and the largest adapter file a denoiser
     # loads (rank from its lora_A/lora_B shapes, bytes on disk). A denoiser without an adapter directory advertises
-    # max_loras_per_request 0, so a gateway that merges it refuses adapters before any work.
+    # max_loras_per_request 0, so the gateway never places an adapter job on it.
     max_loras_per_request: int = 4
     max_lora_rank: int = 256
     max_lora_bytes: int = 512 << 20
@@ -134,22 +136,29 @@ def from_proto(message: common_pb2.Limits, base: Limits = Limits()) -> Limits:
     return dataclasses.replace(base, **advertised(message))
 
 
+def from_advertised(bounds: Mapping[str, float], base: Limits = Limits()) -> Limits:
+    """``base`` with the bounds of an advertisement (what ``advertised`` read), each in its field's own type."""
+    return dataclasses.replace(base, **{name: type(getattr(Limits, name))(value) for name, value in bounds.items()})
+
+
 def limits_in_force(own: Mapping[str, float], ar: Iterable[Mapping[str, float]],
                     denoisers: Iterable[Mapping[str, float]]) -> Limits:
-    """What the gateway admits: for each role, the tightest of what its workers advertise (the default where none
-    has yet), and never more than the gateway's own flags (``own``).
+    """What the gateway admits (and serves over GetLimits): for each role, the most any of its workers advertises
+    (the default where none has yet; for a capability, whether any has it), a bound both roles apply the lesser of
+    the two, and never more than the gateway's own flags (``own``).
 
-    A worker's limit above the default counts (an operator raised it on every worker); the gateway's flags only
-    ever lower the result.
+    The union, not the tightest: each worker's limits are kept apart (services.runtime.capability), and a request
+    within the union but past every single worker (a combination none serves) is refused by ``Driver.capable``;
+    the scheduler places each job only on a worker that can run it.
     """
     bounds: dict[str, float] = {}
     for fields, advertisements in ((AR_FIELDS, list(ar)), (DENOISER_FIELDS + DENOISER_CAPABILITIES, list(denoisers))):
         for name in fields:
-            values = [a[name] for a in advertisements if name in a] or [getattr(Limits, name)]
-            bounds[name] = min(bounds.get(name, values[0]), *values)
+            most = max([a[name] for a in advertisements if name in a] or [getattr(Limits, name)])
+            bounds[name] = min(bounds.get(name, most), most)
     for name, value in own.items():
         bounds[name] = min(bounds.get(name, value), value)
-    return Limits(**{name: type(getattr(Limits, name))(value) for name, value in bounds.items()})
+    return from_advertised(bounds)
 
 
 # ---- the checks ------------------------------------------------------------------------------------------------
@@ -264,12 +273,18 @@ def check_sampling(temperature: float | None, top_p: float | None, top_k: int | 
 
 def check_step_cache(level: int, limits: Limits) -> None:
     """A StepCache value on the wire (proto3 enums are open): a declared level, and a cached one only where the
-    denoisers can cache (``limits.step_cache``)."""
+    denoiser (for the gateway: one of its denoisers) can cache (``limits.step_cache``)."""
     if level not in common_pb2.StepCache.values():
         raise InvalidArgument("step_cache", f"unknown level {level}; expected off, balanced or aggressive")
     if level not in (common_pb2.STEP_CACHE_UNSPECIFIED, common_pb2.STEP_CACHE_OFF) and not limits.step_cache:
         name = common_pb2.StepCache.Name(level).removeprefix("STEP_CACHE_").lower()
         raise InvalidArgument("step_cache", f"{name} is not served here: the denoisers cannot cache steps; use off")
+
+
+def unknown_lora(index: int, name: str) -> InvalidArgument:
+    """A request naming an adapter the pool (or the one denoiser asked) does not serve."""
+    return InvalidArgument("loras", f"loras[{index}]: no adapter named {name!r} is served here (ListLoras, or GET "
+                                    "/v1/models on the REST front, lists those that are)")
 
 
 def check_lora_name(name: str, field: str) -> None:
