@@ -40,6 +40,8 @@ class _Published:
     # gateway's credential (its internal token).
     stuck: dict[sch.WorkerRole, int] = dataclasses.field(default_factory=dict)
     refusing: dict[sch.WorkerRole, int] = dataclasses.field(default_factory=dict)
+    # By role: members whose contract revisions this gateway does not speak (gateway.compat).
+    incompatible: dict[sch.WorkerRole, int] = dataclasses.field(default_factory=dict)
 
 
 _EMPTY = _Published(Scheduler().gauges(), sch.Counters())
@@ -123,11 +125,13 @@ class GatewayMetrics(Collector):
         self.quota_store_up.set(1 if up else 0)
 
     def publish(self, gauges: sch.Gauges, counters: sch.Counters, stuck: dict[sch.WorkerRole, int] | None = None,
-                refusing: dict[sch.WorkerRole, int] | None = None) -> None:
-        """``stuck`` and ``refusing``: how many members of each role are stuck, refuse the credential."""
+                refusing: dict[sch.WorkerRole, int] | None = None,
+                incompatible: dict[sch.WorkerRole, int] | None = None) -> None:
+        """``stuck``, ``refusing`` and ``incompatible``: how many members of each role are stuck, refuse the
+        credential, speak no contract revision this gateway does."""
         copy = dataclasses.replace(counters, failed=dict(counters.failed), requeues=dict(counters.requeues))
         # One reference swap: a scrape sees one consistent state.
-        self._state = _Published(gauges, copy, stuck or {}, refusing or {})
+        self._state = _Published(gauges, copy, stuck or {}, refusing or {}, incompatible or {})
 
     def collect(self) -> Iterator[Metric]:
         state = self._state
@@ -172,6 +176,12 @@ class GatewayMetrics(Collector):
         for role, name in ROLES.items():
             refusing.add_metric([name], state.refusing.get(role, 0))
         yield refusing
+        incompatible = GaugeMetricFamily("glmimage_gateway_workers_incompatible",
+                                         "Workers whose contract revisions this gateway does not speak (a release too "
+                                         "old or too new), by role: they get no work", labels=["role"])
+        for role, name in ROLES.items():
+            incompatible.add_metric([name], state.incompatible.get(role, 0))
+        yield incompatible
         requeues = CounterMetricFamily("glmimage_gateway_requeues", "Work put back in a queue, by reason",
                                        labels=["reason"])
         for reason, n in c.requeues.items():

@@ -81,8 +81,10 @@ class Observer:
             self.metrics.requests.labels(kind.value).inc()
 
     def publish(self, scheduler: Scheduler, stuck: Iterable[sch.WorkerRole],
-                refusing: Iterable[sch.WorkerRole] = ()) -> None:
+                refusing: Iterable[sch.WorkerRole] = (), incompatible: Iterable[sch.WorkerRole] = ()) -> None:
         """The scheduler's gauges and counters; ``stuck``: the role of each member there but making no progress;
-        ``refusing``: of each member refusing the credential."""
+        ``refusing``: of each member refusing the credential; ``incompatible``: of each member speaking no contract
+        revision this gateway does (gateway.compat)."""
         if self.metrics is not None:
-            self.metrics.publish(scheduler.gauges(), scheduler.counters, dict(Counter(stuck)), dict(Counter(refusing)))
+            self.metrics.publish(scheduler.gauges(), scheduler.counters, dict(Counter(stuck)), dict(Counter(refusing)),
+                                 dict(Counter(incompatible)))

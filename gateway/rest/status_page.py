@@ -37,7 +37,9 @@ def _worker(w: gateway_service_pb2.WorkerStatus, index: int) -> dict[str, Any]:
     return {"index": index, "role": _ROLES.get(w.role, "unknown"),
             "state": gateway_service_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower(),
             "address": w.address, "job": w.current_job, "stuck": w.stuck, "held_elsewhere": w.held_elsewhere,
-            "health": w.health, "loras": list(w.loras_loaded), "step": w.step, "total_steps": w.total_steps}
+            "health": w.health, "loras": list(w.loras_loaded), "step": w.step, "total_steps": w.total_steps,
+            # Its release (admin role only) and whether the gateway speaks its contract (gateway.compat).
+            "version": w.build.version, "revision": w.build.proto_revision, "incompatible": w.incompatible}
 
 
 def _tenant(t: gateway_service_pb2.TenantStatus) -> dict[str, Any]:
@@ -151,7 +153,8 @@ function render(data) {
       cell(row, (w.job || (w.held_elsewhere ? "another gateway's job" : "")) + steps, "job");
       const health = w.health && !["ok", "serving"].includes(w.health) ? w.health : "";
       const adapters = w.loras && w.loras.length ? "adapters: " + w.loras.join(", ") : "";
-      cell(row, [w.stuck ? "stuck" : "", health, adapters].filter(Boolean).join("; "));
+      const release = w.version ? `release ${w.version} (contract ${w.revision || 1})` : "";
+      cell(row, [w.stuck ? "stuck" : "", health, adapters, release].filter(Boolean).join("; "));
     }
     root.appendChild(table);
     if (gw.tenants && gw.tenants.length) root.appendChild(tenantsTable(gw.tenants));

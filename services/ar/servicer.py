@@ -28,6 +28,7 @@ from services.runtime.executor import SerialExecutor
 from services.runtime.limits import AR_FIELDS, check_id, valid_id
 from services.runtime.logs import request_id_var
 from services.runtime.server import request_id_from
+from services.runtime.version import build_info
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,8 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
         return result_to_proto(result)
 
     async def GetLimits(self, request, context: grpc.aio.ServicerContext):
-        return ar_service_pb2.ArServiceGetLimitsResponse(limits=self.engine.limits.to_proto(AR_FIELDS))
+        return ar_service_pb2.ArServiceGetLimitsResponse(limits=self.engine.limits.to_proto(AR_FIELDS),
+                                                          build=build_info())
 
     async def GenerateBatch(self, request, context: grpc.aio.ServicerContext):
         self._adopt_request_id(context, request.requests)

@@ -39,6 +39,7 @@ from services.runtime.deadlines import rpc_deadline
 from services.runtime.errors import DENOISER_BUSY, Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from services.runtime.executor import SerialExecutor
 from services.runtime.limits import DENOISER_CAPABILITIES, DENOISER_FIELDS, check_id
+from services.runtime.version import build_info
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
 
     async def GetLimits(self, request, context: grpc.aio.ServicerContext):
         return denoiser_service_pb2.DenoiserServiceGetLimitsResponse(
-            limits=self.engine.limits.to_proto(DENOISER_FIELDS + DENOISER_CAPABILITIES))
+            limits=self.engine.limits.to_proto(DENOISER_FIELDS + DENOISER_CAPABILITIES), build=build_info())
 
     async def WatchOccupancy(self, request, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[denoiser_service_pb2.WatchOccupancyResponse]:

@@ -130,3 +130,15 @@ class Limits(_message.Message):
     max_lora_rank: int
     max_lora_bytes: int
     def __init__(self, max_prompt_chars: _Optional[int] = ..., max_n: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_guidance: _Optional[float] = ..., max_batch_outputs: _Optional[int] = ..., max_partial_images: _Optional[int] = ..., max_reference_images: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_reference_pixels: _Optional[int] = ..., max_reference_total_bytes: _Optional[int] = ..., step_cache: _Optional[bool] = ..., max_loras_per_request: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_lora_bytes: _Optional[int] = ...) -> None: ...
+
+class BuildInfo(_message.Message):
+    __slots__ = ("version", "git_commit", "proto_revision", "min_proto_revision")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GIT_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    PROTO_REVISION_FIELD_NUMBER: _ClassVar[int]
+    MIN_PROTO_REVISION_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    git_commit: str
+    proto_revision: int
+    min_proto_revision: int
+    def __init__(self, version: _Optional[str] = ..., git_commit: _Optional[str] = ..., proto_revision: _Optional[int] = ..., min_proto_revision: _Optional[int] = ...) -> None: ...

@@ -133,7 +133,7 @@ class GetLimitsResponse(_message.Message):
     def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "state", "inflight", "current_job", "health", "stuck", "held_elsewhere", "health_detail", "loras_loaded", "step", "total_steps")
+    __slots__ = ("address", "role", "state", "inflight", "current_job", "health", "stuck", "held_elsewhere", "health_detail", "loras_loaded", "step", "total_steps", "incompatible", "build")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,8 @@ class WorkerStatus(_message.Message):
     LORAS_LOADED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    INCOMPATIBLE_FIELD_NUMBER: _ClassVar[int]
+    BUILD_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: WorkerRole
     state: WorkerState
@@ -158,23 +160,27 @@ class WorkerStatus(_message.Message):
     loras_loaded: _containers.RepeatedScalarFieldContainer[str]
     step: int
     total_steps: int
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., inflight: _Optional[int] = ..., current_job: _Optional[str] = ..., health: _Optional[str] = ..., stuck: _Optional[bool] = ..., held_elsewhere: _Optional[bool] = ..., health_detail: _Optional[str] = ..., loras_loaded: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
+    incompatible: bool
+    build: _common_pb2.BuildInfo
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., inflight: _Optional[int] = ..., current_job: _Optional[str] = ..., health: _Optional[str] = ..., stuck: _Optional[bool] = ..., held_elsewhere: _Optional[bool] = ..., health_detail: _Optional[str] = ..., loras_loaded: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., incompatible: _Optional[bool] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("pending_ar_requests", "pending_ar_outputs", "pending_denoise_outputs", "active_requests", "workers", "tenants")
+    __slots__ = ("pending_ar_requests", "pending_ar_outputs", "pending_denoise_outputs", "active_requests", "workers", "tenants", "gateway_build")
     PENDING_AR_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_AR_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_DENOISE_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_BUILD_FIELD_NUMBER: _ClassVar[int]
     pending_ar_requests: int
     pending_ar_outputs: int
     pending_denoise_outputs: int
     active_requests: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStatus]
-    def __init__(self, pending_ar_requests: _Optional[int] = ..., pending_ar_outputs: _Optional[int] = ..., pending_denoise_outputs: _Optional[int] = ..., active_requests: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ...) -> None: ...
+    gateway_build: _common_pb2.BuildInfo
+    def __init__(self, pending_ar_requests: _Optional[int] = ..., pending_ar_outputs: _Optional[int] = ..., pending_denoise_outputs: _Optional[int] = ..., active_requests: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ..., gateway_build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ...) -> None: ...
 
 class TenantStatus(_message.Message):
     __slots__ = ("name", "weight", "pending_ar_requests", "pending_denoise_outputs", "active_requests", "inflight_images", "oldest_wait_seconds", "requests_total", "images_total", "requests_per_minute", "images_per_minute", "max_inflight_images", "remaining_requests", "remaining_images", "max_priority")
