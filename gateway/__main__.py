@@ -275,8 +275,8 @@ async def serve(args: argparse.Namespace) -> None:
     server = await start_server(add_servicers, names, f"{args.host}:{args.port}",
                                 interceptors=interceptors, tls=tls, intake=intake, max_send_mb=256)
     await driver.start()
+    serve_metrics(args.host, args.metrics_port, args.metrics_port_file)  # before announce: see --metrics-port-file
     announce(server, args, "GatewayService")
-    serve_metrics(args.host, args.metrics_port)
     if args.tenants:
         log.info("tenants from %s: %s", args.tenants, ", ".join(tenants.current.by_name))
     if args.quota_store:

@@ -172,16 +172,8 @@ def gateway_names(count: int) -> list[str]:
 
 
 def _metrics_port(port: int | str | None) -> int | None:
-    """The port to give a server's --metrics-port: 0 is resolved here, because the servers do not report the
-    port they bound for /metrics (there is a short window in which another process could take it)."""
-    if port is None:
-        return None
-    port = int(port)
-    if port:
-        return port
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """The port to give a server's --metrics-port (0: the server picks one and reports it back)."""
+    return None if port is None else int(port)
 
 
 async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:

@@ -36,7 +36,8 @@ class Child:
     health_service: str | None  # None: an HTTP server, checked on /health
     process: asyncio.subprocess.Process | None = None
     port: int = 0
-    metrics_port: int | None = None  # the --metrics-port it was given (the REST front: its own port)
+    metrics_port: int | None = None  # its /metrics port, as it reported it (the REST front: its own port)
+    metrics_port_file: Path | None = None  # where it reports that port (--metrics-port-file), when it serves one
     env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment
     restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts (within the window)
     given_up: bool = False  # crashed through its restart budget: left down
@@ -55,6 +56,9 @@ class Child:
         i = self.argv.index("--port")
         self.argv[i + 1] = str(self.port)
 
+        if self.metrics_port is not None and "--metrics-port" in self.argv:  # its banner URL must stay true too
+            i = self.argv.index("--metrics-port")
+            self.argv[i + 1] = str(self.metrics_port)
 
 @dataclass(frozen=True)
 class RestartPolicy:
@@ -91,6 +95,8 @@ async def _wait_port(child: Child, deadline: float) -> None:
         await asyncio.sleep(0.05)
     child.port = int(child.port_file.read_text())
 
+    if child.metrics_port_file is not None:  # written before the port file (see --metrics-port-file)
+        child.metrics_port = int(child.metrics_port_file.read_text())
 
 async def _wait_serving(child: Child, deadline: float) -> None:
     """Block on grpc.health.v1 Watch until the server says SERVING (no polling)."""
@@ -171,10 +177,12 @@ class Supervisor:
         port_file = self.run_dir / f"{name}.port"
         argv = [sys.executable, "-m", module, "--host", self.host, "--port", str(port),
                 "--port-file", str(port_file), "--log-level", self.log_level, *flags]
-        if metrics_port is not None:
-            argv += ["--metrics-port", str(metrics_port)]
+        metrics_file = None
+        if metrics_port is not None:  # 0: the server picks one and reports it, so no other process can take it first
+            metrics_file = self.run_dir / f"{name}.metrics-port"
+            argv += ["--metrics-port", str(metrics_port), "--metrics-port-file", str(metrics_file)]
         child = Child(name=name, argv=argv, port_file=port_file, health_service=health, env=dict(env or {}),
-                      metrics_port=metrics_port)
+                      metrics_port=metrics_port, metrics_port_file=metrics_file)
         self.children.append(child)
         return child
 
@@ -192,6 +200,8 @@ class Supervisor:
             self._groups.append(list(group))
         for c in group:
             c.port_file.unlink(missing_ok=True)  # a restart must wait for the new process's port, not the old one's
+            if c.metrics_port_file is not None:
+                c.metrics_port_file.unlink(missing_ok=True)
         await asyncio.gather(*(self._spawn(c) for c in group))
         await asyncio.gather(*(_wait_port(c, deadline) for c in group))
         for c in group:

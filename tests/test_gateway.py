@@ -241,11 +241,12 @@ async def test_an_ar_batch_nobody_waits_for_is_stopped(ar_server, denoiser_serve
 
     before = cancelled()
     async with running_gateway(ar_server, (denoiser_server,), SchedulerConfig()) as (stub, driver):
-        # A 512x512 AR batch takes the tiny model seconds. The caller goes away once the batch is on the AR (not
-        # after a fixed delay: on a loaded machine the batch may not have left the gateway by then).
+        # A 512x512 AR batch takes the tiny model seconds. The caller goes away once the AR runs the batch (not
+        # once the gateway sent it: a call cancelled before the AR read it never reaches the model, so nothing is
+        # there to stop; and not after a fixed delay: on a loaded machine the batch may not have started by then).
         call = stub.GenerateImages(pb.GenerateImagesRequest(prompt=PROMPT, height=512, width=512, seed=1))
-        async with asyncio.timeout(30):
-            while not any(w.role.name == "AR" and w.inflight for w in driver.snapshot().workers):
+        async with asyncio.timeout(60):
+            while not REGISTRY.get_sample_value("glmimage_ar_busy"):
                 await asyncio.sleep(0.01)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):

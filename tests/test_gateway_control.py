@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -301,18 +301,26 @@ async def test_dns_membership_resolves_localhost(cluster: SimCluster) -> None:
 # ---- metrics ---------------------------------------------------------------------------------------------------
 
 
+async def scraped(registry: CollectorRegistry, ready: Callable[[dict], object]) -> dict:
+    """The registry's samples once ``ready`` holds of them (within wait_for's bound)."""
+    await wait_for(lambda: bool(ready(scrape(registry))))
+    return scrape(registry)
+
+
 async def test_metrics_follow_queues_workers_and_outcomes(cluster: SimCluster) -> None:
     registry = CollectorRegistry()
     ar, dns = cluster.address(cluster.ar), [cluster.address(d) for d in cluster.denoisers]
     async with running_gateway([ar], dns, metrics=GatewayMetrics(registry), max_queued_outputs=6) as gw:
-        m = scrape(registry)
+        # The driver publishes the metrics once per turn of the loop, after the events of that turn: wait for it.
+        ar_available = ("glmimage_gateway_workers", (("role", "ar"), ("state", "available")))
+        m = await scraped(registry, lambda m: m.get(ar_available))
         assert m["glmimage_gateway_workers", (("role", "denoiser"), ("state", "available"))] == 3
         assert m["glmimage_gateway_workers", (("role", "ar"), ("state", "available"))] == 1
         cluster.gate.clear()
         calls = [asyncio.ensure_future(gw.stub.GenerateImages(request(n=n))) for n in (2, 3)]
         # 5 outputs on 3 denoisers: 2 wait in the denoise queue, which is what the HPA scales on.
         await gw.until(lambda s: s.pending_denoise_outputs == 2)
-        m = scrape(registry)
+        m = await scraped(registry, lambda m: m.get(("glmimage_gateway_queue_outputs", (("stage", "denoise"),))) == 2)
         assert m["glmimage_gateway_queue_outputs", (("stage", "denoise"),)] == 2
         assert m["glmimage_gateway_queue_requests", (("stage", "denoise"),)] == 1
         assert m["glmimage_gateway_queue_outputs", (("stage", "ar"),)] == 0
@@ -320,7 +328,7 @@ async def test_metrics_follow_queues_workers_and_outcomes(cluster: SimCluster) -
         assert (await rpc_error(gw.stub.GenerateImages(request(n=7)))).code() == grpc.StatusCode.INVALID_ARGUMENT
         cluster.gate.set()
         await asyncio.gather(*calls)
-        m = scrape(registry)
+        m = await scraped(registry, lambda m: m.get(("glmimage_gateway_requests_total", (("outcome", "ok"),))) == 2)
     assert m["glmimage_gateway_requests_total", (("outcome", "ok"),)] == 2
     assert m["glmimage_gateway_requests_total", (("outcome", "invalid_argument"),)] == 1
     assert m["glmimage_gateway_admission_rejections_total", ()] == 1

@@ -16,6 +16,7 @@ from pathlib import Path
 import uvicorn
 
 from glmimage.wire.sizes import size_arg
+from services.runtime.paths import write_port_file
 from services.runtime.tenants import TenantsError
 from services.runtime.tracing import add_tracing_args, endpoint_from, setup_tracing
 
@@ -245,9 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Bind here rather than in uvicorn so that --port 0 can report the port it got.
     sock = listen_socket(args.host, args.port)
     if args.port_file is not None:
-        tmp = args.port_file.with_suffix(".tmp")
-        tmp.write_text(str(sock.getsockname()[1]))
-        tmp.replace(args.port_file)
+        write_port_file(args.port_file, sock.getsockname()[1])
     logging.getLogger("gateway.rest").info("REST front listening on %s:%d", args.host, sock.getsockname()[1])
     server.run(sockets=[sock])
 

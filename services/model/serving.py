@@ -69,10 +69,10 @@ async def serve_model(
     servicer = make_servicer(engine, executor)
     server = await start_server(lambda s: register(servicer, s), [service_name], f"{args.host}:{args.port}",
                                 tls=tls, interceptors=interceptors, intake=intake)
+    serve_metrics(args.host, args.metrics_port, args.metrics_port_file)  # before announce: see --metrics-port-file
     announce(server, args, service_name)
     if tokens:
         log.info("%s requires the internal token (%d accepted)", service_name, len(tokens))
-    serve_metrics(args.host, args.metrics_port)
     await _unless_stopped(executor.run(engine.warm_up), stop)
     await server.set_serving(True)
     log.info("%s SERVING", service_name)

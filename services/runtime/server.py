@@ -36,6 +36,7 @@ from services.runtime.intake import (
 )
 from services.runtime.limits import Limits, max_request_bytes
 from services.runtime.logs import REQUEST_ID_KEY, accepted_request_id, new_request_id, request_id_var
+from services.runtime.paths import write_port_file
 from services.runtime.tls import ServerTls, add_server_tls_args
 
 log = logging.getLogger(__name__)
@@ -399,6 +400,8 @@ def common_server_args(default_port: int) -> argparse.ArgumentParser:
     p.add_argument("--drain-seconds", type=float, default=60.0, help="grace period for in-flight work on SIGTERM")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0 picks a free one); off when unset")
+    p.add_argument("--metrics-port-file", type=Path, default=None,
+                   help="write the bound /metrics port here, before --port-file appears (for --metrics-port 0)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--receive-budget-mb", type=int, default=DEFAULT_BUDGET_BYTES >> 20,
                    help="memory for request messages being received at once: messages are read a few at a time "
@@ -424,6 +427,4 @@ def intake_from_args(args: argparse.Namespace, max_message_bytes: int) -> Intake
 def announce(server: GrpcServer, args: argparse.Namespace, what: str) -> None:
     log.info("%s listening on %s:%d", what, args.host, server.port)
     if args.port_file is not None:
-        tmp = args.port_file.with_suffix(".tmp")
-        tmp.write_text(str(server.port))
-        tmp.replace(args.port_file)  # atomic: readers never see a partial number
+        write_port_file(args.port_file, server.port)

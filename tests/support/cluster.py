@@ -21,8 +21,6 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.support.net import free_port
-
 SERVICES = {"ar": "glmimage.v1.ArService", "denoiser": "glmimage.v1.DenoiserService",
             "gateway": "glmimage.v1.GatewayService"}
 MODULES = {"ar": "services.ar", "denoiser": "services.denoiser", "gateway": "gateway", "rest": "gateway.rest"}
@@ -67,8 +65,7 @@ class Cluster:
         if role in ("ar", "denoiser"):
             proc.flags += ["--torch-threads", str(self.torch_threads), "--device", "cpu"]
         if metrics:
-            proc.metrics_port = free_port()
-            proc.flags += ["--metrics-port", str(proc.metrics_port)]
+            proc.metrics_port = 0  # the server picks one and reports it (a port picked here could be taken first)
         self.procs[name] = proc
         self._spawn(proc)
         if wait:
@@ -81,6 +78,10 @@ class Cluster:
         proc.log = self.dir / f"{proc.name}.log"
         argv = [sys.executable, "-m", MODULES[proc.role], "--host", "127.0.0.1", "--port", str(proc.port),
                 "--port-file", str(port_file), *proc.flags]
+        metrics_file = self.dir / f"{proc.name}.metrics-port"
+        if proc.metrics_port is not None:  # a restart binds the port it reported the first time
+            metrics_file.unlink(missing_ok=True)
+            argv += ["--metrics-port", str(proc.metrics_port), "--metrics-port-file", str(metrics_file)]
         with open(proc.log, "ab") as log:
             proc.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                           env={**os.environ, **proc.extra_env})
@@ -92,6 +93,8 @@ class Cluster:
                 raise TimeoutError(f"{proc.name} did not bind a port")
             time.sleep(0.02)
         proc.port = int(port_file.read_text())
+        if proc.metrics_port is not None:  # written before the port file
+            proc.metrics_port = int(metrics_file.read_text())
 
     def wait_ready(self, name: str, timeout: float = 120) -> None:
         proc = self.procs[name]
