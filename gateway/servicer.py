@@ -64,7 +64,8 @@ def sum_usage(usages) -> common_pb2.Usage:
 
 def response_of(outcome: Outcome, admitted: Admitted, request_id: str) -> gateway_service_pb2.GenerateImagesResponse:
     """A finished generation as GenerateImages answers it (a job's result is the same message)."""
-    images = [gateway_service_pb2.GeneratedImage(index=i, image=img.image, seed=prior.seed, usage=prior.usage)
+    images = [gateway_service_pb2.GeneratedImage(index=i, image=img.image, seed=prior.seed, usage=prior.usage,
+                                                 steps_cached=img.steps_cached, step_cache_note=img.step_cache_note)
               for i, (img, prior) in enumerate(zip(outcome.images, outcome.priors, strict=True))]
     log.info("completed %d image(s) at %dx%d", len(images), admitted.width, admitted.height)
     return gateway_service_pb2.GenerateImagesResponse(

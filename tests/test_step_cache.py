@@ -51,6 +51,35 @@ def test_schedule_flags_parse_and_refuse_what_cannot_run() -> None:
             Schedule.parse(bad)
 
 
+def test_a_reply_says_when_no_step_could_be_cached() -> None:
+    balanced = DEFAULT_SCHEDULES[BALANCED]
+    for steps in range(1, balanced.warmup + 1):  # the tiny model's default 2 steps are inside the warm-up
+        note = balanced.uncached_note(BALANCED, steps)
+        assert note and f"first {balanced.warmup} steps" in note and f"ran {steps}" in note
+    assert balanced.cached_steps(balanced.warmup + 1) == 1 and not balanced.uncached_note(BALANCED, balanced.warmup + 1)
+
+
+def test_the_engine_and_the_gateway_pass_the_note_on(denoise_engine) -> None:
+    from gateway.rest.translate import image_json
+    from gateway.servicer import response_of
+
+    short = denoise_engine.run(denoise_engine.validate(_job(BALANCED, steps=2)))
+    assert short.steps_cached == 0 and "no step was cached" in short.step_cache_note
+    assert not denoise_engine.run(denoise_engine.validate(_job(OFF, steps=2))).step_cache_note  # nothing asked
+    long = denoise_engine.run(denoise_engine.validate(_job(BALANCED)))
+    assert long.steps_cached and not long.step_cache_note
+    # Through the gateway's reply and the REST front's data[i].
+    from gateway.driver import Outcome
+    from glmimage.v1 import ar_service_pb2, gateway_service_pb2
+    from services.denoiser.servicer import result_to_proto
+    from services.runtime.admission import Admitted
+
+    admitted = Admitted(gateway_service_pb2.GenerateImagesRequest(prompt="p"), n=1, height=64, width=64)
+    resp = response_of(Outcome([result_to_proto(short)], [ar_service_pb2.PriorOutput(seed=5)]), admitted, "req-1")
+    assert resp.images[0].steps_cached == 0 and resp.images[0].step_cache_note == short.step_cache_note
+    assert image_json(resp.images[0])["step_cache_note"] == short.step_cache_note
+
+
 def test_the_denoiser_flags_take_a_schedule_per_level() -> None:
     from services.denoiser.__main__ import parse_args
 

@@ -204,6 +204,9 @@ class ImageEditRequest(ImageRequest):
 
 class ImageData(BaseModel):
     b64_json: str = Field(description="Base64-encoded image bytes.")
+    step_cache_note: str | None = Field(
+        None, description="Only when a cached `step_cache` level was asked for and no step could be cached (all of "
+        "the job's steps fell in the level's warm-up): why, in words. The image is then the uncached one.")
 
 
 class InputTokensDetails(BaseModel):

@@ -51,6 +51,7 @@ def _completed_events(
             **echo,
             "usage": usage,
             "image_index": img.index,  # extension: which of the n images this is
+            **({"step_cache_note": img.step_cache_note} if img.step_cache_note else {}),
         }))
     return events
 

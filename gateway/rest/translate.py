@@ -203,9 +203,10 @@ def admit(body: ImageRequest, settings: RestSettings, limits: Limits, *, rid: st
 def image_json(img: gateway_service_pb2.GeneratedImage) -> dict[str, Any]:
     """One image as OpenAI's `data[i]`: a link when the gateway stored it (response_format url, a job's images),
     else its bytes."""
-    if img.url:
-        return {"url": img.url}
-    return {"b64_json": base64.b64encode(img.image).decode("ascii")}
+    out: dict[str, Any] = {"url": img.url} if img.url else {"b64_json": base64.b64encode(img.image).decode("ascii")}
+    if img.step_cache_note:  # a step_cache level asked for and nothing cached: the caller is told why
+        out["step_cache_note"] = img.step_cache_note
+    return out
 
 
 def images_json(resp: gateway_service_pb2.GenerateImagesResponse, gen: Generation,

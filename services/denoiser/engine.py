@@ -101,6 +101,7 @@ class DenoiseResult:
     prepare_seconds: float = 0.0  # of denoise_seconds: before the first step (glyphs, an edit's references)
     steps_cached: int = 0  # of steps_completed, those extrapolated (step_cache)
     lora_load_seconds: float = 0.0  # of prepare_seconds: loading adapter files the job named and were not loaded
+    step_cache_note: str = ""  # a cached level asked for and no step cached: why (Schedule.uncached_note)
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,13 @@ class DenoiseEngine:
                              steps_completed=control.steps_done, seed=job.seed, denoise_seconds=t1 - t0,
                              decode_seconds=t2 - t1, encode_seconds=t3 - t2,
                              prepare_seconds=control.prepare_seconds or 0.0, steps_cached=control.steps_cached,
-                             lora_load_seconds=control.lora_load_seconds)
+                             lora_load_seconds=control.lora_load_seconds,
+                             step_cache_note=self._cache_note(job, control))
+
+    def _cache_note(self, job: DenoiseJob, control: JobControl) -> str:
+        if job.step_cache is StepCacheLevel.OFF or control.steps_cached:
+            return ""
+        return self.settings.step_cache[job.step_cache].uncached_note(job.step_cache, control.steps_done)
 
     @torch.inference_mode()
     def denoise(self, job: DenoiseJob, control: JobControl | None = None) -> torch.Tensor:

@@ -88,6 +88,7 @@ def result_to_proto(r: DenoiseResult) -> denoiser_service_pb2.DenoiseResponse:
     return denoiser_service_pb2.DenoiseResponse(
         image=r.image, output_format=r.output_format.spec.proto, height=r.height, width=r.width,
         steps_completed=r.steps_completed, seed=r.seed, steps_cached=r.steps_cached,
+        step_cache_note=r.step_cache_note,
         timings=denoiser_service_pb2.DenoiseTimings(denoise_seconds=r.denoise_seconds,
                                                    decode_seconds=r.decode_seconds,
                                                    encode_seconds=r.encode_seconds,

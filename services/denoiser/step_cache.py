@@ -76,6 +76,16 @@ class Schedule:
         past each multiple of ``interval`` is computed)."""
         return sum(1 for i in range(self.warmup, steps) if (i - self.warmup - 1) % self.interval != 0)
 
+    def uncached_note(self, level: StepCacheLevel, steps: int) -> str:
+        """Why a job that asked for ``level`` had no step cached: said in its reply, since the image is then exactly
+        the uncached one and the caller would otherwise not know the cache did nothing (the tiny model's default 2
+        steps are inside every schedule's warm-up). Empty when this schedule caches some of ``steps``."""
+        if self.cached_steps(steps):
+            return ""
+        first = self.warmup + 1  # 1-based: the step right after the warm-up is the first extrapolated one
+        return (f"step_cache {level.value}: no step was cached; this denoiser's schedule computes the first "
+                f"{self.warmup} steps and caches from step {first} on, and this job ran {steps}")
+
     def config(self) -> Any:
         from diffusers.hooks import TaylorSeerCacheConfig
 

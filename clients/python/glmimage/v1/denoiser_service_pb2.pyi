@@ -126,7 +126,7 @@ class DenoiseTimings(_message.Message):
     def __init__(self, denoise_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., lora_load_seconds: _Optional[float] = ...) -> None: ...
 
 class DenoiseResponse(_message.Message):
-    __slots__ = ("image", "output_format", "height", "width", "steps_completed", "seed", "timings", "steps_cached")
+    __slots__ = ("image", "output_format", "height", "width", "steps_completed", "seed", "timings", "steps_cached", "step_cache_note")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class DenoiseResponse(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     STEPS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    STEP_CACHE_NOTE_FIELD_NUMBER: _ClassVar[int]
     image: bytes
     output_format: _common_pb2.ImageFormat
     height: int
@@ -143,7 +144,8 @@ class DenoiseResponse(_message.Message):
     seed: int
     timings: DenoiseTimings
     steps_cached: int
-    def __init__(self, image: _Optional[bytes] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., steps_completed: _Optional[int] = ..., seed: _Optional[int] = ..., timings: _Optional[_Union[DenoiseTimings, _Mapping]] = ..., steps_cached: _Optional[int] = ...) -> None: ...
+    step_cache_note: str
+    def __init__(self, image: _Optional[bytes] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., steps_completed: _Optional[int] = ..., seed: _Optional[int] = ..., timings: _Optional[_Union[DenoiseTimings, _Mapping]] = ..., steps_cached: _Optional[int] = ..., step_cache_note: _Optional[str] = ...) -> None: ...
 
 class DenoiseStreamRequest(_message.Message):
     __slots__ = ("job", "partial_images")

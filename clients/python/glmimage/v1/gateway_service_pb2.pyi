@@ -87,20 +87,24 @@ class GenerateImagesRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., n: _Optional[int] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.ImageFormat, str]] = ..., output_compression: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., reference_images: _Optional[_Iterable[_Union[_common_pb2.ReferenceImage, _Mapping]]] = ..., step_cache: _Optional[_Union[_common_pb2.StepCache, str]] = ..., loras: _Optional[_Iterable[_Union[_common_pb2.LoraRef, _Mapping]]] = ..., priority: _Optional[_Union[Priority, str]] = ..., response_format: _Optional[_Union[ResponseFormat, str]] = ...) -> None: ...
 
 class GeneratedImage(_message.Message):
-    __slots__ = ("index", "image", "seed", "usage", "url", "url_expires_at")
+    __slots__ = ("index", "image", "seed", "usage", "url", "url_expires_at", "steps_cached", "step_cache_note")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
     URL_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    STEP_CACHE_NOTE_FIELD_NUMBER: _ClassVar[int]
     index: int
     image: bytes
     seed: int
     usage: _common_pb2.Usage
     url: str
     url_expires_at: int
-    def __init__(self, index: _Optional[int] = ..., image: _Optional[bytes] = ..., seed: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., url: _Optional[str] = ..., url_expires_at: _Optional[int] = ...) -> None: ...
+    steps_cached: int
+    step_cache_note: str
+    def __init__(self, index: _Optional[int] = ..., image: _Optional[bytes] = ..., seed: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., url: _Optional[str] = ..., url_expires_at: _Optional[int] = ..., steps_cached: _Optional[int] = ..., step_cache_note: _Optional[str] = ...) -> None: ...
 
 class GenerateImagesResponse(_message.Message):
     __slots__ = ("images", "usage", "height", "width", "output_format", "request_id")
