@@ -29,6 +29,7 @@ from gateway.scheduler.types import (
     SchedulerConfig,
     Tick,
     WorkerAdded,
+    WorkerCapabilities,
     WorkerDown,
     WorkerHealthy,
     WorkerNotServing,
@@ -42,6 +43,7 @@ from tests.support.scheduler_model import (
     SIZE,
     WORKERS,
     _role,
+    fits,
 )
 
 configs = st.builds(
@@ -62,15 +64,25 @@ weights = st.sampled_from([1.0, 1.0, 2.0, 0.5])
 classes = st.sampled_from([1, 1, 0, 2])
 # The adapters a request names: mostly none, as in production, so that plain and adapter jobs share the queue.
 adapter_sets = st.sampled_from([frozenset(), frozenset(), frozenset({"a"}), frozenset({"b"}), frozenset({"a", "b"})])
+# What a worker can do and a request needs (tests/support/scheduler_model.fits): mostly a uniform pool and requests
+# that need nothing special, as in production; a mixed pool and requests only some members can run, as in a rolling
+# upgrade. None: not said (a worker whose limits are not read yet, a request from before capabilities).
+capability_sets = st.sampled_from([None, frozenset({"big", "cache"}), frozenset({"big", "cache"}), frozenset(),
+                                   frozenset({"big"}), frozenset({"cache"})])
+need_sets = st.sampled_from([None, frozenset(), frozenset(), frozenset({"big"}), frozenset({"cache"}),
+                             frozenset({"big", "cache"})])
 
 
 class SchedulerMachine(CheckedScheduler):
-    @initialize(cfg=configs, cluster=st.sets(st.sampled_from(WORKERS)), seed=st.sampled_from([None, "gw-a", "gw-b"]))
-    def setup(self, cfg: SchedulerConfig, cluster: set[str], seed: str | None) -> None:
+    @initialize(cfg=configs, cluster=st.sets(st.sampled_from(WORKERS)), seed=st.sampled_from([None, "gw-a", "gw-b"]),
+                kinds=st.lists(capability_sets, min_size=len(WORKERS), max_size=len(WORKERS)))
+    def setup(self, cfg: SchedulerConfig, cluster: set[str], seed: str | None,
+              kinds: list[frozenset[str] | None]) -> None:
         self.cfg = cfg
-        self.s = Scheduler(cfg, pick_seed=seed)  # any pick order keeps every invariant
+        self.s = Scheduler(cfg, pick_seed=seed, fits=fits)  # any pick order keeps every invariant
         for name in sorted(cluster):  # start with some healthy workers so work flows early
             self.send(WorkerAdded(self.now, name, _role(name)))
+            self.send(WorkerCapabilities(self.now, name, kinds[WORKERS.index(name)]))  # read before it is healthy
             self.send(WorkerHealthy(self.now, name))
 
     @rule(
@@ -82,27 +94,35 @@ class SchedulerMachine(CheckedScheduler):
         tenant=tenants,
         weight=weights,
         priority=classes,
+        needs=need_sets,
     )
     def arrive(self, n: int, other: bool, ttl: float | None, dt: float, loras: frozenset[str], tenant: str,
-               weight: float, priority: int) -> None:
+               weight: float, priority: int, needs: frozenset[str] | None) -> None:
         now = self.advance(dt)
         rid = f"r{self.next_rid}"
         self.next_rid += 1
         size = OTHER if other else SIZE
         deadline = None if ttl is None else now + ttl
         self.send(RequestArrived(now, rid, n, size[0], size[1], deadline, loras=loras, tenant=tenant, weight=weight,
-                                 priority=priority))
+                                 priority=priority, needs=needs))
 
-    @rule(ns=st.lists(st.tuples(st.sampled_from([1, 1, 2]), adapter_sets, tenants, classes), min_size=2, max_size=5),
+    @rule(ns=st.lists(st.tuples(st.sampled_from([1, 1, 2]), adapter_sets, tenants, classes, need_sets), min_size=2,
+                      max_size=5),
           dt=st.floats(0.0, 0.003))
-    def burst(self, ns: list[tuple[int, frozenset[str], str, int]], dt: float) -> None:
+    def burst(self, ns: list[tuple[int, frozenset[str], str, int, frozenset[str] | None]], dt: float) -> None:
         """Several requests at one instant: the shared AR batches that single arrivals rarely form."""
         now = self.advance(dt)
-        for n, loras, tenant, priority in ns:
+        for n, loras, tenant, priority, needs in ns:
             rid = f"r{self.next_rid}"
             self.next_rid += 1
             self.send(RequestArrived(now, rid, n, SIZE[0], SIZE[1], None, loras=loras, tenant=tenant,
-                                     priority=priority))
+                                     priority=priority, needs=needs))
+
+    @rule(name=st.sampled_from(WORKERS), caps=capability_sets, dt=st.floats(0.0, 0.003))
+    def capabilities(self, name: str, caps: frozenset[str] | None, dt: float) -> None:
+        """A worker says what it can run (it was restarted with other flags, or its adapter directory changed):
+        jobs that need what it lost go elsewhere from now on, and those waiting for what it gained may go to it."""
+        self.send(WorkerCapabilities(self.advance(dt), name, caps))
 
     @rule(
         data=st.data(),

@@ -775,7 +775,8 @@ class Scheduler:
         restricted = self._capability.restricted
         if restricted or (self._placement.requests or self._pool.holders) and self.config.lora_affinity:
             self._placement.dispatch(self._denoise_q, self._pool, self._now, self._active, self._start_job,
-                                     self._live_output, actions, self._capability.can_run if restricted else None)
+                                     self._live_output, actions, self._capability.can_run if restricted else None,
+                                     self.config.lora_affinity)
             return
         queue, pool = self._denoise_q, self._pool
         while queue.first is not None and pool.idle:  # (no entry left in the idle heap: none is free)

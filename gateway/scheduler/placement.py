@@ -41,10 +41,11 @@ class Placement:
     def dispatch(self, queue: DenoiseQueue, pool: Pool, now: float, active: dict[str, Request],
                  start_job: Callable[[Worker, QueueKey, list[Action]], None],
                  live_output: Callable[[JobId, str], tuple[Request, Output] | None], actions: list[Action],
-                 can_run: Callable[[Request, Worker], bool] | None = None) -> None:
+                 can_run: Callable[[Request, Worker], bool] | None = None, affinity: bool = True) -> None:
         """The denoise pass while some request names LoRA adapters, or some denoiser holds one, or some request
         cannot run on every kind of denoiser in the pool (``can_run``, capability.Capability's: such a job goes only
-        where it can run, and waits while those are busy; the jobs behind it go on, a window at a time).
+        where it can run, and waits while those are busy; the jobs behind it go on, a window at a time). Without
+        ``affinity`` (SchedulerConfig.lora_affinity off) no job waits for a holder: each goes at its turn.
 
         In queue order (the fair order of fairness.DenoiseQueue), over a window of the queue at a time, while a
         denoiser is free:
@@ -90,7 +91,7 @@ class Placement:
                         continue
                     break
                 passed_at = req.outputs[key[3]].passed_at
-                if not want or want <= w.loras or (passed_at is not None and now >= passed_at + bound):
+                if not want or not affinity or want <= w.loras or (passed_at is not None and now >= passed_at + bound):
                     start_job(w, key, actions)
                     dispatched += 1
                 else:

@@ -31,6 +31,7 @@ from gateway.scheduler.types import (
     SchedulerConfig,
     Tick,
     WorkerAdded,
+    WorkerCapabilities,
     WorkerDown,
     WorkerHealthy,
     WorkerNotServing,
@@ -42,12 +43,14 @@ from gateway.scheduler.types import (
 from services.runtime.errors import ErrorKind
 from tests.support.scheduler_model import (
     AR,
+    CAPABILITIES,
     DN,
     _ar_out,
     _Member,
     _Req,
     _result,
     _World,
+    can_run,
 )
 
 
@@ -126,6 +129,11 @@ class CheckedScheduler(RuleBasedStateMachine):
             w.ar_owned[ev.worker] = set()
             if w.members[ev.worker].draining:
                 self._forget(ev.worker)
+        elif isinstance(ev, WorkerCapabilities):
+            if ev.worker in w.members and ev.capabilities is not None:
+                w.caps[ev.worker] = ev.capabilities  # type: ignore[assignment]
+            elif ev.worker in w.members:
+                w.caps.pop(ev.worker, None)
         elif isinstance(ev, DenoiserOccupancy):
             if ev.worker in w.members and w.members[ev.worker].role is DN and (
                     ev.sequence is None or ev.sequence > w.occupancy_seq.get(ev.worker, -1)):
@@ -189,7 +197,7 @@ class CheckedScheduler(RuleBasedStateMachine):
             for a in actions
         ):
             w.reqs[ev.request_id] = _Req(ev.n, (ev.height, ev.width), ev.deadline, priority=ev.priority,
-                                         tenant=ev.tenant)
+                                         tenant=ev.tenant, needs=ev.needs)  # type: ignore[arg-type]
         assert {a.batch_id for a in actions if isinstance(a, CancelArBatch) and not a.abandoned} == expect_ar_cancels
         if expect_invalid is not None:  # failed at once, not retried (or its deadline passed first)
             assert any(isinstance(a, FailRequest) and a.request_id == expect_invalid[0]
@@ -247,6 +255,7 @@ class CheckedScheduler(RuleBasedStateMachine):
         self.w.ar_owned.pop(name, None)
         self.w.elsewhere.pop(name, None)  # a member added again under this name starts afresh
         self.w.occupancy_seq.pop(name, None)
+        self.w.caps.pop(name, None)
 
     def _maybe_gone(self, name: str) -> None:
         m = self.w.members.get(name)
@@ -280,6 +289,8 @@ class CheckedScheduler(RuleBasedStateMachine):
             assert not w.elsewhere.get(a.worker), f"{a.worker} is held by another gateway's job"
             rid, i = a.job.request_id, a.job.index
             assert rid not in w.ended and 0 <= i < w.reqs[rid].n
+            # Capability placement: a job only ever goes to a denoiser that can run it.
+            assert can_run(w.reqs[rid].needs, w.caps.get(a.worker)), f"{rid}/{i} on {a.worker}, which cannot run it"
             prev = w.attempts.get((rid, i), (0, ""))[0]
             # Busy refusals are not attempts: only real tries count against max_attempts.
             assert a.job.attempt == prev + 1
@@ -389,18 +400,22 @@ class CheckedScheduler(RuleBasedStateMachine):
                 assert x.state is WorkerState.DRAINING
             else:
                 assert x.state in (WorkerState.AVAILABLE, WorkerState.BUSY)
-        # Work conservation: a job waits while a denoiser is free only if it names adapters that no free denoiser
-        # holds, and for less than one load's time since it was queued (LoRA placement waits for a busy holder that
-        # long at most); so neither a plain job nor one of a less popular adapter waits behind others' loads. (The
-        # queue is read from the scheduler itself: the model does not follow adapters.)
-        free = [x for x in snap.workers if x.role is DN and x.state is WorkerState.AVAILABLE]
-        if snap.pending_denoise_outputs and free:
-            assert self.cfg.lora_affinity
+        # Work conservation: a job waits while a denoiser that can run it is free (a job no free one can run waits
+        # for one that can: capability placement) only if it names adapters that no such free denoiser holds, and for
+        # less than one load's time since it was queued (LoRA placement waits for a busy holder that long at most);
+        # so neither a plain job nor one of a less popular adapter waits behind others' loads. (The queue is read
+        # from the scheduler itself: the model does not follow adapters.)
+        idle = [x for x in snap.workers if x.role is DN and x.state is WorkerState.AVAILABLE]
+        if snap.pending_denoise_outputs and idle:
             other_class = any(k[0] != BATCH for k in s._denoise_q)  # (BATCH work waits for it: _check_batch_class)
             for cls, _, _, index, rid in s._denoise_q:
                 req = s._active[rid]
                 if cls == BATCH and other_class:
                     continue
+                free = [x for x in idle if can_run(w.reqs[rid].needs, w.caps.get(x.address))]
+                if not free:
+                    continue
+                assert self.cfg.lora_affinity, f"{rid}/{index} queued while a denoiser that can run it is free"
                 assert req.loras, f"plain job {rid}/{index} queued while a denoiser is free"
                 assert not any(req.loras <= x.loras for x in free), f"{rid}/{index} passed over a free holder"
                 passed_at = req.outputs[index].passed_at
@@ -497,7 +512,8 @@ class CheckedScheduler(RuleBasedStateMachine):
         for name, m in list(self.w.members.items()):
             if not m.healthy or not m.serving:
                 self.send(WorkerHealthy(self.now, name))
-            if m.role is DN:  # the other gateways' jobs end
+            if m.role is DN:  # the other gateways' jobs end, and each can run anything (what waits for one runs)
+                self.send(WorkerCapabilities(self.now, name, CAPABILITIES))
                 self.seq += 1
                 self.send(DenoiserOccupancy(self.now, name, False, self.seq))
         for _ in range(10_000):

@@ -41,6 +41,7 @@ class _Req:
     solo: bool = False  # it shared a batch refused as bad input: every later batch of it holds it alone
     priority: int = 1  # its class (types.INTERACTIVE, DEFAULT, BATCH)
     tenant: str = "default"
+    needs: frozenset[str] | None = None  # what its denoiser must be able to do (None: anything runs it)
 
 
 @dataclass
@@ -64,6 +65,21 @@ class _World:
     elsewhere: dict[str, bool] = field(default_factory=dict)
     occupancy_seq: dict[str, int] = field(default_factory=dict)
     refusals: dict[tuple[str, int], int] = field(default_factory=dict)  # busy refusals per output (not attempts)
+    caps: dict[str, frozenset[str]] = field(default_factory=dict)  # what each member can do, as last said
+
+
+# Capabilities in the model: a worker can do a set of things, a request needs a set of them (None: unknown or
+# nothing asked); the scheduler is given this as its ``fits``, as the driver gives it services.runtime.capability's.
+CAPABILITIES = frozenset({"big", "cache"})
+
+
+def fits(needs: object, caps: object) -> bool:
+    assert isinstance(needs, frozenset) and isinstance(caps, frozenset)
+    return needs <= caps
+
+
+def can_run(needs: frozenset[str] | None, caps: frozenset[str] | None) -> bool:
+    return needs is None or caps is None or needs <= caps
 
 
 WORKERS = ("ar0", "ar1", "d0", "d1", "d2", "d3")
