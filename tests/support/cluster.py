@@ -36,6 +36,7 @@ class Proc:
     metrics_port: int | None = None
     log: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    module: str | None = None  # what `python -m` runs, when not the role's own (a test's variant of a server)
 
     @property
     def address(self) -> str:
@@ -60,8 +61,8 @@ class Cluster:
     # ---- processes -------------------------------------------------------------------------------------------
 
     def start(self, name: str, role: str, flags: list[str] | None = None, *, metrics: bool = False,
-              wait: bool = True, env: dict[str, str] | None = None) -> Proc:
-        proc = Proc(name=name, role=role, flags=list(flags or []), extra_env=dict(env or {}))
+              wait: bool = True, env: dict[str, str] | None = None, module: str | None = None) -> Proc:
+        proc = Proc(name=name, role=role, flags=list(flags or []), extra_env=dict(env or {}), module=module)
         if role in ("ar", "denoiser"):
             proc.flags += ["--torch-threads", str(self.torch_threads), "--device", "cpu"]
         if metrics:
@@ -76,8 +77,8 @@ class Cluster:
         port_file = self.dir / f"{proc.name}.port"
         port_file.unlink(missing_ok=True)
         proc.log = self.dir / f"{proc.name}.log"
-        argv = [sys.executable, "-m", MODULES[proc.role], "--host", "127.0.0.1", "--port", str(proc.port),
-                "--port-file", str(port_file), *proc.flags]
+        argv = [sys.executable, "-m", proc.module or MODULES[proc.role], "--host", "127.0.0.1", "--port",
+                str(proc.port), "--port-file", str(port_file), *proc.flags]
         metrics_file = self.dir / f"{proc.name}.metrics-port"
         if proc.metrics_port is not None:  # a restart binds the port it reported the first time
             metrics_file.unlink(missing_ok=True)

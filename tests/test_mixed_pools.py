@@ -1,0 +1,144 @@
+"""Mixed pools (issue 32): capabilities per worker, not per pool, on real processes.
+
+One AR and five real tiny denoisers: ``full`` (an adapter directory, step caching, the default pixel budget) and
+three that each lack one thing: ``nolora`` (no --lora-dir), ``nocache`` (a diffusers without the step cache:
+tests/support/no_step_cache_denoiser.py) and ``small`` (a lower --max-pixels). Three gateways pair ``full`` with
+each of them. In every pair the requests that need what the weak one lacks all succeed and run only on ``full``
+(each denoiser's own glmimage_denoiser_jobs_total says where the jobs ran), even sent all at once while ``full`` is
+busy and the weak one idle; plain requests use both; GetLimits serves what the pool can do (the union).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from glmimage.v1 import common_pb2, gateway_service_pb2_grpc
+from glmimage.v1 import gateway_service_pb2 as pb
+from services.model.tiny import TINY_LORA, tiny_lora_dir
+from services.runtime.limits import Limits
+from tests.support.cluster import Cluster
+from tests.support.waiting import until
+
+pytestmark = pytest.mark.e2e
+
+SMALL_PIXELS = 256 * 256
+WEAK = ("nolora", "nocache", "small")
+TIMEOUT = 180  # one call: a few tiny jobs queued behind one denoiser on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def pools(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    procs = Cluster(tmp_path_factory.mktemp("mixed"))
+    # --model-path: without it the tiny model's denoiser serves its demo adapter, --lora-dir or not.
+    model = ["--model-path", str(tiny_checkpoint), "--default-steps", "2"]
+    loras = ["--lora-dir", str(tiny_lora_dir(tiny_checkpoint))]
+    channels: list[grpc.Channel] = []
+    try:
+        procs.start("ar", "ar", ["--model-path", str(tiny_checkpoint)], wait=False)
+        procs.start("full", "denoiser", [*model, *loras], metrics=True, wait=False)
+        procs.start("nolora", "denoiser", model, metrics=True, wait=False)
+        procs.start("nocache", "denoiser", [*model, *loras], metrics=True, wait=False,
+                    module="tests.support.no_step_cache_denoiser")
+        procs.start("small", "denoiser", [*model, *loras, "--max-pixels", str(SMALL_PIXELS)], metrics=True,
+                    wait=False)
+        for name in ("ar", "full", *WEAK):
+            procs.wait_ready(name)
+        stubs = {}
+        for weak in WEAK:
+            gateway = procs.start(f"g-{weak}", "gateway", ["--ar", procs.procs["ar"].address,
+                                                           "--denoiser", procs.procs["full"].address,
+                                                           "--denoiser", procs.procs[weak].address])
+            channel = grpc.insecure_channel(gateway.address)
+            channels.append(channel)
+            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+            until(lambda s=stub: [w.state for w in s.GetStatus(pb.GetStatusRequest()).workers]
+                  == [pb.WORKER_STATE_AVAILABLE] * 3, 60, f"every worker of g-{weak} available")
+            stubs[weak] = stub
+        yield procs, stubs
+    finally:
+        for channel in channels:
+            channel.close()
+        procs.close()
+
+
+def _served(procs: Cluster) -> dict[str, float]:
+    """Each denoiser's finished jobs (glmimage_denoiser_jobs_total{outcome="ok"}), by name."""
+    counts = {}
+    for name in ("full", *WEAK):
+        text = httpx.get(f"http://127.0.0.1:{procs.procs[name].metrics_port}/metrics", timeout=10).text
+        counts[name] = sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                           if s.name == "glmimage_denoiser_jobs_total" and s.labels.get("outcome") == "ok")
+    return counts
+
+
+def _request(weak: str, *, plain: bool = False, n: int = 2, seed: int = 1) -> pb.GenerateImagesRequest:
+    """What only ``full`` can run in the pool with ``weak`` (or, ``plain``, what both can)."""
+    request = pb.GenerateImagesRequest(prompt='a "mixed" pool', height=64, width=64, n=n, seed=seed)
+    if plain:
+        return request
+    if weak == "nolora":
+        request.loras.append(common_pb2.LoraRef(name=TINY_LORA))
+    elif weak == "nocache":
+        request.step_cache = common_pb2.STEP_CACHE_BALANCED
+        request.num_inference_steps = 4
+    else:
+        request.height = request.width = 320  # 102400 pixels: past the small one's budget
+    return request
+
+
+def _run(stub, requests: list[pb.GenerateImagesRequest]) -> list[pb.GenerateImagesResponse]:
+    """All at once: while ``full`` runs the first job the others queue, and the weak denoiser is free."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda r: stub.GenerateImages(r, timeout=TIMEOUT), requests))
+
+
+@pytest.mark.parametrize("weak", WEAK)
+def test_what_only_one_denoiser_can_run_runs_there_and_plain_requests_use_both(pools, weak: str) -> None:
+    procs, stubs = pools
+    stub = stubs[weak]
+    before = _served(procs)
+    replies = _run(stub, [_request(weak, seed=s) for s in range(3)])
+    assert [len(r.images) for r in replies] == [2, 2, 2]  # every one succeeded
+    after = _served(procs)
+    moved = {name: after[name] - before[name] for name in after}
+    assert moved == {"full": 6, **{name: 0 for name in WEAK}}, moved
+    # Plain requests: four outputs fan out over both denoisers of the pool at once.
+    before = after
+    (plain,) = _run(stub, [_request(weak, plain=True, n=4)])
+    assert len(plain.images) == 4
+    after = _served(procs)
+    moved = {name: after[name] - before[name] for name in after}
+    assert moved["full"] >= 1 and moved[weak] >= 1 and moved["full"] + moved[weak] == 4, moved
+    assert sum(moved[name] for name in WEAK if name != weak) == 0
+
+
+def test_get_limits_serves_what_the_pool_can_do(pools) -> None:
+    _, stubs = pools
+    limits = {weak: stubs[weak].GetLimits(pb.GetLimitsRequest()).limits for weak in WEAK}
+    assert limits["nolora"].max_loras_per_request == Limits.max_loras_per_request  # one of them serves adapters
+    assert limits["nocache"].step_cache  # one of them caches
+    assert limits["small"].max_pixels == Limits.max_pixels  # the larger budget
+    names = [info.name for info in stubs["nolora"].ListLoras(pb.ListLorasRequest()).loras]
+    assert names == [TINY_LORA]
+
+
+def test_what_no_member_can_run_is_refused_as_before_with_the_field_named(pools) -> None:
+    _, stubs = pools
+    request = _request("nolora")
+    request.loras[0].name = "no-such-adapter"
+    with pytest.raises(grpc.RpcError) as caught:
+        stubs["nolora"].GenerateImages(request, timeout=60)
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (caught.value.details() or "").startswith("loras: loras[0]: no adapter named 'no-such-adapter'")
+    request = _request("small")
+    request.height = request.width = 4096  # past every denoiser's budget (and the AR's)
+    with pytest.raises(grpc.RpcError) as caught:
+        stubs["small"].GenerateImages(request, timeout=60)
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (caught.value.details() or "").startswith("height: 4096x4096 (width x height) exceeds the limit")
