@@ -7,6 +7,7 @@ import base64
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -56,6 +57,11 @@ def _completed_events(
     return events
 
 
+def _gone_mid_stream() -> APIError:
+    return APIError(503, "the gateway went away mid-stream and no other gateway could run the request; retry",
+                    type="server_error", code="gateway_unavailable")
+
+
 def _incomplete() -> APIError:
     return APIError(502, "the gateway stream ended without a result", type="server_error", code="incomplete_stream")
 
@@ -66,6 +72,39 @@ def _error_event(err: APIError) -> bytes:
     return sse.event(ERROR_EVENT, {"type": ERROR_EVENT, "error": body})
 
 
+@dataclass
+class _Resume:
+    """How a stream already relaying is run again, from the start, on another gateway when its gateway goes away
+    (UNAVAILABLE: it exited, or its connection broke), once: the client sees its progress and partial images
+    again, then the one completed result."""
+
+    attempts: Resubmissions
+    request: gateway_service_pb2.GenerateImagesStreamRequest
+    receive: Receive
+    left: int = 1
+
+    async def again(self, gen: Generation) -> tuple[CallGuard, Any] | None:
+        """The new call's guard and first message, or None when it may not be resumed (again)."""
+        while self.left > 0:
+            self.left -= 1
+            try:
+                gateway = await self.attempts.__anext__()
+            except StopAsyncIteration:
+                return None
+            log.warning("%s gateway went away mid-stream; running the request again from the start on another "
+                        "gateway", gen.rid)
+            await gateway.connected()
+            call = gateway.stub.GenerateImagesStream(self.request, metadata=gen.metadata,
+                                                     timeout=self.attempts.remaining())
+            guard = CallGuard(call, self.receive, gen.rid, resubmit=False)
+            try:
+                return guard, await guard.wait(call.read())
+            except BaseException:
+                guard.close()
+                raise
+        return None
+
+
 async def _stream_events(
     guard: CallGuard,
     first: gateway_service_pb2.GenerateImagesStreamResponse,
@@ -73,6 +112,7 @@ async def _stream_events(
     settings: RestSettings,
     metrics: RestMetrics,
     state: dict[str, Any],
+    resume: _Resume | None = None,
 ) -> AsyncIterator[bytes]:
     """GenerateImagesStream messages -> OpenAI image events. Progress becomes SSE comments
     (OpenAI has no progress event; comments are ignored by clients and keep proxies from timing out)."""
@@ -103,7 +143,15 @@ async def _stream_events(
                 log.info("%s stream done: %d image(s), %d+%d tokens", gen.rid, len(msg.completed.images),
                          msg.completed.usage.prompt_tokens, msg.completed.usage.completion_tokens)
                 return
-            msg = await guard.wait(call.read())
+            try:
+                msg = await guard.wait(call.read())
+            except GatewayGone:  # (only while guard.resubmit: the first call, with a resume left)
+                guard.close()
+                again = await resume.again(gen) if resume is not None else None
+                if again is None:
+                    raise _gone_mid_stream() from None
+                guard, msg = again
+                call = guard.call  # type: ignore[assignment]
         if msg is None:
             log.info("%s client disconnected mid-stream; gateway call cancelled", gen.rid)
             state[OUTCOME_STATUS_KEY] = 499
@@ -126,8 +174,9 @@ async def stream(
     state: dict[str, Any],
 ) -> Response:
     req = gateway_service_pb2.GenerateImagesStreamRequest(request=gen.request, partial_images=gen.partial_images)
-    # Resubmitted to the next gateway only while nothing was relayed: a failure after the first event is the
-    # client's (an error event), as a second run would send its events again.
+    # Resubmitted to the next gateway while nothing was relayed; once relaying, a gateway that goes away
+    # (UNAVAILABLE) has the request run again from the start on another, once (_Resume); any other failure after
+    # the first event is the client's (an error event).
     gone: GatewayGone | None = None
     attempts = Resubmissions(gateways, gen.rid, settings.request_timeout)
     async for gateway in attempts:
@@ -145,7 +194,6 @@ async def stream(
         except BaseException:
             guard.close()
             raise
-        guard.resubmit = False
         break
     else:
         raise unanswered(gone, gen.rid) from gone.err if gone else None
@@ -158,4 +206,6 @@ async def stream(
         raise _incomplete()
     # The initial metadata (the tenant's rate-limit figures) came before the first message: the response's headers.
     headers = rate_limit_headers(await call.initial_metadata())
-    return sse.EventStreamResponse(_stream_events(guard, first, gen, settings, metrics, state), headers=headers)
+    resume = _Resume(attempts, req, receive)
+    return sse.EventStreamResponse(_stream_events(guard, first, gen, settings, metrics, state, resume),
+                                   headers=headers)

@@ -46,7 +46,9 @@ class FakeGateway(gateway_service_pb2_grpc.GatewayServiceServicer):
 
     calls: list[Call] = field(default_factory=list)
     fail: dict[str, list[grpc.StatusCode]] = field(default_factory=lambda: defaultdict(list))
-    # Prompts with special behaviour: "block" waits until the client goes away; "midstream" fails after one event.
+    # Prompts with special behaviour: "block" waits until the client goes away; "midstream" fails after one event
+    # (UNAVAILABLE, as a gateway going away) while ``midstream_fails``, else streams to its end.
+    midstream_fails: bool = True
     cancelled: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     # The LoRA adapters ListLoras answers with; a request naming another is refused as the gateway's admission
@@ -129,7 +131,7 @@ class FakeGateway(gateway_service_pb2_grpc.GatewayServiceServicer):
             for step in range(1, steps + 1):
                 yield gateway_service_pb2.GenerateImagesStreamResponse(
                     progress=gateway_service_pb2.ImageProgress(image_index=i, step=step, total_steps=steps))
-                if r.prompt == "midstream":
+                if r.prompt == "midstream" and self.midstream_fails:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost")
                 if r.prompt == "block":
                     self._block_until_cancelled(context)
