@@ -4,7 +4,8 @@ Every server module takes the same `--host/--port/--port-file/--log-level` flags
 its own flags. Children run through the die_with_parent trampoline, so none outlives the supervisor. Once the stack
 is up, `supervise` restarts a child that exits (same flags, same port, health-gated again) under a RestartPolicy;
 one given up stays down until `retry_given_up` (the launcher's SIGUSR1) gives it a fresh budget. `stop_child` and
-`start_child` (the launcher's `ctl stop|start NAME`) take one down on purpose, so it is not restarted, and back.
+`start_child` (the launcher's `ctl stop|start NAME`) take one down on purpose, so it is not restarted, and back;
+`restart_child` (`ctl restart NAME`) does both, draining it first.
 """
 from __future__ import annotations
 
@@ -253,15 +254,16 @@ class Supervisor:
     def find(self, name: str) -> Child | None:
         return next((c for c in self.children if c.name == name), None)
 
-    async def stop_child(self, child: Child, grace: float = 20.0) -> str:
+    async def stop_child(self, child: Child, grace: float = 20.0, again: bool = False) -> str:
         """Stop ``child`` on purpose (drained by SIGTERM, as the whole stack stops): it stays down, and is not
-        restarted, until `start_child`. What happened, in words."""
+        restarted, until `start_child` (``again``: which follows at once, a restart). What happened, in words."""
         if child.held:
             return f"{child.name} is already stopped"
         child.held, child.given_up = True, False
         self._notify()
         running = child.process is not None and child.process.returncode is None
-        log.warning("stopping %s, as asked; it stays down until started again", child.name)
+        if not again:
+            log.warning("stopping %s, as asked; it stays down until started again", child.name)
         await _terminate(child, grace)
         # _keep_up logs the exit and rewrites the ready file; wait for that, so the reply comes after.
         await self._until(lambda: child.parked or not child.held)
@@ -282,6 +284,18 @@ class Supervisor:
         if child.serving:
             return f"{child.name} is back on {child.address} (pid {child.process.pid})"
         return f"{child.name} did not come back: see the launcher's log"
+
+    async def restart_child(self, child: Child, grace: float = 90.0) -> str:
+        """Restart ``child`` on purpose, the rolling way: SIGTERM, so it drains (NOT_SERVING first, its calls
+        finish within its --drain-seconds, below ``grace``), then start it again on its port and wait until it is
+        healthy. Not counted against its restart budget; one stopped or given up is only started. In words."""
+        if child.held or child.given_up:
+            return await self.start_child(child)
+        if not child.serving:
+            return f"{child.name} is not serving: it is being restarted already"
+        log.warning("restarting %s, as asked: it drains first", child.name)
+        stopped = await self.stop_child(child, grace, again=True)
+        return f"{stopped}; {await self.start_child(child)}"
 
     def metrics_urls(self) -> dict[str, str]:
         """`<name>-metrics` -> the /metrics URL of each server that serves one (the REST front always does)."""
@@ -309,7 +323,8 @@ class Supervisor:
             while True:
                 if child.held:
                     log.warning("%s stopped, as asked (exit code %s); it stays down until `python -m services."
-                                "launcher ctl start %s`", child.name, child.process.returncode, child.name)
+                                "launcher ctl start %s` (or a restart starts it)", child.name,
+                                child.process.returncode, child.name)
                     if self.on_restart is not None:
                         self.on_restart()  # the ready file drops its PID
                     child.parked = True
