@@ -68,13 +68,20 @@ class Servers:
     def __init__(self, workdir: Path) -> None:
         self.dir = workdir
         self.all: list[Server] = []
+        self.by_name: dict[str, Server] = {}
+
+    def __getitem__(self, name: str) -> Server:
+        return self.by_name[name]
 
     def start(self, name: str, role: str, flags: list[str], *, tree: Path = REPO, code: str | None = None,
-              metrics: bool = False) -> Server:
-        """``metrics``: serve /metrics on a port of its own (this tree only: --metrics-port-file is newer)."""
+              metrics: bool = False, port: int = 0) -> Server:
+        """``metrics``: serve /metrics on a port of its own (this tree only: --metrics-port-file is newer);
+        ``port``: the one a server it replaces had bound (a restart, as a pod behind a stable address)."""
+        (self.dir / f"{name}.port").unlink(missing_ok=True)
         port_file, metrics_file, log = (self.dir / f"{name}.{ext}" for ext in ("port", "metrics-port", "log"))
         launch = ["-c", code] if code else ["-m", MODULES[role]]
-        argv = [sys.executable, *launch, "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), *flags]
+        argv = [sys.executable, *launch, "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file),
+                *flags]
         if metrics:
             argv += ["--metrics-port", "0", "--metrics-port-file", str(metrics_file)]
         if role != "gateway":
@@ -84,6 +91,7 @@ class Servers:
             popen = subprocess.Popen(argv, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
         server = Server(name, role, popen, port_file, metrics_file, log)
         self.all.append(server)
+        self.by_name[name] = server
         return server
 
     def ready(self, *servers: Server, timeout: float = 120) -> None:
@@ -125,7 +133,7 @@ def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pool(tiny_checkpoint: Path, previous_release: Path, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[dict[str, Server]]:
+         ) -> Iterator[Servers]:
     """Every server of the three pairings, started together (their model loads overlap)."""
     servers = Servers(tmp_path_factory.mktemp("skew"))
     try:
@@ -142,7 +150,7 @@ def pool(tiny_checkpoint: Path, previous_release: Path, tmp_path_factory: pytest
         s["gateway_mixed"] = servers.start("gateway_mixed", "gateway",
                                            _gateway_flags(s["ar"], s["unspoken"], s["denoiser"]), metrics=True)
         servers.ready(s["gateway_new"], s["gateway_old"], s["gateway_mixed"])
-        yield s
+        yield servers
     finally:
         servers.close()
 
@@ -180,7 +188,7 @@ def _metric(server: Server, name: str, labels: dict[str, str] | None = None) -> 
                if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()))
 
 
-def test_this_gateway_serves_the_previous_releases_workers(pool: dict[str, Server]) -> None:
+def test_this_gateway_serves_the_previous_releases_workers(pool: Servers) -> None:
     old_ar, gateway = pool["old_ar"], pool["gateway_new"]
     # They are the previous release: their GetLimits carries no BuildInfo (revision 0, read as 1).
     with grpc.insecure_channel(old_ar.address) as channel:
@@ -196,7 +204,7 @@ def test_this_gateway_serves_the_previous_releases_workers(pool: dict[str, Serve
     assert _metric(gateway, "glmimage_gateway_workers_incompatible") == 0
 
 
-def test_the_previous_releases_gateway_serves_this_commits_workers(pool: dict[str, Server]) -> None:
+def test_the_previous_releases_gateway_serves_this_commits_workers(pool: Servers) -> None:
     gateway, denoiser = pool["gateway_old"], pool["denoiser"]
     with grpc.insecure_channel(denoiser.address) as channel:
         limits = denoiser_service_pb2_grpc.DenoiserServiceStub(channel).GetLimits(
@@ -208,7 +216,7 @@ def test_the_previous_releases_gateway_serves_this_commits_workers(pool: dict[st
     _generate_both_ways(gateway)
 
 
-def test_a_worker_speaking_no_revision_of_the_gateways_gets_no_work(pool: dict[str, Server]) -> None:
+def test_a_worker_speaking_no_revision_of_the_gateways_gets_no_work(pool: Servers) -> None:
     gateway, unspoken = pool["gateway_mixed"], pool["unspoken"]
 
     def refused() -> pb.WorkerStatus | None:
@@ -229,6 +237,21 @@ def test_a_worker_speaking_no_revision_of_the_gateways_gets_no_work(pool: dict[s
     assert _metric(unspoken, "glmimage_denoiser_jobs_total") == 0
     assert _metric(pool["denoiser"], "glmimage_denoiser_jobs_total", {"outcome": "ok"}) >= 12
     assert refused() is not None
+
+    # Rolled to this release at the same address: it serves, and the gateway says so everywhere.
+    unspoken.popen.terminate()
+    reap(unspoken.popen, 30)
+    rolled = pool.start("rolled", "denoiser", [], metrics=True, port=unspoken.port)
+    pool.ready(rolled)
+
+    def serving() -> bool:
+        entry = next(w for w in _status(gateway).workers if w.address == rolled.address)
+        return entry.state == pb.WORKER_STATE_AVAILABLE and not entry.incompatible and not entry.health_detail
+
+    until(serving, 60, "the rolled denoiser available")
+    until(lambda: _metric(gateway, "glmimage_gateway_workers_incompatible") == 0, 30, "the gauge back at 0")
+    assert next(w for w in _status(gateway).workers if w.address == rolled.address).build.proto_revision == \
+        PROTO_REVISION
 
 
 @pytest.mark.parametrize(("newest", "oldest", "spoken", "served"), [
