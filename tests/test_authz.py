@@ -25,6 +25,7 @@ from gateway.scheduler.types import WorkerState
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
 from services.runtime.tenants import TenantsFile, parse_tenants
+from services.runtime.version import PROTO_REVISION
 from tests.support.authz import DENIED, UNAUTH, USER, USER_KEY, add, bearer, members, remove, until
 from tests.support.cluster import Cluster
 from tests.support.sim_gateway import (
@@ -135,6 +136,9 @@ async def test_get_status_shows_addresses_and_other_callers_ids_to_the_admin_rol
             assert [w.address for w in view.workers] == ["", ""], name
             assert [(w.role, w.state, w.inflight, w.health) for w in view.workers] == [
                 (w.role, w.state, w.inflight, w.health) for w in whole.workers], name
+            # Nor the releases (the gateway's and each worker's): the admin's to see.
+            assert not view.HasField("gateway_build") and not any(w.HasField("build") for w in view.workers), name
+        assert whole.gateway_build.proto_revision == PROTO_REVISION and whole.gateway_build.version
         assert views["owner"].workers[1].current_job == "mine/0#1"
         assert views["other"].workers[1].current_job == "" and views["other"].workers[1].inflight == 1
         assert [t.name for t in views["owner"].tenants] == ["alpha"] and views["owner"].tenants[0].active_requests == 1
