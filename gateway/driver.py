@@ -82,6 +82,8 @@ class Driver:
         self._limits: Limits | None = None  # in force; recomputed after any change of members or their limits
         self._loras: dict[str, common_pb2.LoraInfo] | None = None  # the catalogue, recomputed with the limits
         self._told_caps: dict[str, Capabilities] = {}  # what the scheduler was last told each worker can run
+        # The distinct kinds of member per role, in the order they joined: recomputed with the limits.
+        self._kinds: dict[sch.WorkerRole, list[Capabilities]] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -160,8 +162,11 @@ class Driver:
     def capable(self, needs: Needs) -> InvalidArgument | None:
         """Why no member of some stage can run a request of ``needs`` (services.runtime.capability.refusal, the
         field named), or None: it is admitted, and the scheduler places it where it can run."""
+        if self._kinds is None:
+            self._kinds = {role: list(dict.fromkeys(w.capabilities() for w in self._known(role)))
+                           for role in sch.WorkerRole}
         for role in (sch.WorkerRole.AR, sch.WorkerRole.DENOISER):
-            why = refusal(needs, [w.capabilities() for w in self._known(role)])
+            why = refusal(needs, self._kinds[role])
             if why is not None:
                 return why
         return None
@@ -169,6 +174,7 @@ class Driver:
     def _limits_changed(self) -> None:
         self._limits = None
         self._loras = None
+        self._kinds = None
 
     def _capabilities_changed(self, worker: Worker) -> None:
         """Its limits or its adapter directory changed: the union is recomputed, and the scheduler told what it can

@@ -15,6 +15,7 @@ from PIL import Image
 from gateway import downstream
 from gateway.config import GatewayConfig
 from gateway.driver import Driver
+from gateway.scheduler.core import Scheduler
 from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc, gateway_service_pb2_grpc
@@ -40,15 +41,16 @@ def _violations(err: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
 @contextlib.asynccontextmanager
 async def running_gateway(ar_server, denoisers, scheduler: SchedulerConfig, *, lifted: Limits | None = None,
                           **config_fields):
-    """``lifted``: admission applies these instead of the workers' (a gateway that lets through what they refuse,
-    to test the path of a worker's own refusal)."""
+    """``lifted``: admission applies these instead of the workers' and places jobs by no capability (a gateway that
+    lets through what they refuse, and sends it to them, to test the path of a worker's own refusal)."""
     config = GatewayConfig(
         ar_addresses=(f"127.0.0.1:{ar_server.port}",),
         denoiser_addresses=tuple(f"127.0.0.1:{d.port}" for d in denoisers),
         scheduler=scheduler, request_timeout=60, **config_fields)
-    driver = Driver(config)
+    driver = Driver(config) if lifted is None else Driver(config, Scheduler(config.scheduler))
     if lifted is not None:
         driver.limits = lambda: lifted  # type: ignore[method-assign]
+        driver.capable = lambda needs: None  # type: ignore[method-assign]
     servicer = GatewayServicer(driver, config)
     server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
                                 ["glmimage.v1.GatewayService"], "127.0.0.1:0")
