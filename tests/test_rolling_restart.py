@@ -1,4 +1,4 @@
-"""Rolling restarts with nothing lost (issue 32): the stack (`python -m services.launcher`: one AR, two denoisers,
+"""Rolling restarts with nothing lost (issue 32): the stack (`python -m services.launcher`: one AR, one denoiser,
 two gateways behind the REST front) under steady load from a few client threads while `ctl restart ROLE` rolls
 every server of a role in turn, or a server is SIGTERMed from outside (the launcher starts it again). No request
 fails: a draining AR's batches finish and count, a draining gateway finishes what it admitted while the REST front
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackRun]:
-    with running_stack(tmp_path_factory.mktemp("rolling"), denoisers=2, gateways=2,
+    with running_stack(tmp_path_factory.mktemp("rolling"), denoisers=1, gateways=2,
                        extra_args=("--gateway-arg=--queue-without-workers",)) as run:
         yield run
 
