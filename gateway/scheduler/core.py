@@ -17,10 +17,11 @@ Invariants (checked by the tests/test_scheduler_*.py files):
 - a worker that is healthy again gets work immediately (every handle() ends with the dispatch loop).
 
 This module is the policy, top to bottom: the public API, the event handlers, the request lifecycle, the AR stage,
-the denoise stage. Two parts of it have modules of their own: fairness.py (the share of both stages between tenants:
-the order in which queued work is served) and placement.py (the LoRA placement's denoise pass). What it keeps its
-books with is in the other siblings: records.py (a request and its outputs), containers.py (the queues), pool.py (the
-workers, and the choice of a free one), speed.py (the CPython speed tricks).
+the denoise stage. Parts of it have modules of their own: fairness.py (the share of both stages between tenants:
+the order in which queued work is served), placement.py (the LoRA placement's denoise pass), capability.py (which
+denoisers may run which jobs, in a mixed pool) and arrival.py (whether an arriving request is admitted). What it
+keeps its books with is in the other siblings: records.py (a request and its outputs), containers.py (the queues),
+pool.py (the workers, and the choice of a free one), speed.py (the CPython speed tricks).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any, get_args
 # Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
 from services.runtime.errors import ErrorKind
 
+from .arrival import refusal
 from .capability import Capability, Fits
 from .containers import ArQueue, MinQueue
 from .fairness import QueueKey, Shares
@@ -41,9 +43,6 @@ from .pool import Pool, Worker
 from .records import Output, Request
 from .speed import AR, AR_INFLIGHT, DENOISER, DENOISING, DONE, IDLE, INFLIGHT, NEVER, PENDING_AR, QUEUED
 from .types import (
-    BATCH,
-    DEFAULT,
-    INTERACTIVE,
     Action,
     ArBatchFailed,
     ArBatchSucceeded,
@@ -85,7 +84,6 @@ _EVENT_TYPES: tuple[type, ...] = get_args(Event)
 # A denoise queue entry (fairness.QueueKey): (priority class, requeued?, admission seq, index, request_id); requeued
 # ones (_FRONT) go first within their class and tenant.
 _FRONT, _FRESH = 0, 1
-_CLASSES = (INTERACTIVE, DEFAULT, BATCH)
 
 # How many ended request ids remember their highest attempt number. A reused id continues above it, so a late
 # result of the previous incarnation cannot pass the fencing check of the new one.
@@ -246,41 +244,13 @@ class Scheduler:
     # --------------------------------------------------------------------------------------------- event handlers
 
     def _on_arrived(self, ev: RequestArrived, actions: list[Action]) -> None:
-        cfg = self.config
         rid = ev.request_id
-        queued = self._pending_ar_outputs + len(self._denoise_q)  # queued_outputs(), on the hot path
-        reject: tuple[ErrorKind, str] | None = None
-        note = ""
-        if not isinstance(ev.n, int) or ev.n < 1:
-            reject = (ErrorKind.INVALID_ARGUMENT, f"n must be >= 1, got {ev.n!r}")
-        elif ev.height <= 0 or ev.width <= 0:
-            reject = (ErrorKind.INVALID_ARGUMENT, f"size must be positive, got {ev.width}x{ev.height}")
-        elif rid in self._active:
-            reject = (ErrorKind.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
-        elif ev.priority not in _CLASSES or not ev.weight > 0:  # (the driver's to get right)
-            reject = (ErrorKind.INVALID_ARGUMENT, f"bad priority {ev.priority!r} or weight {ev.weight!r}")
-        elif ev.n > cfg.max_queued_outputs:
-            # Could never be admitted: INVALID_ARGUMENT, not RESOURCE_EXHAUSTED, so clients do not retry it.
-            reject = (ErrorKind.INVALID_ARGUMENT,
-                      f"n={ev.n} is more images than this server queues at once; ask for at most "
-                      f"{cfg.max_queued_outputs}")
-            note = f"--max-queued-outputs={cfg.max_queued_outputs}"
-        elif cfg.fail_fast_without_workers and not self._pool.any_ready(AR):
-            reject = (ErrorKind.UNAVAILABLE, self._pool.none_ready(AR, None))
-        elif cfg.fail_fast_without_workers and not self._pool.any_ready(DENOISER):
-            reject = (ErrorKind.UNAVAILABLE, self._pool.none_ready(DENOISER, None))
-        elif queued + ev.n > cfg.max_queued_outputs and (
-                queued + ev.n > 2 * cfg.max_queued_outputs
-                or not self._shares.within_share(ev.tenant, ev.weight, ev.n, cfg.max_queued_outputs)):
-            # Past the bound only a tenant within its share gets in (fairness.Shares.within_share), up to twice the
-            # bound. The client's terms (retry later, or fewer images); the operator's flag goes to the gateway log.
-            reject = (ErrorKind.RESOURCE_EXHAUSTED,
-                      f"the server is busy ({queued} images queued; {ev.n} more would pass what it queues); "
-                      "retry later, or ask for fewer images")
-            note = f"{queued} queued outputs + n={ev.n} > --max-queued-outputs={cfg.max_queued_outputs}"
-        if reject is not None:
+        refused = refusal(ev, self.config, self._pool, self._shares, rid in self._active,
+                          self._pending_ar_outputs + len(self._denoise_q))  # (queued_outputs(), on the hot path)
+        if refused is not None:
             self.counters.rejected += 1
-            actions.append(FailRequest(rid, RequestError(*reject, operator_note=note)))
+            kind, message, note = refused
+            actions.append(FailRequest(rid, RequestError(kind, message, operator_note=note)))
             return
 
         base = self._attempt_floor.pop(rid, 0)
