@@ -5,7 +5,9 @@ three that each lack one thing: ``nolora`` (no --lora-dir), ``nocache`` (a diffu
 tests/support/no_step_cache_denoiser.py) and ``small`` (a lower --max-pixels). Three gateways pair ``full`` with
 each of them. In every pair the requests that need what the weak one lacks all succeed and run only on ``full``
 (each denoiser's own glmimage_denoiser_jobs_total says where the jobs ran), even sent all at once while ``full`` is
-busy and the weak one idle; plain requests use both; GetLimits serves what the pool can do (the union).
+busy and the weak one idle; plain requests use both; GetLimits serves what the pool can do (the union). A fourth
+gateway, behind a REST front, pairs two that each lack something (``nolora``, ``small``): each runs what only it
+can, and a request that needs both at once is refused as before, the field named (REST: its OpenAI ``param``).
 """
 
 from __future__ import annotations
@@ -50,16 +52,17 @@ def pools(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         for name in ("ar", "full", *WEAK):
             procs.wait_ready(name)
         stubs = {}
-        for weak in WEAK:
+        for weak, pair in (*((w, ("full", w)) for w in WEAK), ("combo", ("nolora", "small"))):
             gateway = procs.start(f"g-{weak}", "gateway", ["--ar", procs.procs["ar"].address,
-                                                           "--denoiser", procs.procs["full"].address,
-                                                           "--denoiser", procs.procs[weak].address])
+                                                           "--denoiser", procs.procs[pair[0]].address,
+                                                           "--denoiser", procs.procs[pair[1]].address])
             channel = grpc.insecure_channel(gateway.address)
             channels.append(channel)
             stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
             until(lambda s=stub: [w.state for w in s.GetStatus(pb.GetStatusRequest()).workers]
                   == [pb.WORKER_STATE_AVAILABLE] * 3, 60, f"every worker of g-{weak} available")
             stubs[weak] = stub
+        procs.start("rest", "rest", ["--gateway-address", procs.procs["g-combo"].address])
         yield procs, stubs
     finally:
         for channel in channels:
@@ -142,3 +145,31 @@ def test_what_no_member_can_run_is_refused_as_before_with_the_field_named(pools)
         stubs["small"].GenerateImages(request, timeout=60)
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert (caught.value.details() or "").startswith("height: 4096x4096 (width x height) exceeds the limit")
+
+
+def test_a_pool_of_two_partial_denoisers_runs_what_each_can_and_refuses_what_neither_can_alone(pools) -> None:
+    procs, stubs = pools
+    stub = stubs["combo"]
+    adapter, big = _request("nolora", n=1), _request("small", n=1)
+    before = _served(procs)
+    _run(stub, [adapter, big, adapter, big])
+    after = _served(procs)
+    moved = {name: after[name] - before[name] for name in after}
+    assert moved == {"full": 0, "nolora": 2, "nocache": 0, "small": 2}, moved  # each ran what only it can
+    both = _request("nolora", n=1)
+    both.height = both.width = 320
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.GenerateImages(both, timeout=60)
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (caught.value.details() or "").startswith("loras: ")
+    assert "no denoiser here serves everything this request asks at once" in (caught.value.details() or "")
+    # The REST front admits what the pool can do (the union it reads from GetLimits) and relays the refusal.
+    body = {"prompt": 'a "mixed" pool', "size": "320x320", "response_format": "b64_json",
+            "loras": [{"name": TINY_LORA}]}
+    reply = httpx.post(f"http://{procs.procs['rest'].address}/v1/images/generations", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "loras", reply.json()
+    body["size"] = "64x64"
+    reply = httpx.post(f"http://{procs.procs['rest'].address}/v1/images/generations", json=body, timeout=TIMEOUT)
+    assert reply.status_code == 200, reply.text
+    assert _served(procs)["small"] == after["small"] + 1
