@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.scheduler.core import Scheduler
 from gateway.scheduler.types import (
@@ -177,3 +179,30 @@ def test_without_fits_every_job_goes_anywhere_as_before() -> None:
     up(s, "d0", DN)
     s.handle(WorkerCapabilities(0.0, "d0", NO_LORA))
     assert [d.worker for d in _submit(s, "r1", Needs(loras=(STYLE,)))] == ["d0"]
+
+
+# ---- the union admits what any one member can run --------------------------------------------------------------
+
+_caps = st.builds(
+    lambda pixels, steps, cache, loras, refs: Capabilities(
+        DENOISER, Limits(max_pixels=pixels, max_steps=steps, step_cache=cache, max_reference_images=refs,
+                         max_loras_per_request=4 if loras else 0), frozenset(loras)),
+    st.sampled_from([64 * 64, 256 * 256, 512 * 512, Limits.max_pixels]), st.integers(1, 300), st.booleans(),
+    st.sampled_from([(), (STYLE,), ("ink",), (STYLE, "ink")]), st.integers(0, 16))
+_needs = st.builds(Needs, height=st.sampled_from([32, 64, 256, 320, 512]), width=st.sampled_from([64, 256]),
+                   steps=st.integers(0, 300), step_cache=st.sampled_from([0, BALANCED]),
+                   loras=st.sampled_from([(), (STYLE,), ("ink",), (STYLE, "ink")]), references=st.integers(0, 16))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(pool=st.lists(_caps, min_size=1, max_size=4), needs=_needs)
+def test_the_union_admits_what_some_member_runs_and_refusal_agrees_with_each_member(pool: list[Capabilities],
+                                                                                    needs: Needs) -> None:
+    union = limits_in_force({}, [], [{name: getattr(c.limits, name) for name in DENOISER_FIELDS + ("step_cache",)}
+                                     for c in pool])
+    catalogue = frozenset().union(*(c.loras for c in pool))
+    somewhere = any(unmet(needs, c) is None for c in pool)
+    # Admission (the union) never refuses what one member can run; refusal says so exactly when none can.
+    if somewhere:
+        assert unmet(needs, Capabilities(DENOISER, union, catalogue)) is None
+    assert (refusal(needs, pool) is None) == somewhere
