@@ -192,7 +192,7 @@ class Limits:
     max_reference_bytes: int
     max_reference_total_bytes: int
     max_reference_pixels: int
-    # Whether step_cache balanced and aggressive are served (every denoiser can cache steps).
+    # Whether step_cache balanced and aggressive are served (a denoiser of the pool can cache steps: they run there).
     step_cache: bool = False
     # LoRA adapters on the denoisers: per request (0: none served), their rank and file size.
     max_loras_per_request: int = 0
