@@ -34,7 +34,7 @@ DEV_STAMP := $(VENV)/.installed-dev-$(TORCH_VERSION)
 .PHONY: help venv run test lint protos tiny bench bench-compare soak clean tools screenshots
 
 # Each benchmark module writes bench/results/<name>.json; run them one after another on a quiet machine.
-BENCHES ?= ar denoiser speed_modes compile edits scheduler_sim multi_gateway_sim lora_sim tenants_sim scheduler_micro gateway e2e reconnect receive_flood edit_soak jobs
+BENCHES ?= ar denoiser speed_modes compile edits scheduler_sim multi_gateway_sim lora_sim tenants_sim scheduler_micro gateway e2e reconnect receive_flood edit_soak jobs rolling
 # bench-compare: the revision the gateway overhead benchmark is compared with, side by side (HEAD is committed code).
 BASE         ?= HEAD~1
 COMPARE_ARGS ?=

@@ -10,7 +10,8 @@ its run overlaps.
 
 Printed: requests sent, failed, retried by whom (the REST front's resubmits and mid-stream reruns, counted from its
 log by request id; the gateways' requeues, from their /metrics; the client's own retries: only a connection refused,
-where nothing was sent, and only with --client-retries refused), and per window the p95 latency against the quiet
+where nothing was sent, and only while --client-retries is refused, the default: with one REST front there is no
+other to connect to while it restarts), and per window the p95 latency against the quiet
 p95. Exit 1 if any request failed during a SIGTERM restart (the issue's done-when), or during the SIGKILL of an AR
 or a denoiser; failures while the REST front or a gateway is SIGKILLed are reported, per role, not fatal (that work
 was inside the killed process). Run: .venv/bin/python -m bench.rolling [--quick]
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +45,10 @@ ROLES = ("ar", "denoiser", "gateway", "rest")
 # worker's work), so no request may fail.
 KILL_MUST_NOT_FAIL = ("ar", "denoiser")
 REQUEST_TIMEOUT_S = 180.0
+# A client pauses this long after a failure or a refused connection, so that a server down for seconds is tried some
+# tens of times, not spun on.
+PAUSE_S = 0.1
+FAILURES_KEPT = 20  # per window, in the result file and the printout: the first ones, with their request ids
 # The REST front's own retries, as its log says them (gateway/rest/upstream.py, gateway/rest/streaming.py).
 RESUBMIT = re.compile(r"(\S+) gateway unavailable before answering; resubmitting")
 RERUN = re.compile(r"(\S+) gateway went away mid-stream")
@@ -85,9 +91,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--roles", default=",".join(ROLES), help="the roles rolled and killed, in this order")
     p.add_argument("--no-kill", action="store_true", help="leave out the SIGKILL phase")
     p.add_argument("--edit-share", type=float, default=0.3, help="the share of requests that are edits")
-    p.add_argument("--client-retries", choices=("none", "refused"), default="none",
-                   help="refused: retry a connection the REST front refused (nothing was sent, so nothing can be "
-                        "lost or doubled), counted; none (default): every error is a failure")
+    p.add_argument("--client-retries", choices=("none", "refused"), default="refused",
+                   help="refused (default): retry a connection the REST front refused (nothing was sent, so nothing "
+                        "can be lost or doubled; the lone REST front listens on nothing from its SIGTERM until the "
+                        "new process binds), counted in the table; none: every error is a failure")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 10 s quiet, one ctl restart of one denoiser, no SIGKILL, no result file")
@@ -170,7 +177,8 @@ def summarize(outcomes: list[Outcome], windows: list[Window], quiet_end: float, 
         w_p95 = p95(inside) if any(o.error is None for o in inside) else None  # None: nothing answered in it
         rows.append({"label": w.label, "role": w.role, "how": w.how, "seconds": round(w.end - w.start, 1),
                      "requests": len(inside), "failed": len(failed),
-                     "failures": [f"{o.rid} ({o.kind}): {o.error}" for o in failed],
+                     "failures": [f"{o.rid} ({o.kind}): {o.error}" for o in failed[:FAILURES_KEPT]],
+                     "failures_by_error": dict(Counter(error_kind(o.error or "") for o in failed)),
                      "rest_resubmits": len(ids & rest_log["resubmitted"]), "rest_reruns": len(ids & rest_log["rerun"]),
                      "client_retries": sum(o.client_retries for o in inside),
                      "p95_s": None if w_p95 is None else round(w_p95, 3),
@@ -188,6 +196,11 @@ def summarize(outcomes: list[Outcome], windows: list[Window], quiet_end: float, 
             "windows": rows}
 
 
+def error_kind(error: str) -> str:
+    """A failure's kind, for counting: the exception's name or the HTTP status ("ConnectError", "HTTP 503")."""
+    return error.split(":", 1)[0]
+
+
 def verdict(summary: dict) -> list[str]:
     """Why the run fails the issue's done-when: any failure in a SIGTERM restart, or in an AR's or a denoiser's
     SIGKILL, or any outside every window (the quiet phase, the gaps). Empty: it passes."""
@@ -197,6 +210,12 @@ def verdict(summary: dict) -> list[str]:
         problems.append(f"{len(summary['failures_outside_windows'])} failed outside every restart")
     problems += [f"{w['label']}: {w['said']}" for w in summary["windows"] if w["said"].startswith("error")]
     return problems
+
+
+def failed_cell(w: dict) -> str:
+    """A window's failures and their kinds: "0", or "4 (RemoteProtocolError 4)"."""
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(w["failures_by_error"].items()))
+    return f"{w['failed']} ({kinds})" if kinds else str(w["failed"])
 
 
 def table(summary: dict) -> str:
@@ -210,7 +229,7 @@ def table(summary: dict) -> str:
     for w in summary["windows"]:
         ratio = "-" if w["p95_over_quiet"] is None else f"{w['p95_over_quiet']:.2f}"
         p95_s = "-" if w["p95_s"] is None else f"{w['p95_s']:.2f} s"
-        lines.append(f"| {w['label']} | {w['seconds']:.0f} | {w['requests']} | {w['failed']} | "
+        lines.append(f"| {w['label']} | {w['seconds']:.0f} | {w['requests']} | {failed_cell(w)} | "
                      f"{w['rest_resubmits']} / {w['rest_reruns']} | {w['client_retries']} | {p95_s} | "
                      f"{ratio} |")
     return "\n".join(lines)
@@ -262,6 +281,8 @@ class Load:
                 outcome.end = time.monotonic()
                 with self.lock:
                     self.outcomes.append(outcome)
+                if outcome.error:
+                    time.sleep(PAUSE_S)
 
     def _answer(self, send: Callable[[], httpx.Response], outcome: Outcome, n: int) -> str | None:
         deadline = outcome.start + REQUEST_TIMEOUT_S
@@ -271,7 +292,7 @@ class Load:
             except httpx.ConnectError as exc:  # refused: nothing was sent
                 if self.retry_refused and time.monotonic() < deadline and not self.stop.is_set():
                     outcome.client_retries += 1
-                    time.sleep(0.05)
+                    time.sleep(PAUSE_S)
                     continue
                 return f"{type(exc).__name__}: {exc}"
             except httpx.HTTPError as exc:
@@ -379,6 +400,14 @@ def kill_target(addresses: dict, role: str, rng: random.Random) -> str:
     return rng.choice(names)
 
 
+def _flags(a: argparse.Namespace) -> str:
+    """The command line's flags that differ from the defaults, for the result's command."""
+    d = parse_args([])
+    return "".join(f" --{k.replace('_', '-')} {','.join(v) if isinstance(v, list) else v}" for k, v in vars(a).items()
+                   if k not in ("client_retries", "run_dir", "no_kill", "quick") and v != getattr(d, k)) + \
+        (" --no-kill" if a.no_kill else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     from services.model.tiny import ensure_tiny_checkpoint
@@ -443,10 +472,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for w in summary["windows"]:
         for f in w["failures"]:
             print(f"  {w['label']}: {f}")
+        if w["failed"] > len(w["failures"]):
+            print(f"  {w['label']}: ... {w['failed'] - len(w['failures'])} more")
     if not a.quick:
-        command = ".venv/bin/python -m bench.rolling" + ("" if a.client_retries == "none" else
+        command = ".venv/bin/python -m bench.rolling" + ("" if a.client_retries == "refused" else
                                                           f" --client-retries {a.client_retries}")
-        write_result("rolling", {**summary, "passed": not problems, "problems": problems}, command=command)
+        # A run without the client's retries is kept beside the default one: BENCHMARKS.md shows both.
+        write_result("rolling" if a.client_retries == "refused" else "rolling_no_client_retries",
+                     {**summary, "passed": not problems, "problems": problems}, command=command + _flags(a))
     if problems:
         print("FAILED: " + "; ".join(problems) + f" (the stack's log: {stack.log_path})", file=sys.stderr)
         return 1

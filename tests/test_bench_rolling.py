@@ -15,11 +15,15 @@ from bench.rolling import CounterTrack, Outcome, Window
 def test_arguments_default_to_every_role_twice_and_quick_rolls_one_denoiser() -> None:
     a = rolling.parse_args([])
     assert a.roles == list(rolling.ROLES) and a.rounds == 2 and not a.no_kill and a.clients == 4
-    assert a.client_retries == "none"  # failures stay visible unless asked
+    assert a.client_retries == "refused"  # only a connection refused, where nothing was sent
+    assert rolling.parse_args(["--client-retries", "none"]).client_retries == "none"
     q = rolling.parse_args(["--quick"])
     assert q.roles == ["denoiser-1"] and q.rounds == 1 and q.no_kill
     with pytest.raises(SystemExit):
         rolling.parse_args(["--roles", "ar,model"])
+    # The result file's command names what differs from the defaults, so the run can be repeated.
+    assert rolling._flags(rolling.parse_args(["--roles", "rest", "--no-kill", "--gap", "3"])) == \
+        " --gap 3.0 --roles rest --no-kill"
 
 
 def _outcome(rid: str, start: float, end: float, error: str | None = None, retries: int = 0) -> Outcome:
@@ -35,14 +39,14 @@ def test_a_request_counts_in_every_window_its_run_overlaps_and_p95_is_against_th
     assert s["requests"] == 23 and s["failed"] == 1 and s["quiet"]["requests"] == 20
     assert s["quiet"]["p95_s"] == pytest.approx(1.0)
     first, second = s["windows"]
-    assert first["requests"] == 3 and first["failed"] == 1
+    assert first["requests"] == 3 and first["failed"] == 1 and first["failures_by_error"] == {"HTTP 503": 1}
     assert first["failures"] == ["c (generate n=1 64): HTTP 503: gone"]
     assert (first["rest_resubmits"], first["rest_reruns"], first["client_retries"]) == (1, 1, 2)
     assert first["p95_s"] == pytest.approx(3.9) and first["p95_over_quiet"] == pytest.approx(3.9)
     assert second["requests"] == 0 and second["p95_s"] is None and second["p95_over_quiet"] is None
     assert s["retried"] == {"rest_resubmits": 2, "rest_reruns": 1, "gateway_requeues": 3.0, "client_retries": 2}
     assert rolling.verdict(s) == ["round 1: ctl restart gateway: 1 failed"]
-    assert "| round 1: ctl restart gateway | 5 | 3 | 1 | 1 / 1 | 2 | 3.90 s | 3.90 |" in rolling.table(s)
+    assert "| round 1: ctl restart gateway | 5 | 3 | 1 (HTTP 503 1) | 1 / 1 | 2 | 3.90 s | 3.90 |" in rolling.table(s)
 
 
 def test_the_verdict_allows_failures_only_in_a_sigkill_of_a_gateway_or_the_rest_front() -> None:
