@@ -324,7 +324,7 @@ def _rolling_rows(d: dict) -> str:
 
 def rolling(d: dict) -> str:
     """bench/rolling.py: every role restarted under load, twice by `ctl restart`, then once SIGKILLed; beside it
-    the run without the client's retries of refused connections, when there is one."""
+    the run with the client retrying refused connections, when there is one."""
     s, r, q = d["setup"], d["retried"], d["quiet"]
     text = ("## Rolling restarts (issue 32)\n\n" + run_header(d) +
             "\n`python -m services.launcher` on the tiny model: one AR, two denoisers, two gateways "
@@ -333,23 +333,24 @@ def rolling(d: dict) -> str:
             f"{s['edit_share']:.0%} edits, 64x64 or 128x128). After {s['quiet_s']:.0f} s of quiet, `ctl restart ROLE` "
             f"rolls {', '.join(s['roles'])} in turn, {s['rounds']} times, then one server of each role is SIGKILLed; "
             f"{s['gap_s']:.0f} s of load between windows. A request counts in every window its run overlaps. "
-            "The client retries a connection refused (nothing was sent), and only that: the lone REST front "
-            "listens on nothing from its SIGTERM until the new process binds.\n\n"
+            + ("The client retries nothing: every failure shows.\n\n" if s["client_retries"] == "none" else
+               "The client retries a connection refused (nothing was sent), and only that.\n\n") +
             f"**{d['requests']} requests, {d['failed']} failed** ({'passed' if d['passed'] else 'FAILED: '}"
             f"{'; '.join(d['problems'])}). Retried: the REST front resubmitted {r['rest_resubmits']} to another "
             f"gateway and ran {r['rest_reruns']} cut streams again; the gateways requeued {r['gateway_requeues']:g} "
             f"jobs; the client retried {r['client_retries']} refused connections. Quiet: {q['requests']} requests, "
-            f"median {num(q['median_s'])} s, p95 {num(q['p95_s'])} s.\n\n" + _rolling_rows(d))
+            f"median {num(q['median_s'])} s, p95 {num(q['p95_s'])} s."
+            + (f" The tree had uncommitted changes to {', '.join(s['uncommitted'])}." if s.get("uncommitted") else "")
+            + "\n\n" + _rolling_rows(d))
     failures = [f"- {w['label']}: {f}" for w in d["windows"] for f in w["failures"]]
     if failures:
         text += "\nThe failed requests (the first of each window):\n\n" + "\n".join(failures) + "\n"
-    bare = _load("rolling_no_client_retries")
-    if bare:
-        text += ("\nWithout the client's retries (`" + bare["command"] + f"`, run {bare['when']}): "
-                 f"{bare['requests']} requests, {bare['failed']} failed, every one of them "
-                 + ("a connection refused" if all(set(w["failures_by_error"]) <= {"ConnectError"}
-                                                  for w in bare["windows"]) else "as below")
-                 + " (the client pauses 0.1 s after each).\n\n" + _rolling_rows(bare))
+    other = _load("rolling_client_retries")
+    if other:
+        text += ("\nWith the client retrying refused connections (`" + other["command"] + f"`, run {other['when']}, "
+                 f"commit {other['machine'].get('commit', '?')}): {other['requests']} requests, {other['failed']} "
+                 f"failed, {other['retried']['client_retries']} refused connections retried.\n\n"
+                 + _rolling_rows(other))
     return text
 
 

@@ -10,8 +10,8 @@ its run overlaps.
 
 Printed: requests sent, failed, retried by whom (the REST front's resubmits and mid-stream reruns, counted from its
 log by request id; the gateways' requeues, from their /metrics; the client's own retries: only a connection refused,
-where nothing was sent, and only while --client-retries is refused, the default: with one REST front there is no
-other to connect to while it restarts), and per window the p95 latency against the quiet
+where nothing was sent, and only with --client-retries refused; by default the client retries nothing, so every
+failure shows), and per window the p95 latency against the quiet
 p95. Exit 1 if any request failed during a SIGTERM restart (the issue's done-when), or during the SIGKILL of an AR
 or a denoiser; failures while the REST front or a gateway is SIGKILLed are reported, per role, not fatal (that work
 was inside the killed process). Run: .venv/bin/python -m bench.rolling [--quick]
@@ -91,10 +91,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--roles", default=",".join(ROLES), help="the roles rolled and killed, in this order")
     p.add_argument("--no-kill", action="store_true", help="leave out the SIGKILL phase")
     p.add_argument("--edit-share", type=float, default=0.3, help="the share of requests that are edits")
-    p.add_argument("--client-retries", choices=("none", "refused"), default="refused",
-                   help="refused (default): retry a connection the REST front refused (nothing was sent, so nothing "
-                        "can be lost or doubled; the lone REST front listens on nothing from its SIGTERM until the "
-                        "new process binds), counted in the table; none: every error is a failure")
+    p.add_argument("--client-retries", choices=("none", "refused"), default="none",
+                   help="none (default): every error is a failure; refused: retry a connection the REST front "
+                        "refused (nothing was sent, so nothing can be lost or doubled: for a stack whose lone REST "
+                        "front listens on nothing while it restarts), counted in the table")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 10 s quiet, one ctl restart of one denoiser, no SIGKILL, no result file")
@@ -400,6 +400,16 @@ def kill_target(addresses: dict, role: str, rng: random.Random) -> str:
     return rng.choice(names)
 
 
+def uncommitted() -> list[str]:
+    """The tracked files changed since the commit the result names: its figures are of that tree, not the commit."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [line[3:] for line in out.splitlines() if line[3:] != "BENCHMARKS.md"]
+
+
 def _flags(a: argparse.Namespace) -> str:
     """The command line's flags that differ from the defaults, for the result's command."""
     d = parse_args([])
@@ -464,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         sum(c.total for c in requeues.values()))
     summary["setup"] = {"clients": a.clients, "quiet_s": a.quiet, "gap_s": a.gap, "rounds": a.rounds,
                         "roles": a.roles, "sigkill": not a.no_kill, "edit_share": a.edit_share,
-                        "client_retries": a.client_retries, "run_dir": str(run_dir),
+                        "client_retries": a.client_retries, "run_dir": str(run_dir), "uncommitted": uncommitted(),
                         "windows": [asdict(w) | {"start": round(w.start - t0, 1), "end": round(w.end - t0, 1)}
                                     for w in windows]}
     print(table(summary))
@@ -475,10 +485,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if w["failed"] > len(w["failures"]):
             print(f"  {w['label']}: ... {w['failed'] - len(w['failures'])} more")
     if not a.quick:
-        command = ".venv/bin/python -m bench.rolling" + ("" if a.client_retries == "refused" else
+        command = ".venv/bin/python -m bench.rolling" + ("" if a.client_retries == "none" else
                                                           f" --client-retries {a.client_retries}")
-        # A run without the client's retries is kept beside the default one: BENCHMARKS.md shows both.
-        write_result("rolling" if a.client_retries == "refused" else "rolling_no_client_retries",
+        # A run with the client's retries is kept beside the default one: BENCHMARKS.md shows both.
+        write_result("rolling" if a.client_retries == "none" else "rolling_client_retries",
                      {**summary, "passed": not problems, "problems": problems}, command=command + _flags(a))
     if problems:
         print("FAILED: " + "; ".join(problems) + f" (the stack's log: {stack.log_path})", file=sys.stderr)

@@ -206,7 +206,8 @@ LONGEST_FILES = {
     "test_tenants_reload.py": 32, "test_rest_tenants.py": 20,
     "test_jobs_durability.py": 80, "test_jobs_postgres_e2e.py": 60, "test_jobs_clients_e2e.py": 55,
     "test_jobs_attack.py": 60, "test_jobs_e2e.py": 50, "test_jobs_s3_e2e.py": 40, "test_jobs_webhooks_e2e.py": 35,
-    "test_job_store.py": 10, "test_launcher_stop.py": 70, "test_version_skew.py": 40, "test_mixed_pools.py": 55,
+    "test_job_store.py": 10, "test_launcher_stop.py": 70, "test_version_skew.py": 40,
+    "test_bench_rolling.py": 45, "test_mixed_pools.py": 55,
 }
 
 

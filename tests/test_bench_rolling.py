@@ -15,8 +15,8 @@ from bench.rolling import CounterTrack, Outcome, Window
 def test_arguments_default_to_every_role_twice_and_quick_rolls_one_denoiser() -> None:
     a = rolling.parse_args([])
     assert a.roles == list(rolling.ROLES) and a.rounds == 2 and not a.no_kill and a.clients == 4
-    assert a.client_retries == "refused"  # only a connection refused, where nothing was sent
-    assert rolling.parse_args(["--client-retries", "none"]).client_retries == "none"
+    assert a.client_retries == "none"  # every failure shows unless asked
+    assert rolling.parse_args(["--client-retries", "refused"]).client_retries == "refused"
     q = rolling.parse_args(["--quick"])
     assert q.roles == ["denoiser-1"] and q.rounds == 1 and q.no_kill
     with pytest.raises(SystemExit):
