@@ -228,14 +228,19 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
     url_secret = str(ensure_secret_file(jobs / "url-secret"))
     images = str(jobs / "images")
     # The gateways name the REST front in their image links and webhook bodies, so its port is settled before they
-    # start (--rest-port 0: one picked now, kept over the front's restarts).
-    rest_port = a.rest_port or _free_port(a.host)
+    # start: its socket is bound here (--rest-port 0: a free one) and handed to each REST process, so a restart of
+    # the front refuses no connection (they wait in the backlog) and no other process can take the port.
+    rest_listener = sup.listen(a.rest_port)
+    rest_port = rest_listener.getsockname()[1]
     job_flags = ["--jobs-db", a.jobs_db or f"sqlite:///{jobs / 'jobs.sqlite3'}", "--image-store", images,
                  "--url-secret-file", url_secret, "--webhook-secret-file",
                  str(ensure_secret_file(jobs / "webhook-secret")),
                  "--public-url", f"http://{_url_host(a.host)}:{rest_port}"]
-    gw_flags = ["--ar", ar.address, *[f"--denoiser={d.address}" for d in denoisers], *trace_flags, *tenant_flags,
-                *store_flags, *job_flags, *a.gateway_arg]
+    # Every server here is supervised: a worker missing from a stage is one being restarted (a rolling restart,
+    # or a crash the supervisor is mending), so the gateways hold requests for it within their deadline instead of
+    # failing them at once; with one AR, `ctl restart ar` and a crashed AR then lose no request.
+    gw_flags = ["--ar", ar.address, *[f"--denoiser={d.address}" for d in denoisers], "--queue-without-workers",
+                *trace_flags, *tenant_flags, *store_flags, *job_flags, *a.gateway_arg]
     gw_metrics: list[int | None] = [None] * len(a.gateway_ports)
     if a.gateway_metrics_ports is not None:
         given = a.gateway_metrics_ports
@@ -249,16 +254,11 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
     # The REST front takes them in turn and resubmits a call that a gateway dropped unanswered to the next one.
     rest = sup.child("rest", "gateway.rest", rest_port,
                      ["--gateway-address", ",".join(g.address for g in gateways), *trace_flags, *tenant_flags,
-                      "--image-store", images, "--url-secret-file", url_secret, *a.rest_arg], None, rest_env)
+                      "--image-store", images, "--url-secret-file", url_secret, *a.rest_arg], None, rest_env,
+                     listener=rest_listener)
     await sup.start([rest], deadline)
     rest.metrics_port = rest.port  # the REST front serves /metrics on its own port
     return sup.addresses()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _url_host(host: str) -> str:

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -39,6 +40,9 @@ class Child:
     port: int = 0
     metrics_port: int | None = None  # its /metrics port, as it reported it (the REST front: its own port)
     metrics_port_file: Path | None = None  # where it reports that port (--metrics-port-file), when it serves one
+    # An HTTP server's listening socket, held here and handed to each of its processes (--listen-fd): while one
+    # drains and the next starts, connections wait in the socket's backlog instead of being refused.
+    listener: socket.socket | None = None
     env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment
     restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts (within the window)
     given_up: bool = False  # crashed through its restart budget: left down
@@ -56,10 +60,10 @@ class Child:
         and REST front hold the first address in their flags)."""
         i = self.argv.index("--port")
         self.argv[i + 1] = str(self.port)
-
         if self.metrics_port is not None and "--metrics-port" in self.argv:  # its banner URL must stay true too
             i = self.argv.index("--metrics-port")
             self.argv[i + 1] = str(self.metrics_port)
+
 
 @dataclass(frozen=True)
 class RestartPolicy:
@@ -95,9 +99,9 @@ async def _wait_port(child: Child, deadline: float) -> None:
             raise StartupError(f"{child.name} did not bind a port in time")
         await asyncio.sleep(0.05)
     child.port = int(child.port_file.read_text())
-
     if child.metrics_port_file is not None:  # written before the port file (see --metrics-port-file)
         child.metrics_port = int(child.metrics_port_file.read_text())
+
 
 async def _wait_serving(child: Child, deadline: float) -> None:
     """Block on grpc.health.v1 Watch until the server says SERVING (no polling)."""
@@ -174,16 +178,20 @@ class Supervisor:
         self.on_restart: Callable[[], None] | None = None  # after a child is back (new PID) or stopped: the ready file
 
     def child(self, name: str, module: str, port: int, flags: list[str], health: str | None,
-              env: dict[str, str] | None = None, metrics_port: int | None = None) -> Child:
+              env: dict[str, str] | None = None, metrics_port: int | None = None,
+              listener: socket.socket | None = None) -> Child:
+        """``listener`` (from `listen`): the socket an HTTP server accepts on, over all its restarts."""
         port_file = self.run_dir / f"{name}.port"
         argv = [sys.executable, "-m", module, "--host", self.host, "--port", str(port),
                 "--port-file", str(port_file), "--log-level", self.log_level, *flags]
+        if listener is not None:
+            argv += ["--listen-fd", str(listener.fileno())]
         metrics_file = None
         if metrics_port is not None:  # 0: the server picks one and reports it, so no other process can take it first
             metrics_file = self.run_dir / f"{name}.metrics-port"
             argv += ["--metrics-port", str(metrics_port), "--metrics-port-file", str(metrics_file)]
         child = Child(name=name, argv=argv, port_file=port_file, health_service=health, env=dict(env or {}),
-                      metrics_port=metrics_port, metrics_port_file=metrics_file)
+                      metrics_port=metrics_port, metrics_port_file=metrics_file, listener=listener)
         self.children.append(child)
         return child
 
@@ -193,7 +201,7 @@ class Supervisor:
         # a preexec_fn).
         child.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.runtime.die_with_parent", str(os.getpid()), "--", *child.argv,
-            env={**os.environ, **child.env})
+            env={**os.environ, **child.env}, pass_fds=(child.listener.fileno(),) if child.listener else ())
 
     async def start(self, group: list[Child], deadline: float) -> None:
         """Spawn `group` at once, then wait until every member has bound its port and reports healthy."""
@@ -307,7 +315,26 @@ class Supervisor:
         gateways, then the workers), the members of a group at once; SIGKILL any that outlasts ``grace``."""
         for group in reversed(self._groups):
             await asyncio.gather(*(_terminate(c, grace) for c in group))
+        for c in self.children:
+            if c.listener is not None:
+                c.listener.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def listen(self, port: int) -> socket.socket:
+        """A listening TCP socket on this supervisor's host (port 0: a free one, bound now, so no other process can
+        take it before the server starts), for `child(listener=...)`. IPPROTO_TCP explicitly: asyncio sets
+        TCP_NODELAY only on connections accepted from such a socket."""
+        family, type_, proto, _, address = socket.getaddrinfo(
+            self.host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, type_, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(socket.SOMAXCONN)
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
     async def supervise(self) -> None:
         """Keep every started child running until cancelled (the launcher cancels it before `stop`); a child

@@ -3,6 +3,7 @@ lets the request in flight finish and answer, and exits 0; --drain-seconds bound
 would not end does not hold the process past it."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -47,11 +48,13 @@ def gateway() -> Iterator[tuple[FakeServer, HoldingGateway]]:
             servicer.release.set()
 
 
-def _front(tmp_path: Path, gateway: str, *flags: str) -> tuple[subprocess.Popen, str, Path]:
-    port_file, log = tmp_path / "rest.port", tmp_path / "rest.log"
+def _front(tmp_path: Path, gateway: str, *flags: str, pass_fds: tuple[int, ...] = (),
+           name: str = "rest") -> tuple[subprocess.Popen, str, Path]:
+    port_file, log = tmp_path / f"{name}.port", tmp_path / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gateway.rest", "--port", "0", "--port-file", str(port_file),
-                                 "--gateway-address", gateway, *flags], stdout=out, stderr=subprocess.STDOUT)
+                                 "--gateway-address", gateway, *flags], stdout=out, stderr=subprocess.STDOUT,
+                                pass_fds=pass_fds)
     until(lambda: port_file.exists() or proc.poll() is not None, 60, "the REST front's port", step=0.05)
     assert proc.poll() is None, log.read_text()
     return proc, f"127.0.0.1:{port_file.read_text()}", log
@@ -76,6 +79,8 @@ def test_sigterm_lets_the_request_in_flight_finish(tmp_path: Path, gateway) -> N
             servicer.release.set()
             reply = inflight.result(30)
         assert reply.status_code == 200 and len(reply.json()["data"]) == 1, reply.text
+        # Said, so that a client keeping the connection does not send its next request into a closed socket.
+        assert reply.headers["connection"] == "close"
         assert proc.wait(30) == 0, log.read_text()
     finally:
         if proc.poll() is None:
@@ -100,3 +105,38 @@ def test_drain_seconds_bounds_the_wait(tmp_path: Path, gateway) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_connection_made_between_two_fronts_on_one_inherited_socket_is_answered(tmp_path: Path, gateway) -> None:
+    """--listen-fd, as the launcher runs the front: the socket outlives each process, so a client connecting while
+    the front restarts waits in its backlog and is answered by the next process, instead of being refused."""
+    fake, _ = gateway
+    listener = socket.create_server(("127.0.0.1", 0))
+    fd = str(listener.fileno())
+    first, rest, log = _front(tmp_path, fake.address, "--listen-fd", fd, pass_fds=(listener.fileno(),))
+    second = None
+    try:
+        assert rest == f"127.0.0.1:{listener.getsockname()[1]}"  # the port reported is the inherited socket's
+        assert _post(rest, "before").status_code == 200
+        first.terminate()
+        assert first.wait(30) == 0, log.read_text()
+        with ThreadPoolExecutor(1) as pool:
+            between: Future = pool.submit(_post, rest, "between")  # nobody accepts now: it waits, not refused
+            second, _, log2 = _front(tmp_path, fake.address, "--listen-fd", fd, pass_fds=(listener.fileno(),),
+                                     name="rest-2")
+            reply = between.result(60)
+        assert reply.status_code == 200, reply.text
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        listener.close()
+
+
+def test_listen_fd_that_is_no_listening_socket_is_refused_in_one_line(tmp_path: Path) -> None:
+    with open(tmp_path / "f", "wb") as f:
+        done = subprocess.run([sys.executable, "-m", "gateway.rest", "--listen-fd", str(f.fileno()),
+                               "--gateway-address", "127.0.0.1:1"], pass_fds=(f.fileno(),), capture_output=True,
+                              text=True, timeout=60)
+    assert done.returncode != 0 and "--listen-fd" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -4,8 +4,10 @@ every server of a role in turn, or a server is SIGTERMed from outside (the launc
 fails: a draining AR's batches finish and count, a draining gateway finishes what it admitted while the REST front
 sends new requests to the other one. The denoisers' turn: tests/test_rolling_restart_workers.py.
 
-With one AR there is no elsewhere during its restart: the gateways run with --queue-without-workers, so requests
-wait for it to be back instead of failing fast (docs/operating.md, rolling restarts)."""
+With one AR there is no elsewhere during its restart: the launcher runs its gateways with --queue-without-workers
+(every worker of its is supervised, so one missing is one coming back), and requests wait for it instead of failing
+fast (docs/operating.md, rolling restarts). With one REST front, its restart refuses no connection: the launcher
+holds the front's listening socket and hands it to each REST process, so connections wait in its backlog."""
 from __future__ import annotations
 
 import os
@@ -26,8 +28,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackRun]:
-    with running_stack(tmp_path_factory.mktemp("rolling"), denoisers=1, gateways=2,
-                       extra_args=("--gateway-arg=--queue-without-workers",)) as run:
+    with running_stack(tmp_path_factory.mktemp("rolling"), denoisers=1, gateways=2) as run:
         yield run
 
 
@@ -51,6 +52,10 @@ def test_ctl_restart_gateway_rolls_both_under_load_and_fails_nothing(stack: Stac
 
 def test_ctl_restart_of_the_only_ar_under_load_fails_nothing(stack: StackRun) -> None:
     restart_under_load(stack, "ar", ["ar"])
+
+
+def test_ctl_restart_of_the_only_rest_front_under_load_fails_nothing(stack: StackRun) -> None:
+    restart_under_load(stack, "rest", ["rest"])
 
 
 def test_a_gateway_sigtermed_from_outside_under_load_fails_nothing(stack: StackRun) -> None:

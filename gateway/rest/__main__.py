@@ -39,6 +39,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="glmimage-rest", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--listen-fd", type=int, default=None,
+                   help="accept on this inherited listening socket instead of binding --host/--port (a supervisor "
+                        "holds it over restarts, so connections wait in its backlog rather than being refused)")
     p.add_argument("--port-file", type=Path, default=None,
                    help="write the bound port here once listening (for supervisors and tests using --port 0)")
     p.add_argument("--gateway-address", default=_DEFAULTS.gateway_address,
@@ -156,6 +159,17 @@ def guards_from_args(args: argparse.Namespace) -> ConnectionGuards:
     return ConnectionGuards(**{name: getattr(args, name) for name in GUARD_HELP})
 
 
+def inherited_socket(fd: int) -> socket.socket:
+    """The listening socket a supervisor passed as ``fd`` (family, type and protocol read from the socket)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        sys.exit(f"glmimage-rest: error: --listen-fd {fd}: {exc.strerror or exc}")
+    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        sys.exit(f"glmimage-rest: error: --listen-fd {fd} is not a listening socket")
+    return sock
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket created with an explicit IPPROTO_TCP.
 
@@ -244,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"glmimage-rest: error: {exc}")
     server.install_handlers()
     # Bind here rather than in uvicorn so that --port 0 can report the port it got.
-    sock = listen_socket(args.host, args.port)
+    sock = inherited_socket(args.listen_fd) if args.listen_fd is not None else listen_socket(args.host, args.port)
     if args.port_file is not None:
         write_port_file(args.port_file, sock.getsockname()[1])
     logging.getLogger("gateway.rest").info("REST front listening on %s:%d", args.host, sock.getsockname()[1])

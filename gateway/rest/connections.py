@@ -65,6 +65,10 @@ GUARD_HELP = {
 }
 
 
+# How long a graceful shutdown leaves an idle kept-alive connection open for a request already on its way.
+DRAIN_LINGER_S = 1.0
+
+
 def protocol_class(guards: ConnectionGuards) -> type[H11Protocol]:
     """uvicorn's ``http`` protocol class applying ``guards``."""
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guards": guards})
@@ -76,6 +80,17 @@ class _OneFraming(h11.Connection):
 
     refusal = ""  # why the last request was refused, in the client's terms
     status = 400  # and with which status (h11's hint: 431 for a head past the bound)
+    closing = False  # the server is shutting down: every response from now on says Connection: close
+
+    def send(self, event: Any) -> Any:
+        # uvicorn closes a connection after its last response without saying so in the response, so a client
+        # keeping the connection sends its next request into a closed socket (reset). Saying it lets the client
+        # open a new connection instead.
+        if self.closing and isinstance(event, h11.Response) and not any(
+                name == b"connection" for name, _ in event.headers):
+            event = h11.Response(status_code=event.status_code, reason=event.reason, http_version=event.http_version,
+                                 headers=[*event.headers, (b"connection", b"close")])
+        return super().send(event)
 
     def next_event(self) -> Any:
         try:
@@ -169,6 +184,8 @@ class GuardedH11Protocol(H11Protocol):
         self._body_since = 0.0  # when the body's clock started
         self._body_bytes = 0
         self._refused = False
+        self._idle_since = self.loop.time()  # since its last response ended (or it connected)
+        self._draining = False  # the server is shutting down: answer what comes with Connection: close
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------------------
 
@@ -198,8 +215,38 @@ class GuardedH11Protocol(H11Protocol):
         self._follow()
 
     def on_response_complete(self) -> None:
+        self._idle_since = self.loop.time()
         super().on_response_complete()  # may go on to a pipelined request
         self._follow()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._draining and self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False  # answered with Connection: close, then closed
+
+    def shutdown(self) -> None:
+        """The graceful shutdown of this connection. One busy with a request answers it with Connection: close
+        (uvicorn's own way). One idle on keep-alive is closed only once it has been idle DRAIN_LINGER_S: a client
+        sending back to back has its next request on the wire already, and closing under it resets that request (a
+        client error for a request never seen); within the linger that request is served, with Connection: close."""
+        self._draining = self.conn.closing = True
+        if self._refused or self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:  # busy: answered, then closed
+            super().shutdown()
+            return
+        # Idle, or a request's head on its way (closed with it, if it is still not whole past the head's clock).
+        idle_for = self.loop.time() - self._idle_since
+        if self.conn.their_state is h11.IDLE and idle_for >= DRAIN_LINGER_S:
+            super().shutdown()
+            return
+        self.loop.call_later(max(0.0, DRAIN_LINGER_S - idle_for), self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        if self.transport.is_closing():
+            return
+        if (self.cycle is None or self.cycle.response_complete) and self.conn.their_state is h11.IDLE:
+            super().shutdown()
 
     def send_400_response(self, msg: str) -> None:
         """Malformed HTTP, answered in OpenAI's error shape like every other refusal."""
