@@ -328,7 +328,7 @@ def rolling(d: dict) -> str:
     s, r, q = d["setup"], d["retried"], d["quiet"]
     text = ("## Rolling restarts (issue 32)\n\n" + run_header(d) +
             "\n`python -m services.launcher` on the tiny model: one AR, two denoisers, two gateways "
-            "(--queue-without-workers: requests wait for the lone AR), the REST front over both. "
+            "(the launcher's --queue-without-workers: requests wait for the lone AR), the REST front over both. "
             f"{s['clients']} clients send back-to-back requests through the REST front (generations n=1..3 and "
             f"{s['edit_share']:.0%} edits, 64x64 or 128x128). After {s['quiet_s']:.0f} s of quiet, `ctl restart ROLE` "
             f"rolls {', '.join(s['roles'])} in turn, {s['rounds']} times, then one server of each role is SIGKILLed; "

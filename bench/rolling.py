@@ -1,8 +1,8 @@
 """Rolling restarts under load (issue 32): the whole stack rolled role by role, twice, then each role SIGKILLed once.
 
 `python -m services.launcher` (what `make run` starts) on the tiny model, on ports it picks: one AR, two denoisers,
-two gateways (each with --queue-without-workers, so that requests wait for the lone AR instead of failing fast while
-it restarts) and the REST front over both. Four client threads send back-to-back requests through the REST front: a
+two gateways (the launcher gives them --queue-without-workers, so that requests wait for the lone AR instead of
+failing fast while it restarts) and the REST front over both. Four client threads send back-to-back requests through the REST front: a
 mix of generations (n=1..3, 64x64 or 128x128) and edits of a small reference. After a quiet phase, `python -m
 services.launcher ctl restart ROLE` rolls each role in turn (ar, denoiser, gateway, rest), twice; then one server of
 each role is SIGKILLed (the launcher starts it again). Each restart is a window; a request belongs to every window
@@ -318,8 +318,7 @@ class Stack:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.launcher", "--rest-port", "0", "--gateway-ports", "0,0",
              "--gateway-metrics-ports", "0,0", "--ar-port", "0", "--denoiser-ports", "0,0",
-             "--ready-file", str(self.ready), "--log-level", "INFO", "--jobs-dir", str(run_dir / "jobs"),
-             "--gateway-arg=--queue-without-workers"],
+             "--ready-file", str(self.ready), "--log-level", "INFO", "--jobs-dir", str(run_dir / "jobs")],
             stdout=self._log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 600
         while not self.ready.exists():  # written once every server is SERVING
