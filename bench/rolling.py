@@ -2,11 +2,11 @@
 
 `python -m services.launcher` (what `make run` starts) on the tiny model, on ports it picks: one AR, two denoisers,
 two gateways (the launcher gives them --queue-without-workers, so that requests wait for the lone AR instead of
-failing fast while it restarts) and the REST front over both. Four client threads send back-to-back requests through the REST front: a
-mix of generations (n=1..3, 64x64 or 128x128) and edits of a small reference. After a quiet phase, `python -m
-services.launcher ctl restart ROLE` rolls each role in turn (ar, denoiser, gateway, rest), twice; then one server of
-each role is SIGKILLed (the launcher starts it again). Each restart is a window; a request belongs to every window
-its run overlaps.
+failing fast while it restarts) and the REST front over both. Four client threads send back-to-back requests through
+the REST front: a mix of generations (n=1..3, 64x64 or 128x128) and edits of a small reference. After a quiet phase,
+`python -m services.launcher ctl restart ROLE` rolls each role in turn (ar, denoiser, gateway, rest), twice; then one
+server of each role is SIGKILLed (the launcher starts it again). Each restart is a window; a request belongs to every
+window its run overlaps.
 
 Printed: requests sent, failed, retried by whom (the REST front's resubmits and mid-stream reruns, counted from its
 log by request id; the gateways' requeues, from their /metrics; the client's own retries: only a connection refused,
