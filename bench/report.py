@@ -344,7 +344,9 @@ def rolling(d: dict) -> str:
             + "\n\n" + _rolling_rows(d))
     failures = [f"- {w['label']}: {f}" for w in d["windows"] for f in w["failures"]]
     if failures:
-        text += "\nThe failed requests (the first of each window):\n\n" + "\n".join(failures) + "\n"
+        text += ("\nThe failed requests (the first of each window; in a SIGKILL of the REST front or a gateway, what "
+                 "was inside the killed process is lost, as the issue allows; nothing may fail elsewhere):\n\n"
+                 + "\n".join(failures) + "\n")
     other = _load("rolling_client_retries")
     if other:
         text += ("\nWith the client retrying refused connections (`" + other["command"] + f"`, run {other['when']}, "
