@@ -349,6 +349,8 @@ class Worker:
                     serving = now_serving
                     backoff = self.config.health_retry_min
                     self.checked.set()
+                # The server ended the Watch (a drained process exits): gone, whatever it said last.
+                self.health = WorkerHealth.UNREACHABLE
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is None or task.cancelling() or prober is None or not prober.done():
