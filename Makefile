@@ -103,7 +103,7 @@ test: $(DEV_STAMP) tools
 
 lint: $(DEV_STAMP)
 	$(BIN)/buf lint protos
-	$(BIN)/ruff check services gateway tests protos clients/python/glmimage
+	$(BIN)/ruff check services gateway rest runtime tests protos clients/python/glmimage
 	$(BIN)/hadolint docker/Dockerfile
 	$(BIN)/python -m pytest -q tests/test_contracts.py tests/test_docker.py tests/test_k8s.py
 

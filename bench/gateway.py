@@ -1,7 +1,7 @@
 """Gateway + REST front overhead with zero-cost backends (`make bench`, gateway part).
 
 Runs four processes: the zero-cost AR and denoisers (bench.zero_cost_backends), the real gateway
-(`python -m gateway`), the real REST front (`python -m gateway.rest`), and this one as the load generator.
+(`python -m gateway`), the real REST front (`python -m rest`), and this one as the load generator.
 Each round sends the same request three ways, side by side, in rotating order:
 
 - `rest`: POST /v1/images/generations with an async httpx-API client (httpx2, the httpx fork the openai SDK uses:
@@ -191,7 +191,7 @@ async def _start_servers(args: argparse.Namespace, work: Path, procs: list[Proc]
     procs.append(gateway)
     gateway_address = f"127.0.0.1:{await _wait_file(port_file, gateway, deadline)}"
     port_file = work / "rest.port"
-    rest = _spawn("rest", ["-m", "gateway.rest", "--port", "0", "--port-file", str(port_file),
+    rest = _spawn("rest", ["-m", "rest", "--port", "0", "--port-file", str(port_file),
                            "--gateway-address", gateway_address, "--log-level", "warning", *args.rest_arg], work)
     procs.append(rest)
     return gateway, rest, gateway_address, f"127.0.0.1:{await _wait_file(port_file, rest, deadline)}"

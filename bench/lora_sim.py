@@ -99,9 +99,9 @@ def measure_tiny_load(ranks: Sequence[int] = (8, 512, 4096), repeats: int = 7) -
     from diffusers import GlmImageTransformer2DModel
     from safetensors.torch import save_file
 
+    from runtime.limits import Limits
     from services.denoiser.adapters import AdapterCache, AdapterDirectory, LoraRef, linear_targets
     from services.model.tiny import ensure_tiny_checkpoint
-    from services.runtime.limits import Limits
 
     torch.set_num_threads(1)
     transformer = GlmImageTransformer2DModel.from_pretrained(ensure_tiny_checkpoint() / "transformer")

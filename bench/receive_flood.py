@@ -84,7 +84,7 @@ def flood(pid: int, address: str, method: str, payload: bytes = FLOOD, metadata:
 
 def _limit(name: str) -> int:
     try:
-        from services.runtime.limits import Limits, max_request_bytes
+        from runtime.limits import Limits, max_request_bytes
     except ImportError:  # a revision before the receive limits: its servers took up to 64 MiB
         return len(FLOOD)
     limits = Limits()

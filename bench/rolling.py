@@ -49,7 +49,7 @@ REQUEST_TIMEOUT_S = 180.0
 # tens of times, not spun on.
 PAUSE_S = 0.1
 FAILURES_KEPT = 20  # per window, in the result file and the printout: the first ones, with their request ids
-# The REST front's own retries, as its log says them (gateway/rest/upstream.py, gateway/rest/streaming.py).
+# The REST front's own retries, as its log says them (rest/upstream.py, rest/streaming.py).
 RESUBMIT = re.compile(r"(\S+) gateway unavailable before answering; resubmitting")
 RERUN = re.compile(r"(\S+) gateway went away mid-stream")
 

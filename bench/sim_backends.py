@@ -1,4 +1,4 @@
-"""Simulated AR and denoiser gRPC servers: real servers (services.runtime.server plumbing, health, reflection)
+"""Simulated AR and denoiser gRPC servers: real servers (runtime.server plumbing, health, reflection)
 whose work is a sleep from a cost model. For benchmarks of the scheduler and for gateway tests that need
 precise control over timing; they hold no model and produce no real image.
 
@@ -37,11 +37,11 @@ from glmimage.v1 import (
     denoiser_service_pb2,
     denoiser_service_pb2_grpc,
 )
+from runtime.errors import DENOISER_BUSY, InvalidArgument, ResourceExhausted
+from runtime.logs import configure_logging
+from runtime.server import GrpcServer, install_shutdown_signals, start_server
+from runtime.tls import ServerTls
 from services.denoiser.occupancy import OccupancyBoard
-from services.runtime.errors import DENOISER_BUSY, InvalidArgument, ResourceExhausted
-from services.runtime.logs import configure_logging
-from services.runtime.server import GrpcServer, install_shutdown_signals, start_server
-from services.runtime.tls import ServerTls
 
 log = logging.getLogger(__name__)
 

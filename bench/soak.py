@@ -1,7 +1,7 @@
 """Soak: mixed load for a while with random denoiser kills and restarts (`make soak`, not part of make test).
 
 The load comes in busy stretches (`--busy` seconds) separated by idle gaps (`--idle-gap` seconds, longer than
-every keepalive interval: services.runtime.keepalive), so that connections sit idle and are then hit by a burst of
+every keepalive interval: runtime.keepalive), so that connections sit idle and are then hit by a burst of
 every client at once, as in production between peaks. Requests started within AFTER_GAP_S of a gap's end are
 counted separately; no denoiser is killed during a gap or that window, so any failure there is the idle gap's.
 

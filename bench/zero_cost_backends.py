@@ -28,8 +28,8 @@ from glmimage.v1 import (
     denoiser_service_pb2,
     denoiser_service_pb2_grpc,
 )
-from services.runtime.logs import configure_logging
-from services.runtime.server import GrpcServer, install_shutdown_signals, start_server
+from runtime.logs import configure_logging
+from runtime.server import GrpcServer, install_shutdown_signals, start_server
 
 log = logging.getLogger("bench.zero_cost_backends")
 

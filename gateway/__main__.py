@@ -30,20 +30,20 @@ from gateway.tenancy import TenantGate
 from gateway.timeouts import TimeoutPolicy
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc, job_service_pb2_grpc
 from glmimage.wire.sizes import size_arg
-from services.runtime.auth import add_internal_token_args, bearer_metadata, internal_token_from_args
-from services.runtime.limits import BOUNDS, Limits, add_limit_args, limits_from_args, max_request_bytes
-from services.runtime.logs import configure_logging
-from services.runtime.metrics import serve_metrics
-from services.runtime.server import (
+from runtime.auth import add_internal_token_args, bearer_metadata, internal_token_from_args
+from runtime.limits import BOUNDS, Limits, add_limit_args, limits_from_args, max_request_bytes
+from runtime.logs import configure_logging
+from runtime.metrics import serve_metrics
+from runtime.server import (
     announce,
     common_server_args,
     intake_from_args,
     run_until_signalled,
     start_server,
 )
-from services.runtime.tenants import TenantsError, TenantsFile, add_tenants_args, tenants_from_keys
-from services.runtime.tls import client_tls_args, client_tls_from_args, server_tls_from_args
-from services.runtime.tracing import endpoint_from, setup_tracing
+from runtime.tenants import TenantsError, TenantsFile, add_tenants_args, tenants_from_keys
+from runtime.tls import client_tls_args, client_tls_from_args, server_tls_from_args
+from runtime.tracing import endpoint_from, setup_tracing
 
 log = logging.getLogger("gateway")
 SERVICE_NAME = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -209,7 +209,7 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
         worker_metadata=bearer_metadata(internal_token_from_args(args)))
 
 
-# The limits the gateway's receive limit derives from (services.runtime.limits.max_request_bytes): it admits no
+# The limits the gateway's receive limit derives from (runtime.limits.max_request_bytes): it admits no
 # more than it can receive, so a worker's value above the gateway's own (flag or default) does not raise them.
 RECEIVE_BOUND_FIELDS = ("max_prompt_chars", "max_reference_total_bytes")
 

@@ -1,6 +1,6 @@
 """Who may call what on GatewayService: user keys generate and read the status, admin keys manage the pool.
 
-One interceptor (GatewayAuth) over the tenants in force (services.runtime.tenants: the tenants file, or the key flags
+One interceptor (GatewayAuth) over the tenants in force (runtime.tenants: the tenants file, or the key flags
 as tenants `default` and `admin`), with one table, METHOD_ROLES:
 
 - public: GetLimits, open to every caller (the limits are what /openapi.json advertises anyway).
@@ -22,8 +22,8 @@ from collections.abc import Iterable, Mapping
 import grpc
 
 from glmimage.v1 import gateway_service_pb2, job_service_pb2
-from services.runtime.auth import CheckingInterceptor, bearer_token
-from services.runtime.tenants import ADMIN, USER, Tenant, TenantsFile, digest
+from runtime.auth import CheckingInterceptor, bearer_token
+from runtime.tenants import ADMIN, USER, Tenant, TenantsFile, digest
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Whether this gateway can speak a worker's contract: the one rule, read where the gateway learns a worker's
 limits (gateway.workers, each time the worker comes up, before it gets work).
 
-Each side speaks a range of contract revisions (services.runtime.version: the newest it speaks and the oldest it
+Each side speaks a range of contract revisions (runtime.version: the newest it speaks and the oldest it
 still serves); they work together when the ranges overlap. A worker that reports none (a release older than
 revisions, or one without GetLimits) counts as revision 1, so a pool keeps serving across that release boundary.
 A worker outside the range gets no work: its health is INCOMPATIBLE (GetStatus, the
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glmimage.v1 import common_pb2
-from services.runtime.version import OLDEST_PROTO_REVISION, PROTO_REVISION, build_info
+from runtime.version import OLDEST_PROTO_REVISION, PROTO_REVISION, build_info
 
 # What a peer that reports no revision speaks: the contract as it was before revisions were numbered.
 UNNUMBERED = 1

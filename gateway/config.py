@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from gateway.membership import AllowRule
 from gateway.scheduler.types import SchedulerConfig
 from gateway.timeouts import TimeoutPolicy
-from services.runtime.tls import ClientTls
+from runtime.tls import ClientTls
 
 
 def new_instance_id() -> str:
@@ -25,7 +25,7 @@ class GatewayConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     default_height: int = 256
     default_width: int = 256
-    # The gateway's own --max-* flags (services.runtime.limits field -> bound): they only ever lower what the
+    # The gateway's own --max-* flags (runtime.limits field -> bound): they only ever lower what the
     # workers advertise. Empty: admit what the workers apply.
     own_limits: tuple[tuple[str, float], ...] = ()
     request_timeout: float = 300.0

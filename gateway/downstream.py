@@ -21,11 +21,11 @@ from gateway.scheduler import types as sch
 from gateway.timeouts import CostModel, DenoiseTimeouts, ar_seconds, ar_work
 from gateway.workers import CREDENTIAL_CODES, Worker, WorkerHealth, refusal
 from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2
-from services.runtime.admission import Admitted
-from services.runtime.details import ERROR_DOMAIN, error_info, field_violation
-from services.runtime.errors import DENOISER_BUSY
-from services.runtime.status import kind_of, row_of
-from services.runtime.tracing import with_trace
+from runtime.admission import Admitted
+from runtime.details import ERROR_DOMAIN, error_info, field_violation
+from runtime.errors import DENOISER_BUSY
+from runtime.status import kind_of, row_of
+from runtime.tracing import with_trace
 
 log = logging.getLogger("gateway.driver")
 

@@ -30,11 +30,11 @@ from gateway.scheduler.core import Scheduler
 from gateway.traces import RequestTrace, ar_call, traced
 from gateway.workers import Worker, WorkerHealth
 from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2
-from services.runtime.admission import Admitted
-from services.runtime.capability import Capabilities, Needs, fits, refusal
-from services.runtime.errors import ErrorKind, InvalidArgument
-from services.runtime.limits import Limits, limits_in_force, round_up
-from services.runtime.logs import spawn, without_request_id
+from runtime.admission import Admitted
+from runtime.capability import Capabilities, Needs, fits, refusal
+from runtime.errors import ErrorKind, InvalidArgument
+from runtime.limits import Limits, limits_in_force, round_up
+from runtime.logs import spawn, without_request_id
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Driver:
                  metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         # Seeded with the gateway's own id: gateways sharing denoisers each take free ones in an order of their own.
-        # ``fits``: each denoise job goes only to a denoiser that can run it (services.runtime.capability).
+        # ``fits``: each denoise job goes only to a denoiser that can run it (runtime.capability).
         self.scheduler = scheduler or Scheduler(config.scheduler, pick_seed=config.instance_id, fits=fits)
         self.observe = Observer(metrics)
         self._pending: dict[str, _Pending] = {}
@@ -160,7 +160,7 @@ class Driver:
         return self._limits
 
     def capable(self, needs: Needs) -> InvalidArgument | None:
-        """Why no member of some stage can run a request of ``needs`` (services.runtime.capability.refusal, the
+        """Why no member of some stage can run a request of ``needs`` (runtime.capability.refusal, the
         field named), or None: it is admitted, and the scheduler places it where it can run."""
         if self._kinds is None:
             self._kinds = {role: list(dict.fromkeys(w.capabilities() for w in self._known(role)))

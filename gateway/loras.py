@@ -18,8 +18,8 @@ import grpc
 
 from gateway.workers import Worker, WorkerHealth
 from glmimage.v1 import denoiser_service_pb2, gateway_service_pb2
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import Limits, check_lora_names
+from runtime.errors import InvalidArgument
+from runtime.limits import Limits, check_lora_names
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ LISTING_MAX_AGE_S = 1.0
 
 
 def check_names(names: Sequence[str], limits: Limits | None, known: Container[str] | None) -> None:
-    """An admin call's adapter names, checked as a denoiser would (services.runtime.limits.check_lora_names; with
+    """An admin call's adapter names, checked as a denoiser would (runtime.limits.check_lora_names; with
     ``limits``, a load: no more than one job may name), at least one, and (``known``: a load) each one the pool
     serves. INVALID_ARGUMENT naming ``names`` or ``names[i]``."""
     if not names:

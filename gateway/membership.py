@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from gateway.scheduler.types import WorkerRole
-from services.runtime.tls import PLAINTEXT_SCHEME, TLS_SCHEME, split_scheme
+from runtime.tls import PLAINTEXT_SCHEME, TLS_SCHEME, split_scheme
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ _LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")  # one DNS label
 @dataclass(frozen=True)
 class WorkerAddress:
     """A worker address as AddWorker accepts it: a DNS name or an IP literal (``ip`` set), and a port, maybe
-    behind a ``tls://`` or ``plaintext://`` scheme that says how to dial it (services.runtime.tls.make_channel)."""
+    behind a ``tls://`` or ``plaintext://`` scheme that says how to dial it (runtime.tls.make_channel)."""
 
     host: str  # lower case; an IPv6 literal without brackets
     port: int

@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from gateway.scheduler import types as sch
 from gateway.scheduler.core import Scheduler
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 
 # Reference AR batches take 20-33 s and denoising 12 s; the buckets also cover the tiny model and 100x-faster
 # simulations, which run in milliseconds.

@@ -14,7 +14,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.scheduler import types as sch
 from gateway.scheduler.core import Scheduler
 from glmimage.v1 import ar_service_pb2
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 
 
 @dataclass

@@ -65,7 +65,7 @@ return {tonumber(redis.call('HGET', KEYS[1], 'r') or 0), tonumber(redis.call('HG
 
 
 def window_key(tenant: str) -> str:
-    """One key per tenant; tenant names (services.runtime.tenants) hold no ':', and the fixed suffix keeps keys
+    """One key per tenant; tenant names (runtime.tenants) hold no ':', and the fixed suffix keeps keys
     apart anyway."""
     return f"{KEY_PREFIX}{tenant}:window"
 

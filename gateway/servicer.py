@@ -28,12 +28,12 @@ from gateway.stream_relay import StreamRelay
 from gateway.tenancy import PRIORITY_TO_PROTO, TenantGate, Ticket, Usage, priority_of, quota_of
 from gateway.workers import WorkerHealth
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
-from services.runtime.admission import Admitted, check_generate, check_partial_images
-from services.runtime.capability import Needs
-from services.runtime.errors import InvalidArgument, ServiceError, Unavailable, error_for
-from services.runtime.limits import Limits
-from services.runtime.logs import request_id_var
-from services.runtime.tenants import Tenant, TenantsFile, tenants_from_keys
+from runtime.admission import Admitted, check_generate, check_partial_images
+from runtime.capability import Needs
+from runtime.errors import InvalidArgument, ServiceError, Unavailable, error_for
+from runtime.limits import Limits
+from runtime.logs import request_id_var
+from runtime.tenants import Tenant, TenantsFile, tenants_from_keys
 
 log = logging.getLogger(__name__)
 

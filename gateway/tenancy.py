@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quota, Quotas
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.details import QUOTA_KEY
-from services.runtime.errors import InvalidArgument, ResourceExhausted
-from services.runtime.priority import DEFAULT, PRIORITY_NAMES
-from services.runtime.tenants import Tenant
+from runtime.details import QUOTA_KEY
+from runtime.errors import InvalidArgument, ResourceExhausted
+from runtime.priority import DEFAULT, PRIORITY_NAMES
+from runtime.tenants import Tenant
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The gateway's spans of one request (docs/operating.md#traces), beside the request span the server interceptor
-makes (services.runtime.server): its AR queue wait, the AR batch call, each output's denoise queue wait and
+makes (runtime.server): its AR queue wait, the AR batch call, each output's denoise queue wait and
 denoise call. The driver calls these as it performs the scheduler's actions; the scheduler itself knows nothing of
 traces. With traces off every method returns at once.
 
@@ -15,7 +15,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from gateway.scheduler import types as sch
-from services.runtime import tracing
+from runtime import tracing
 
 _TRACER = tracing.tracer("glmimage.gateway")
 

@@ -20,11 +20,11 @@ from gateway.compat import incompatibility
 from gateway.config import GatewayConfig
 from gateway.scheduler import types as sch
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
-from services.runtime import keepalive
-from services.runtime.capability import Capabilities
-from services.runtime.limits import advertised
-from services.runtime.logs import spawn
-from services.runtime.tls import make_channel
+from runtime import keepalive
+from runtime.capability import Capabilities
+from runtime.limits import advertised
+from runtime.logs import spawn
+from runtime.tls import make_channel
 
 log = logging.getLogger("gateway.driver")
 
@@ -38,7 +38,7 @@ DENOISER_SERVICE = denoiser_service_pb2.DESCRIPTOR.services_by_name["DenoiserSer
 # This hop's own channel arguments. make_channel adds the shared keepalive (its pings find a worker whose node
 # vanished without closing the connection: the health Watch then breaks and the worker is marked unhealthy) and the
 # short capped reconnect backoff (a restarted worker is reached within about a second): glmimage.wire.keepalive, and
-# how they agree with what the workers accept, services.runtime.keepalive.
+# how they agree with what the workers accept, runtime.keepalive.
 CHANNEL_OPTIONS = keepalive.message_size_options(64 * 1024 * 1024, 64 * 1024 * 1024)
 
 

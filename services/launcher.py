@@ -31,8 +31,8 @@ from gateway.jobs.defaults import jobs_dir
 from gateway.jobs.urls import ensure_secret_file
 from glmimage.v1 import gateway_service_pb2 as gw_pb
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
-from services.runtime.logs import configure_logging
-from services.runtime.tracing import add_tracing_args
+from runtime.logs import configure_logging
+from runtime.tracing import add_tracing_args
 from services.supervisor import Child, StartupError, Supervisor
 
 log = logging.getLogger("services.launcher")
@@ -252,7 +252,7 @@ async def start_suite(sup: Supervisor, a: argparse.Namespace) -> dict[str, str]:
     await sup.start(gateways, deadline)
 
     # The REST front takes them in turn and resubmits a call that a gateway dropped unanswered to the next one.
-    rest = sup.child("rest", "gateway.rest", rest_port,
+    rest = sup.child("rest", "rest", rest_port,
                      ["--gateway-address", ",".join(g.address for g in gateways), *trace_flags, *tenant_flags,
                       "--image-store", images, "--url-secret-file", url_secret, *a.rest_arg], None, rest_env,
                      listener=rest_listener)

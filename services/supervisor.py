@@ -200,7 +200,7 @@ class Supervisor:
         # Through the die_with_parent trampoline, so no child outlives the launcher (see that module for why not
         # a preexec_fn).
         child.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.runtime.die_with_parent", str(os.getpid()), "--", *child.argv,
+            sys.executable, "-m", "runtime.die_with_parent", str(os.getpid()), "--", *child.argv,
             env={**os.environ, **child.env}, pass_fds=(child.listener.fileno(),) if child.listener else ())
 
     async def start(self, group: list[Child], deadline: float) -> None:

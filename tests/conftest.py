@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.executor import SerialExecutor
+from runtime.executor import SerialExecutor
 from tests.support.certs import Pki, make_pki
 from tests.support.fake_gateway import FakeServer, serve_fake
 from tests.support.servers import serve_ar, serve_denoiser

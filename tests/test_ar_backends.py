@@ -163,8 +163,8 @@ def stand_in() -> Iterator[StandIn]:
 @pytest.fixture(scope="module")
 async def srt_ar(bare_ar_dir: Path, stand_in: StandIn):
     """A real ArService whose backend forwards to the stand-in; loads only the processor."""
+    from runtime.executor import SerialExecutor
     from services.ar.srt_backend import SrtBackend
-    from services.runtime.executor import SerialExecutor
 
     backend = SrtBackend.load(bare_ar_dir, stand_in.url, timeout=10)
     backend.warm_up()
@@ -236,8 +236,8 @@ async def test_srt_backend_errors_map_to_statuses(srt_ar, stand_in: StandIn) -> 
 def test_srt_backend_unreachable_is_unavailable(bare_ar_dir: Path) -> None:
     import socket
 
+    from runtime.errors import Unavailable
     from services.ar.srt_backend import SrtBackend
-    from services.runtime.errors import Unavailable
 
     with socket.socket() as s:  # a port nothing listens on once closed
         s.bind(("127.0.0.1", 0))

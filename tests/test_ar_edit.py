@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY
 
 from glmimage.v1 import ar_service_pb2 as pb
 from glmimage.v1 import ar_service_pb2_grpc, common_pb2
-from services.runtime.executor import SerialExecutor
+from runtime.executor import SerialExecutor
 from tests.support.servers import serve_ar
 
 # Small enough that every refusal is cheap to provoke, large enough for the references below.
@@ -63,8 +63,8 @@ def batches() -> float:
 @pytest.fixture(scope="module")
 async def ar(ar_engine):
     """An ArService on the session's tiny model with tight reference limits."""
+    from runtime.limits import Limits
     from services.ar.engine import ArEngine
-    from services.runtime.limits import Limits
 
     limits = Limits(max_reference_images=MAX_IMAGES, max_reference_bytes=MAX_BYTES,
                     max_reference_total_bytes=MAX_TOTAL)

@@ -9,7 +9,7 @@ from prometheus_client import REGISTRY
 
 from glmimage.v1 import ar_service_pb2 as pb
 from glmimage.v1 import ar_service_pb2_grpc
-from services.runtime.executor import SerialExecutor
+from runtime.executor import SerialExecutor
 from tests.support.servers import serve_ar
 from tests.test_ar_queue import Blocker
 

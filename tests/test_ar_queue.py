@@ -11,9 +11,9 @@ from prometheus_client import REGISTRY
 
 from glmimage.v1 import ar_service_pb2 as pb
 from glmimage.v1 import ar_service_pb2_grpc
+from runtime.errors import DeadlineExceeded, ResourceExhausted
+from runtime.executor import SerialExecutor
 from services.ar.batcher import AdmissionQueue
-from services.runtime.errors import DeadlineExceeded, ResourceExhausted
-from services.runtime.executor import SerialExecutor
 from tests.support.servers import serve_ar
 
 

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from glmimage.v1 import ar_service_pb2 as pb
 from glmimage.v1 import ar_service_pb2_grpc, common_pb2
-from services.runtime.executor import SerialExecutor
+from runtime.executor import SerialExecutor
 from tests.support.servers import serve_ar
 
 PROMPT = 'a red "STOP" sign'
@@ -239,8 +239,8 @@ async def test_batch_errors_name_the_request_index(ar) -> None:
 @pytest.fixture(scope="module")
 async def capped_ar(ar_engine):
     """A second server on the same model with --max-batch-outputs 3 (it only ever rejects: no model time)."""
+    from runtime.limits import Limits
     from services.ar.engine import ArEngine
-    from services.runtime.limits import Limits
 
     engine = ArEngine(ar_engine.processor, ar_engine.model, ar_engine.device, Limits(max_batch_outputs=3))
     server = await serve_ar(engine, SerialExecutor("test-ar-capped"))

@@ -1,4 +1,4 @@
-"""The one key check (services.runtime.auth.bearer_token, key_hits) on both paths, the gateway's gRPC interceptor
+"""The one key check (runtime.auth.bearer_token, key_hits) on both paths, the gateway's gRPC interceptor
 and the REST front: a repeated authorization header is refused, and keys compare as UTF-8 bytes."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from gateway.auth import GatewayAuth
-from gateway.rest.app import create_app
-from gateway.rest.settings import RestSettings
-from services.runtime.auth import bearer_token
-from services.runtime.tenants import TenantsFile, tenants_from_keys
+from rest.app import create_app
+from rest.settings import RestSettings
+from runtime.auth import bearer_token
+from runtime.tenants import TenantsFile, tenants_from_keys
 from tests.support.sim_gateway import Gateway, request, rpc_error, running_gateway, sim_cluster
 
 KEY = "clé-für-tests-ü"  # not ASCII

@@ -19,13 +19,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.__main__ import config_from
 from gateway.__main__ import parse_args as gateway_args
-from gateway.rest import __main__ as rest_main
-from gateway.rest.app import RestSettings, create_app
 from gateway.scheduler.types import WorkerState
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
-from services.runtime.tenants import TenantsFile, parse_tenants
-from services.runtime.version import PROTO_REVISION
+from rest import __main__ as rest_main
+from rest.app import RestSettings, create_app
+from runtime.tenants import TenantsFile, parse_tenants
+from runtime.version import PROTO_REVISION
 from tests.support.authz import DENIED, UNAUTH, USER, USER_KEY, add, bearer, members, remove, until
 from tests.support.cluster import Cluster
 from tests.support.sim_gateway import (

@@ -14,7 +14,7 @@ from gateway.__main__ import parse_args as gateway_args
 from gateway.membership import DnsMembership, parse_allow_rule
 from gateway.scheduler.types import WorkerRole
 from glmimage.v1 import gateway_service_pb2 as pb
-from services.runtime.tls import ClientTls, ServerTls
+from runtime.tls import ClientTls, ServerTls
 from tests.support.authz import DENIED, add, listener, members, remove, until
 from tests.support.certs import Pki
 from tests.support.sim_gateway import (

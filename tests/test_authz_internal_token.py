@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, denoiser_service_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
-from services.runtime.auth import ENV_INTERNAL_TOKEN, check_token, internal_token_from, internal_tokens_from
+from runtime.auth import ENV_INTERNAL_TOKEN, check_token, internal_token_from, internal_tokens_from
 from tests.support.authz import UNAUTH, USER_KEY, bearer
 from tests.support.cluster import Cluster, running_stack
 from tests.support.sim_gateway import (
@@ -142,13 +142,13 @@ def test_make_run_can_turn_the_internal_token_on_without_showing_it(tiny_checkpo
     has, handed over in the environment; it is in no process's command line."""
     with running_stack(tmp_path, denoisers=1, extra_args=("--internal-token",)) as run:
         procs = [psutil.Process(run.proc.pid), *psutil.Process(run.proc.pid).children(recursive=True)]
-        role = {p.pid: next((m for m in ("services.ar", "services.denoiser", "gateway.rest", "gateway")
+        role = {p.pid: next((m for m in ("services.ar", "services.denoiser", "rest", "gateway")
                              if m in p.cmdline()), "launcher") for p in procs}
         envs = {role[p.pid]: p.environ() for p in procs}
         token = envs["services.ar"][ENV_INTERNAL_TOKEN]
         check_token(token, "the launcher")
         assert envs["services.denoiser"][ENV_INTERNAL_TOKEN] == envs["gateway"][ENV_INTERNAL_TOKEN] == token
-        assert ENV_INTERNAL_TOKEN not in envs["gateway.rest"] and ENV_INTERNAL_TOKEN not in envs["launcher"]
+        assert ENV_INTERNAL_TOKEN not in envs["rest"] and ENV_INTERNAL_TOKEN not in envs["launcher"]
         assert not any(token in " ".join(p.cmdline()) for p in procs)
         with grpc.insecure_channel(run.addresses["ar"]) as channel:
             with pytest.raises(grpc.RpcError) as err:

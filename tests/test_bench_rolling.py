@@ -64,11 +64,11 @@ def test_the_verdict_allows_failures_only_in_a_sigkill_of_a_gateway_or_the_rest_
 
 
 def test_the_rest_fronts_retries_are_read_from_its_log_by_request_id() -> None:
-    log = ("2026-12-03 19:00:01 WARNING gateway.rest.upstream roll-1-7 gateway unavailable before answering; "
+    log = ("2026-12-03 19:00:01 WARNING rest.upstream roll-1-7 gateway unavailable before answering; "
            "resubmitting to the next gateway (attempt 2)\n"
-           "2026-12-03 19:00:02 WARNING gateway.rest.streaming roll-2-3 gateway went away mid-stream; running the "
+           "2026-12-03 19:00:02 WARNING rest.streaming roll-2-3 gateway went away mid-stream; running the "
            "request again from the start on another gateway\n"
-           "2026-12-03 19:00:03 INFO gateway.rest.dispatch roll-1-8 done: 1 image(s), 10+0 tokens\n")
+           "2026-12-03 19:00:03 INFO rest.dispatch roll-1-8 done: 1 image(s), 10+0 tokens\n")
     assert rolling.resubmitted(log) == {"resubmitted": {"roll-1-7"}, "rerun": {"roll-2-3"}}
 
 

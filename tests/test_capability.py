@@ -1,4 +1,4 @@
-"""Capabilities per worker (issue 32): the one rule (services.runtime.capability.unmet) that says whether a request fits
+"""Capabilities per worker (issue 32): the one rule (runtime.capability.unmet) that says whether a request fits
 one worker, the union the gateway admits, and the pure scheduler placing each denoise job only on a denoiser that can
 run it, with the real rule as its ``fits``: a job whose capable denoisers are busy waits for one (never failing,
 never going to an idle one that cannot run it) while the jobs behind it go on, and plain jobs use every denoiser.
@@ -28,8 +28,8 @@ from gateway.scheduler.types import (
     WorkerRemoved,
 )
 from glmimage.v1 import common_pb2
-from services.runtime.capability import AR, DENOISER, Capabilities, Needs, fits, refusal, unmet
-from services.runtime.limits import DENOISER_FIELDS, Limits, limits_in_force
+from runtime.capability import AR, DENOISER, Capabilities, Needs, fits, refusal, unmet
+from runtime.limits import DENOISER_FIELDS, Limits, limits_in_force
 from tests.support.scheduler_events import only, up
 from tests.support.scheduler_model import AR as AR_ROLE
 from tests.support.scheduler_model import DN, SIZE

@@ -322,7 +322,7 @@ async def test_async_tls(mtls_server: FakeServer, pki: Pki) -> None:
 
 
 def test_sdk_and_cli_import_without_server_dependencies() -> None:
-    heavy = ["torch", "transformers", "diffusers", "fastapi", "numpy", "PIL", "services", "gateway"]
+    heavy = ["torch", "transformers", "diffusers", "fastapi", "numpy", "PIL", "services", "gateway", "rest", "runtime"]
     code = ("import sys, glmimage, glmimage.client, glmimage.cli; "
             f"print([m for m in {heavy!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

@@ -54,7 +54,7 @@ def test_protos_are_wire_compatible_with_the_previous_commit(tmp_path: Path, sou
 
 
 def test_gateway_and_clients_do_not_import_torch() -> None:
-    code = ("import sys, gateway.__main__, gateway.rest.app, gateway.driver, glmimage.v1.gateway_service_pb2_grpc; "
+    code = ("import sys, gateway.__main__, rest.app, gateway.driver, glmimage.v1.gateway_service_pb2_grpc; "
             "heavy = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules]; "
             "print(heavy); sys.exit(1 if heavy else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -64,6 +64,6 @@ def test_gateway_and_clients_do_not_import_torch() -> None:
 def test_ruff_is_clean() -> None:
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
     assert ruff, "ruff comes with the dev extra"
-    result = subprocess.run([ruff, "check", "services", "gateway", "tests", "protos"], cwd=REPO,
+    result = subprocess.run([ruff, "check", "services", "gateway", "rest", "runtime", "tests", "protos"], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -28,8 +28,8 @@ from gateway.workers import WorkerHealth
 from glmimage.v1 import ar_service_pb2_grpc, denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
-from services.runtime.auth import ENV_INTERNAL_TOKEN, INTERNAL, BearerAuthInterceptor, Role, bearer_metadata
-from services.runtime.server import GrpcServer, start_server
+from runtime.auth import ENV_INTERNAL_TOKEN, INTERNAL, BearerAuthInterceptor, Role, bearer_metadata
+from runtime.server import GrpcServer, start_server
 from tests.support.cluster import Cluster, reap
 from tests.support.sim_gateway import (
     ADMIN,

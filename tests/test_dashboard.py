@@ -55,7 +55,7 @@ def test_the_dashboard_picks_its_data_source_and_names_no_job() -> None:
 
 
 def test_every_metric_the_dashboard_reads_is_one_the_code_exports() -> None:
-    from gateway.rest.metrics import RestMetrics
+    from rest.metrics import RestMetrics
 
     exported = _exported_names() | {family.name for family in RestMetrics().registry.collect()}
     read = {m for _, expr in _targets() for m in re.findall(r"\bglmimage_\w+", expr)}

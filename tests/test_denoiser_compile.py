@@ -72,8 +72,8 @@ def test_the_compiled_image_is_the_uncompiled_one(compiled: DenoiseEngine, denoi
 
 
 def test_the_servicer_exports_the_compilations(compiled: DenoiseEngine) -> None:
+    from runtime.executor import SerialExecutor
     from services.denoiser.servicer import DenoiserServicer
-    from services.runtime.executor import SerialExecutor
 
     def exported() -> float:
         return REGISTRY.get_sample_value("glmimage_denoiser_compilations_total") or 0.0

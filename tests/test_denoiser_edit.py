@@ -174,9 +174,9 @@ async def test_bad_edits_are_refused_naming_the_field(dn, req, field) -> None:
 
 
 def test_a_cancel_while_the_references_are_encoded_stops_before_the_first_step(denoise_engine) -> None:
+    from runtime.errors import Cancelled
     from services.denoiser.engine import JobControl
     from services.denoiser.servicer import job_from_proto
-    from services.runtime.errors import Cancelled
 
     control = JobControl()
     # The cancel lands while the first reference is VAE-encoded: the DiT's pass for it is where the job stops.

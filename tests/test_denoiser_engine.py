@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from runtime.errors import Cancelled, DeadlineExceeded
 from services.denoiser.encoding import ImageFormat, encode
 from services.denoiser.engine import JobControl, preview_steps
-from services.runtime.errors import Cancelled, DeadlineExceeded
 
 
 @pytest.mark.parametrize("steps, partials, expected", [

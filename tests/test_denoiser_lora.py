@@ -20,12 +20,12 @@ from safetensors.torch import load_file, save_file
 
 from glmimage.v1 import common_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import denoiser_service_pb2 as pb
+from runtime.errors import InvalidArgument
+from runtime.executor import SerialExecutor
+from runtime.limits import Limits, advertised
 from services.denoiser.adapters import AdapterDirectory, AdapterError, LoraRef, read_adapter
 from services.denoiser.engine import DenoiseEngine, DenoiseJob, DenoiseSettings
 from services.model.tiny import TINY_LORA, tiny_lora_dir
-from services.runtime.errors import InvalidArgument
-from services.runtime.executor import SerialExecutor
-from services.runtime.limits import Limits, advertised
 from tests.support.servers import serve_denoiser
 from tests.test_denoiser_edit import SQUARE, _edit, _target
 

@@ -18,13 +18,13 @@ from safetensors.torch import load_file, save_file
 
 from glmimage.v1 import common_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import denoiser_service_pb2 as pb
+from runtime.auth import bearer_metadata, internal_token_interceptor
+from runtime.details import error_info
+from runtime.errors import DENOISER_BUSY
+from runtime.server import start_server
 from services.denoiser.engine import DenoiseEngine, DenoiseSettings
 from services.denoiser.servicer import LOADING_LORAS, UNLOADING_LORAS
 from services.model.tiny import TINY_LORA, tiny_lora_dir
-from services.runtime.auth import bearer_metadata, internal_token_interceptor
-from services.runtime.details import error_info
-from services.runtime.errors import DENOISER_BUSY
-from services.runtime.server import start_server
 from tests.support.servers import DENOISER_SERVICE, serve_denoiser
 from tests.test_denoiser_lora import (
     _huge_rank,
@@ -68,7 +68,7 @@ def admin_engine(tiny_checkpoint: Path, admin_dir: Path) -> DenoiseEngine:
 
 @pytest.fixture(scope="module")
 async def admin_server(admin_engine):
-    from services.runtime.executor import SerialExecutor
+    from runtime.executor import SerialExecutor
 
     server = await serve_denoiser(admin_engine, SerialExecutor("test-denoiser-lora-admin"))
     yield server

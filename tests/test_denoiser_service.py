@@ -12,9 +12,9 @@ from prometheus_client import REGISTRY
 
 from glmimage.v1 import common_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import denoiser_service_pb2 as pb
+from runtime.details import ERROR_DOMAIN, error_info
+from runtime.errors import DENOISER_BUSY
 from services.denoiser.metrics import CancelReason, Outcome
-from services.runtime.details import ERROR_DOMAIN, error_info
-from services.runtime.errors import DENOISER_BUSY
 
 PROMPT = 'A red sign that says "HELLO"'
 LONG_STEPS = 200  # the server's maximum: a job that is still running whenever the test acts on it

@@ -20,8 +20,8 @@ from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc, gateway_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
-from services.runtime.limits import Limits
-from services.runtime.server import start_server
+from runtime.limits import Limits
+from runtime.server import start_server
 
 PROMPT = 'a blue "OPEN" sign'
 

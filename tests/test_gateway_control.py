@@ -27,8 +27,8 @@ from gateway.scheduler.types import SchedulerConfig, WorkerRole
 from gateway.workers import WorkerHealth
 from glmimage.v1 import denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
-from services.runtime.admission import Admitted
-from services.runtime.logs import RequestIdFilter, request_id_var
+from runtime.admission import Admitted
+from runtime.logs import RequestIdFilter, request_id_var
 from tests.support.sim_gateway import (
     ADMIN,
     AVAILABLE,

@@ -23,7 +23,7 @@ from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
-from services.runtime.server import start_server
+from runtime.server import start_server
 
 pytestmark = pytest.mark.e2e
 

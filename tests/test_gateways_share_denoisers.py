@@ -21,8 +21,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.scheduler.pool import Pool
 from gateway.scheduler.types import WorkerRole
 from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc
-from services.runtime.details import ERROR_DOMAIN, error_info
-from services.runtime.errors import DENOISER_BUSY
+from runtime.details import ERROR_DOMAIN, error_info
+from runtime.errors import DENOISER_BUSY
 from tests.support.sim_gateway import BUSY, request, running_gateway, scrape, wait_for
 
 pytestmark = pytest.mark.asyncio

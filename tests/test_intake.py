@@ -1,4 +1,4 @@
-"""Nothing is read before the caller is known, and what is read fits a memory budget (services.runtime.intake).
+"""Nothing is read before the caller is known, and what is read fits a memory budget (runtime.intake).
 
 The attack: many concurrent calls, each a large message, with no credential (or on a server that needs none).
 gRPC Python used to read every message whole before the credential check, so 12 callers of 60 MB held 1.5 GB of
@@ -17,10 +17,10 @@ import pytest
 from bench.receive_flood import AR_BATCH, DENOISE, FLOOD, GENERATE, bearer, flood
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
-from services.runtime.auth import ENV_INTERNAL_TOKEN, BearerAuthInterceptor, Role
-from services.runtime.intake import IntakePolicy
-from services.runtime.limits import Limits, max_request_bytes
-from services.runtime.server import start_server
+from runtime.auth import ENV_INTERNAL_TOKEN, BearerAuthInterceptor, Role
+from runtime.intake import IntakePolicy
+from runtime.limits import Limits, max_request_bytes
+from runtime.server import start_server
 from tests.support.cluster import Cluster
 
 # What the issue allows a server to hold above its idle figure under the flood.
@@ -176,7 +176,7 @@ def test_each_role_receives_up_to_its_largest_legitimate_request() -> None:
 def test_the_gateway_admits_no_more_than_it_can_receive() -> None:
     """Workers that raised their reference bounds do not raise the gateway's: it could not receive such a request."""
     from gateway.__main__ import config_from, parse_args
-    from services.runtime.limits import limits_in_force
+    from runtime.limits import limits_in_force
 
     own = dict(config_from(parse_args([])).own_limits)
     raised = {"max_reference_total_bytes": 1 << 30, "max_prompt_chars": 100_000}

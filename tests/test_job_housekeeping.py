@@ -23,8 +23,8 @@ from gateway.jobs.render import job_json
 from gateway.jobs.store import open_store
 from gateway.jobs.urls import UrlSigner
 from glmimage.v1 import common_pb2, gateway_service_pb2
-from services.runtime.errors import ResourceExhausted
-from services.runtime.tenants import Tenant
+from runtime.errors import ResourceExhausted
+from runtime.tenants import Tenant
 
 TTL = 100.0
 

@@ -26,7 +26,7 @@ from gateway.jobs.runner import Runner, RunnerConfig
 from gateway.jobs.store import JobStore, open_store
 from gateway.jobs.urls import UrlSigner
 from glmimage.v1 import common_pb2, gateway_service_pb2
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 
 DEADLINE_S = 30.0  # every wait below: far above what each takes on a loaded machine
 

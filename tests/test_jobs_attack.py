@@ -1,5 +1,5 @@
 """JobService and the REST job routes under attack, on real processes: a `python -m gateway` with jobs on (SQLite,
-then PostgreSQL) over simulated workers, and a `python -m gateway.rest` in front of it.
+then PostgreSQL) over simulated workers, and a `python -m rest` in front of it.
 
 What an attacker (or a broken client) sends: bytes that are not the RPC's message, ids that are no job of the
 caller's (empty, a megabyte, unicode, another tenant's real one), fields past every bound, webhook URLs aimed at our

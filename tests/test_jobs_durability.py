@@ -31,7 +31,7 @@ from gateway.jobs.runner import Runner, RunnerConfig
 from gateway.jobs.store import open_store
 from gateway.jobs.urls import UrlSigner
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 from tests.support.cluster import wait_serving
 from tests.support.jobs_stack import (
     JobClient,

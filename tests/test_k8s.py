@@ -154,8 +154,8 @@ def _expand(args: list[str], env: dict[str, str]) -> list[str]:
 def test_rest_front_slow_client_values_reach_its_flags(default_docs: list[dict]) -> None:
     """config.rest's deadlines and connection bound become the REST front's own flags; the chart's defaults are
     the front's."""
-    from gateway.rest.__main__ import guards_from_args, parse_args
-    from gateway.rest.connections import ConnectionGuards
+    from rest.__main__ import guards_from_args, parse_args
+    from rest.connections import ConnectionGuards
 
     def guards(docs: list[dict]) -> ConnectionGuards:
         env = by_kind(docs, "ConfigMap")[f"{RELEASE}-glmimage-config"]["data"]
@@ -172,14 +172,14 @@ def test_rest_front_slow_client_values_reach_its_flags(default_docs: list[dict])
 def test_rendered_args_are_accepted_by_the_servers(values_name: str, request) -> None:
     """Every flag the chart passes exists: each container's args go through that server's own argument parser."""
     from gateway.__main__ import parse_args as gateway_args
-    from gateway.rest.__main__ import parse_args as rest_args
+    from rest.__main__ import parse_args as rest_args
     from services.ar.__main__ import parse_args as ar_args
     from services.denoiser.__main__ import parse_args as denoiser_args
 
     docs = request.getfixturevalue(f"{values_name}_docs")
     env = by_kind(docs, "ConfigMap")[f"{RELEASE}-glmimage-config"]["data"]
     parsers = {"services.ar": ar_args, "services.denoiser": denoiser_args, "gateway": gateway_args,
-               "gateway.rest": rest_args}
+               "rest": rest_args}
     seen = set()
     for dep in by_kind(docs, "Deployment").values():
         for c in dep["spec"]["template"]["spec"]["containers"]:

@@ -274,7 +274,7 @@ def test_the_servers_accept_the_job_flags(name: str, docs: dict[str, list[dict]]
     """Every job flag the chart renders exists in the gateway's and the REST front's parsers, with the meaning the
     values give it."""
     from gateway.__main__ import parse_args as gateway_args
-    from gateway.rest.__main__ import parse_args as rest_args
+    from rest.__main__ import parse_args as rest_args
     from tests.test_k8s import _expand
 
     d = docs[name]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.tenants import parse_tenants
+from runtime.tenants import parse_tenants
 from tests.support.chart import (
     CHART,
     CRD_KINDS,
@@ -174,7 +174,7 @@ def test_lint_and_strict_schema_validation(values: dict) -> None:
 def test_the_servers_accept_the_tenant_flags(on_docs: list[dict]) -> None:
     """The gateway and the REST front parse their args, --tenants and --quota-store included."""
     from gateway.__main__ import parse_args as gateway_args
-    from gateway.rest.__main__ import parse_args as rest_args
+    from rest.__main__ import parse_args as rest_args
     from tests.test_k8s import _expand
 
     env = by_kind(on_docs, "ConfigMap")[f"{RELEASE}-glmimage-config"]["data"]

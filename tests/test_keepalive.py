@@ -1,4 +1,4 @@
-"""Connection settings of every gRPC hop (services.runtime.keepalive), and what they are for, with real processes:
+"""Connection settings of every gRPC hop (runtime.keepalive), and what they are for, with real processes:
 
 - idle, then a burst: bursts separated by idle gaps longer than every keepalive interval all succeed, and no server
   ever counts a ping strike (a server left at grpc's 5-minute minimum ping interval counts every keepalive ping
@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from glmimage import AsyncClient, Client, GlmImageError, RetryPolicy
-from services.runtime import keepalive
+from runtime import keepalive
 from tests.support.cluster import Cluster
 from tests.support.reconnect import restart_gateway
 
@@ -61,10 +61,10 @@ DEAD = "127.0.0.1:1"  # channels connect lazily: nothing needs to listen
 def _hops() -> dict[str, dict[str, Any]]:
     """What each hop really hands grpc for its channel, recorded at grpc's own constructors (later arguments
     override earlier ones there, as in a dict)."""
-    from gateway.rest.settings import RestSettings
-    from gateway.rest.upstream import open_gateway
     from gateway.workers import CHANNEL_OPTIONS
-    from services.runtime.tls import make_channel
+    from rest.settings import RestSettings
+    from rest.upstream import open_gateway
+    from runtime.tls import make_channel
 
     seen: list[dict[str, Any]] = []
 
@@ -89,7 +89,7 @@ def _hops() -> dict[str, dict[str, Any]]:
 
 
 def _server() -> dict[str, int]:
-    from services.runtime.server import server_options
+    from runtime.server import server_options
 
     return dict(server_options(64 << 20, 64 << 20))
 
@@ -123,7 +123,7 @@ def test_sdk_imports_no_server_module() -> None:
     """The SDK and protocol package are the base install: the client keepalive lives there (glmimage.wire.keepalive)
     and the servers import it from there, never the other way round."""
     code = ("import sys, glmimage, glmimage.cli; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('services', 'gateway')))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('services', 'gateway', 'rest', 'runtime')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", f"the SDK imported server modules: {done.stdout}"
 

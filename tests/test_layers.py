@@ -1,5 +1,5 @@
-"""Imports follow the layers (docs/architecture.md): every product module under services/, gateway/ and
-clients/python/glmimage/ is read with ast (nothing is imported), put in a layer, and each of its imports checked
+"""Imports follow the layers (docs/architecture.md): every product module under services/, gateway/, rest/, runtime/
+and clients/python/glmimage/ is read with ast (nothing is imported), put in a layer, and each of its imports checked
 against what that layer may see. A failure names the module, the line and the rule."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Where each top-level package's source lives (glmimage is installed from clients/python).
-SOURCES = {"services": ROOT / "services", "gateway": ROOT / "gateway", "glmimage": ROOT / "clients/python/glmimage"}
+SOURCES = {"services": ROOT / "services", "gateway": ROOT / "gateway", "rest": ROOT / "rest",
+           "runtime": ROOT / "runtime", "glmimage": ROOT / "clients/python/glmimage"}
 # The model libraries: only the model layer and the two workers load them.
 HEAVY = frozenset({"torch", "diffusers", "transformers"})
 
@@ -36,17 +37,17 @@ LAYERS = (
           packages=("glmimage.v1", "glmimage.wire")),
     Layer("sdk", "the SDK sits on the protocol and sees nothing of the servers",
           packages=("glmimage",), may_import=frozenset({"protocol"})),
-    Layer("runtime", "services.runtime is torch-free and sees only the protocol",
-          packages=("services.runtime",), may_import=frozenset({"protocol"})),
+    Layer("runtime", "runtime is torch-free and sees only the protocol",
+          packages=("runtime",), may_import=frozenset({"protocol"})),
     Layer("model", "services.model sees the runtime and the protocol, never a worker, the gateway or the SDK",
           packages=("services.model",), may_import=frozenset({"protocol", "runtime"}), heavy=True),
     Layer("ar", "the AR worker sees the model, the runtime and the protocol; never the denoiser, gateway or SDK",
           packages=("services.ar",), may_import=frozenset({"protocol", "runtime", "model"}), heavy=True),
     Layer("denoiser", "the denoiser sees the model, the runtime and the protocol; never the AR, gateway or SDK",
           packages=("services.denoiser",), may_import=frozenset({"protocol", "runtime", "model"}), heavy=True),
-    Layer("scheduler", "the scheduler is pure: the stdlib (no asyncio), services.runtime.errors and .priority only",
+    Layer("scheduler", "the scheduler is pure: the stdlib (no asyncio), runtime.errors and .priority only",
           packages=("gateway.scheduler",),
-          may_import_modules=frozenset({"services.runtime.errors", "services.runtime.priority"}),
+          may_import_modules=frozenset({"runtime.errors", "runtime.priority"}),
           stdlib_only=True, forbidden_stdlib=frozenset({"asyncio"})),
     # What the gateway and the REST front both need of jobs: the job data, its JSON, where the embedded store lives,
     # the image stores and their signed links (the gateways write and sign, the REST front serves and checks).
@@ -57,9 +58,9 @@ LAYERS = (
     Layer("gateway", "the gateway server sees the scheduler, the jobs' shared parts, the runtime and the protocol; "
           "never the REST front, a worker, the model or the SDK", packages=("gateway",),
           may_import=frozenset({"protocol", "runtime", "scheduler", "jobs"})),
-    Layer("rest", "the REST front is a client of the gateway: it sees the SDK, the jobs' shared parts, the runtime "
-          "and the protocol; never gateway server modules, a worker or the model", packages=("gateway.rest",),
-          may_import=frozenset({"protocol", "sdk", "runtime", "jobs"})),
+    Layer("rest", "the REST front is a client of the gateway at the protocol's level: it sees the jobs' shared parts, "
+          "the runtime and the protocol; never the SDK, gateway server modules, a worker or the model",
+          packages=("rest",), may_import=frozenset({"protocol", "runtime", "jobs"})),
     Layer("supervisor", "the supervisor spawns processes by command line; it imports no server module",
           modules=("services.supervisor",), may_import=frozenset({"runtime", "protocol"})),
     Layer("launcher", "the launcher sees the supervisor, the runtime, the model (the tiny checkpoint) and the jobs' "
@@ -155,8 +156,8 @@ def violations(modules: Mapping[str, Module]) -> list[str]:
 
 def test_imports_follow_the_layers() -> None:
     modules = product_modules()
-    assert {"glmimage.wire.channels", "services.runtime.admission", "gateway.scheduler.core",
-            "gateway.rest.app"} <= modules.keys()  # the walk found the tree
+    assert {"glmimage.wire.channels", "runtime.admission", "gateway.scheduler.core",
+            "rest.app"} <= modules.keys()  # the walk found the tree
     problems = violations(modules)
     assert not problems, "imports against the layers (docs/architecture.md):\n" + "\n".join(problems)
 
@@ -165,21 +166,22 @@ def test_the_check_fails_on_wrong_imports() -> None:
     # A synthetic module map, one wrong import per rule: each must be reported with its module, line and rule.
     wrong = {
         "glmimage.wire.formats": ("glmimage.client", "the protocol"),
-        "services.runtime.limits": ("torch", "no torch"),
-        "services.runtime.tls": ("glmimage.client", "services.runtime is torch-free"),
+        "runtime.limits": ("torch", "no torch"),
+        "runtime.tls": ("glmimage.client", "runtime is torch-free"),
         "services.ar.engine": ("services.denoiser.engine", "never the denoiser"),
         "services.denoiser.servicer": ("glmimage", "never the AR, gateway or SDK"),
         "gateway.scheduler.core": ("asyncio", "the scheduler is pure"),
         "gateway.scheduler.pool": ("grpc", "the scheduler is pure"),
-        "gateway.scheduler.types": ("services.runtime.limits", "the scheduler is pure"),
-        "gateway.driver": ("gateway.rest.errors", "the gateway server sees"),
+        "gateway.scheduler.types": ("runtime.limits", "the scheduler is pure"),
+        "gateway.driver": ("rest.errors", "the gateway server sees"),
         "gateway.servicer": ("glmimage.client", "the gateway server sees"),
-        "gateway.rest.limits": ("gateway.servicer", "the REST front is a client"),
-        "gateway.rest.app": ("services.model.device", "the REST front is a client"),
-        "gateway.rest.errors": ("torch", "no torch"),
+        "rest.limits": ("gateway.servicer", "the REST front is a client"),
+        "rest.upstream": ("glmimage.client", "never the SDK"),
+        "rest.app": ("services.model.device", "the REST front is a client"),
+        "rest.errors": ("torch", "no torch"),
         "services.launcher": ("services.ar.servicer", "the launcher sees"),
         "services.supervisor": ("gateway.config", "the supervisor spawns"),
-        "glmimage.client": ("services.runtime.errors", "the SDK sits on the protocol"),
+        "glmimage.client": ("runtime.errors", "the SDK sits on the protocol"),
     }
     modules = {name: Module(f"{name}.py", [(7, "__future__"), (8, target)]) for name, (target, _) in wrong.items()}
     modules["services.extra"] = Module("services/extra.py")
@@ -191,10 +193,10 @@ def test_the_check_fails_on_wrong_imports() -> None:
     assert len(problems) == len(wrong) + 1
 
     # And the allowed directions stay quiet.
-    right = {"gateway.rest.limits": ["services.runtime.admission", "glmimage.client", "glmimage.wire.sizes"],
-             "gateway.scheduler.core": ["services.runtime.errors", "dataclasses", "gateway.scheduler.types"],
-             "services.ar.engine": ["torch", "services.model.tiny", "services.runtime.limits", "glmimage.v1"],
-             "gateway.servicer": ["gateway.scheduler.core", "services.runtime.admission", "grpc"],
+    right = {"rest.limits": ["runtime.admission", "glmimage.wire.sizes", "gateway.jobs.urls"],
+             "gateway.scheduler.core": ["runtime.errors", "dataclasses", "gateway.scheduler.types"],
+             "services.ar.engine": ["torch", "services.model.tiny", "runtime.limits", "glmimage.v1"],
+             "gateway.servicer": ["gateway.scheduler.core", "runtime.admission", "grpc"],
              "glmimage.cli": ["glmimage.wire.sizes", "glmimage.client"]}
     assert violations({n: Module(f"{n}.py", [(1, t) for t in ts]) for n, ts in right.items()}) == []
 
@@ -236,7 +238,7 @@ def _iter_targets(modules: Mapping[str, Module], prefix: str) -> Iterable[str]:
 
 
 def test_the_rest_front_uses_the_shared_admission() -> None:
-    # The one set of admission rules: the gateway servicer and the REST front both read services.runtime.admission.
+    # The one set of admission rules: the gateway servicer and the REST front both read runtime.admission.
     modules = product_modules()
-    assert "services.runtime.admission" in set(_iter_targets(modules, "gateway.rest."))
-    assert "services.runtime.admission" in set(_iter_targets(modules, "gateway.servicer"))
+    assert "runtime.admission" in set(_iter_targets(modules, "rest."))
+    assert "runtime.admission" in set(_iter_targets(modules, "gateway.servicer"))

@@ -28,8 +28,8 @@ from glmimage.v1 import (
     gateway_service_pb2_grpc,
 )
 from glmimage.v1 import gateway_service_pb2 as pb
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import (
+from runtime.errors import InvalidArgument
+from runtime.limits import (
     AR_FIELDS,
     BOUNDS,
     DENOISER_CAPABILITIES,
@@ -67,7 +67,7 @@ LORA_DEFAULTS = {**{name: getattr(Limits, name) for name in LORA_FIELDS}, "max_l
 # ---- the model itself ------------------------------------------------------------------------------------------
 
 def test_in_force_is_the_denoisers_union_the_ar_servers_tightest_and_defaults_stand_in_for_an_unknown_role() -> None:
-    # What some denoiser can do (each one's limits are kept apart: services.runtime.capability) and every AR server.
+    # What some denoiser can do (each one's limits are kept apart: runtime.capability) and every AR server.
     ar = [{"max_prompt_chars": 300, "max_n": 4}, {"max_prompt_chars": 500, "max_n": 16}]
     den = [{"max_steps": 500, "step_cache": False, "max_prompt_chars": 400},
            {"max_steps": 20, "step_cache": True, "max_prompt_chars": 8000}]  # raised above the default: counts

@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from runtime.errors import InvalidArgument
+from runtime.limits import Limits
 from services.denoiser.adapters import AdapterDirectory, AdapterError, LoraRef, read_adapter
 from services.denoiser.engine import DenoiseEngine, DenoiseJob, DenoiseSettings
 from services.model.tiny import TINY_LORA, tiny_lora_dir
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import Limits
 from tests.test_denoiser_edit import _target
 
 LOGGER = "services.denoiser.adapters"

@@ -18,9 +18,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import GatewayMetrics
-from gateway.rest.app import create_app
-from gateway.rest.settings import RestSettings
 from glmimage.v1 import gateway_service_pb2 as pb
+from rest.app import create_app
+from rest.settings import RestSettings
 from tests.support.asgi import RawClient
 from tests.support.sim_gateway import Gateway, SimCluster, request, rpc_error, running_gateway, scrape, sim_cluster
 

@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from glmimage.v1 import common_pb2, gateway_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
+from runtime.limits import Limits
 from services.model.tiny import TINY_LORA, tiny_lora_dir
-from services.runtime.limits import Limits
 from tests.support.cluster import Cluster
 from tests.support.waiting import until
 

@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from bench.zero_cost_backends import Backends, prompt_tokens, start_backends
-from gateway.rest.app import RestSettings, create_app
+from rest.app import RestSettings, create_app
 from tests.support.certs import Pki
 from tests.support.cluster import reap
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.rest.app import RestSettings, create_app
+from rest.app import RestSettings, create_app
 from tests.support.cluster import Cluster
 from tests.support.rest_gateway import asgi_client
 

@@ -26,9 +26,9 @@ from gateway.quotas import (
     window_refusal,
 )
 from gateway.tenancy import TenantGate
-from services.runtime.details import OWN_ERROR_KEY, rich_status
-from services.runtime.errors import ResourceExhausted
-from services.runtime.tenants import Tenant
+from runtime.details import OWN_ERROR_KEY, rich_status
+from runtime.errors import ResourceExhausted
+from runtime.tenants import Tenant
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 SERVERS_PAGE = REPO / "docs" / "configuration.md"
 SERVERS = "## Running the servers yourself"
-MODULES = {"services.ar", "services.denoiser", "gateway", "gateway.rest"}
+MODULES = {"services.ar", "services.denoiser", "gateway", "rest"}
 
 
 def sh_blocks(page: Path, section: str | None = None) -> list[str]:

@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
 
+from runtime.errors import InvalidArgument
 from services.model.references import decode, prepare, prepare_for_model, reference_model_size
-from services.runtime.errors import InvalidArgument
 
 # (min_pixels, max_pixels): the tiny checkpoint's processor, transformers' defaults, and a GLM-Image-like pair.
 PROCESSORS = [(32 * 32, 1024 * 1024), (56 * 56, 28 * 28 * 1280), (512 * 512, 2048 * 2048)]

@@ -1,4 +1,4 @@
-"""One rule for a client's request id on every hop (services.runtime.logs.accepted_request_id): the REST front
+"""One rule for a client's request id on every hop (runtime.logs.accepted_request_id): the REST front
 (the id it echoes in x-request-id, logs and sends to the gateway) and every gRPC server (the id its logs carry) keep
 the same ids and replace the same hostile ones with a fresh id of the same form."""
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 import pytest_asyncio
 from grpc._cython import cygrpc
 
-from gateway.rest.app import RestSettings, create_app
 from glmimage.v1 import gateway_service_pb2 as gw
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
-from services.runtime.logs import MAX_REQUEST_ID_CHARS, accepted_request_id, request_id_var
-from services.runtime.server import GrpcServer, request_id_from, start_server
+from rest.app import RestSettings, create_app
+from runtime.logs import MAX_REQUEST_ID_CHARS, accepted_request_id, request_id_var
+from runtime.server import GrpcServer, request_id_from, start_server
 from tests.support.rest_gateway import FakeGateway, asgi_client
 
 FRESH = re.compile(r"req-[0-9a-f]{32}")

@@ -1,4 +1,4 @@
-"""The REST front admits a request in one pass (gateway/rest/translate.py, admit): each value is parsed and checked
+"""The REST front admits a request in one pass (rest/translate.py, admit): each value is parsed and checked
 once, and the one admitted object holds the request the gateway call sends."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 from PIL import Image
 
 import glmimage.wire.sizes
-from gateway.rest import translate
-from gateway.rest.errors import APIError
-from gateway.rest.schemas import ImageEditRequest, ImageGenerationRequest
-from gateway.rest.settings import RestSettings
-from services.runtime.limits import Limits
+from rest import translate
+from rest.errors import APIError
+from rest.schemas import ImageEditRequest, ImageGenerationRequest
+from rest.settings import RestSettings
+from runtime.limits import Limits
 from tests.support.images import image_file
 
 WIDE, TALL = image_file((96, 64)), image_file((64, 128), fmt="JPEG")

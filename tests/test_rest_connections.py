@@ -1,5 +1,5 @@
-"""Slow clients and too many connections on the REST front (gateway/rest/connections.py), with raw HTTP/1.1 over
-loopback against the front as `python -m gateway.rest` serves it (tests/support/rest_front.py), its timeouts set
+"""Slow clients and too many connections on the REST front (rest/connections.py), with raw HTTP/1.1 over
+loopback against the front as `python -m rest` serves it (tests/support/rest_front.py), its timeouts set
 short by its own flags. Every bound a test waits for is TIMEOUT; the test allows 3x that and more (a loaded 2-core
 machine), and never less than the timeout itself (no early cut)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from gateway.rest import __main__ as rest_main
+from rest import __main__ as rest_main
 from tests.support.edit_gateway import serve_edit_fake
 from tests.support.fake_gateway import FakeServer
 from tests.support.rest_front import RestFront, errors_logged, read_until_closed, serving, status_of
@@ -240,10 +240,10 @@ async def test_connections_beyond_the_bound_are_closed_at_once(gateway: FakeServ
 
 
 async def test_the_front_s_own_process_applies_its_flags(gateway: FakeServer, tmp_path: Path) -> None:
-    """`python -m gateway.rest` itself: a slow head gets 408 after --header-timeout; SIGTERM exits 0."""
+    """`python -m rest` itself: a slow head gets 408 after --header-timeout; SIGTERM exits 0."""
     port_file = tmp_path / "port"
     with (tmp_path / "rest.log").open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.rest", "--port", "0", "--port-file", str(port_file),
+        proc = subprocess.Popen([sys.executable, "-m", "rest", "--port", "0", "--port-file", str(port_file),
                                  "--gateway-address", gateway.address, *FLAGS], cwd=REPO, stdout=out,
                                  stderr=subprocess.STDOUT)
     try:

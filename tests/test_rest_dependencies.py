@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 
-from gateway.rest.edits import router as edits_router
-from gateway.rest.routes import router
+from rest.edits import router as edits_router
+from rest.routes import router
 
 
 def _calls(dependant: Dependant) -> Iterator[object]:

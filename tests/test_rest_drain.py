@@ -52,7 +52,7 @@ def _front(tmp_path: Path, gateway: str, *flags: str, pass_fds: tuple[int, ...] 
            name: str = "rest") -> tuple[subprocess.Popen, str, Path]:
     port_file, log = tmp_path / f"{name}.port", tmp_path / f"{name}.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.rest", "--port", "0", "--port-file", str(port_file),
+        proc = subprocess.Popen([sys.executable, "-m", "rest", "--port", "0", "--port-file", str(port_file),
                                  "--gateway-address", gateway, *flags], stdout=out, stderr=subprocess.STDOUT,
                                 pass_fds=pass_fds)
     until(lambda: port_file.exists() or proc.poll() is not None, 60, "the REST front's port", step=0.05)
@@ -136,7 +136,7 @@ def test_a_connection_made_between_two_fronts_on_one_inherited_socket_is_answere
 
 def test_listen_fd_that_is_no_listening_socket_is_refused_in_one_line(tmp_path: Path) -> None:
     with open(tmp_path / "f", "wb") as f:
-        done = subprocess.run([sys.executable, "-m", "gateway.rest", "--listen-fd", str(f.fileno()),
+        done = subprocess.run([sys.executable, "-m", "rest", "--listen-fd", str(f.fileno()),
                                "--gateway-address", "127.0.0.1:1"], pass_fds=(f.fileno(),), capture_output=True,
                               text=True, timeout=60)
     assert done.returncode != 0 and "--listen-fd" in done.stderr and "Traceback" not in done.stderr, done.stderr

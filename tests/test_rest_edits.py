@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types import ImageEditCompletedEvent, ImageEditPartialImageEvent
 
-from gateway.rest.app import RestSettings, create_app
-from gateway.rest.errors import param_of
-from gateway.rest.translate import auto_size
 from glmimage.v1 import gateway_service_pb2 as gw
-from services.runtime.limits import MAX_ASPECT, Limits
+from rest.app import RestSettings, create_app
+from rest.errors import param_of
+from rest.translate import auto_size
+from runtime.limits import MAX_ASPECT, Limits
 from tests.support.edit_gateway import IMAGE_TOKENS_PER_REFERENCE, serve_edit_fake
 from tests.support.fake_gateway import FakeServer
 from tests.support.images import image_file

@@ -19,13 +19,13 @@ import openai
 import pytest
 from fastapi import FastAPI
 
-from gateway.rest.adapters import AdapterCache
-from gateway.rest.app import RestSettings, create_app
-from gateway.rest.errors import param_of
-from gateway.rest.schemas import LORA_NAME_PATTERN
 from glmimage.v1 import common_pb2, gateway_service_pb2
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import Limits, check_lora_name
+from rest.adapters import AdapterCache
+from rest.app import RestSettings, create_app
+from rest.errors import param_of
+from rest.schemas import LORA_NAME_PATTERN
+from runtime.errors import InvalidArgument
+from runtime.limits import Limits, check_lora_name
 from tests.support.edit_gateway import serve_edit_fake
 from tests.support.fake_gateway import FakeServer
 from tests.support.images import image_file

@@ -1,7 +1,7 @@
 """Every numeric field of every REST route at its type's extremes: a 400 naming the field (OpenAI's `param`), never
 a 5xx, whether it comes as JSON (POST /v1/images/generations) or as a multipart form field (POST /v1/images/edits).
 
-The front is served as `python -m gateway.rest` serves it (tests/support/rest_front.py) on a loopback port, over the
+The front is served as `python -m rest` serves it (tests/support/rest_front.py) on a loopback port, over the
 scripted gateway of tests/support/edit_gateway.py. The fields come from the request models themselves, so a numeric
 field added later is fuzzed (and must be bounded by its proto field's type) without this file changing.
 """
@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from pydantic import BaseModel
 
-from gateway.rest.schemas import WIRE_FIELDS, ImageEditRequest, ImageGenerationRequest, wire_range
+from rest.schemas import WIRE_FIELDS, ImageEditRequest, ImageGenerationRequest, wire_range
 from tests.support.edit_gateway import serve_edit_fake
 from tests.support.fake_gateway import FakeServer
 from tests.support.images import image_file

@@ -1,11 +1,11 @@
-"""gateway/rest/ratelimits.py, the pure part: which metadata entries become headers, which quota refused, and
+"""rest/ratelimits.py, the pure part: which metadata entries become headers, which quota refused, and
 Retry-After, for any input (hypothesis)."""
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.rest.ratelimits import (
+from rest.ratelimits import (
     DEFAULT_RETRY_AFTER_S,
     RATE_LIMIT_HEADERS,
     quota_of,

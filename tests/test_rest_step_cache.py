@@ -12,11 +12,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from gateway.rest.__main__ import parse_args, settings_from_args
-from gateway.rest.app import RestSettings, create_app
-from gateway.rest.settings import QualityProfile, quality_profile_arg
 from glmimage.v1 import common_pb2
-from services.runtime.limits import Limits
+from rest.__main__ import parse_args, settings_from_args
+from rest.app import RestSettings, create_app
+from rest.settings import QualityProfile, quality_profile_arg
+from runtime.limits import Limits
 from tests.support.edit_gateway import serve_edit_fake
 from tests.support.fake_gateway import FakeServer
 from tests.support.images import image_file

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.rest import __main__ as rest_main
-from gateway.rest.app import RestSettings, create_app
-from services.runtime.tenants import TenantsError
+from rest import __main__ as rest_main
+from rest.app import RestSettings, create_app
+from runtime.tenants import TenantsError
 from tests.support.fake_gateway import FakeServer
 from tests.support.rest_gateway import asgi_client
 from tests.support.rest_tenants import front_process, run_front, serve_tenants_fake, tenants_toml

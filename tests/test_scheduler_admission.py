@@ -25,7 +25,7 @@ from gateway.scheduler.types import (
     WorkerHealthy,
     WorkerState,
 )
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 from tests.support.scheduler_events import ar_ok, arrive, job, make, only, ready, to_denoise, up, worker
 from tests.support.scheduler_model import AR, OTHER, SIZE
 

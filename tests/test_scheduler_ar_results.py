@@ -19,7 +19,7 @@ from gateway.scheduler.types import (
     WorkerState,
     WorkerUnhealthy,
 )
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 from tests.support.scheduler_events import ar_ok, arrive, job, make, only, ready, up, worker
 from tests.support.scheduler_model import AR, DN
 

@@ -20,7 +20,7 @@ from gateway.scheduler.types import (
     WorkerState,
     WorkerUnhealthy,
 )
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 from tests.support.scheduler_events import ar_ok, arrive, job, make, only, ready, to_denoise, up, worker
 from tests.support.scheduler_model import AR, DN
 

@@ -26,7 +26,7 @@ from gateway.scheduler.types import (
     WorkerAdded,
     WorkerHealthy,
 )
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 from tests.support.scheduler_events import make, up
 from tests.support.scheduler_model import AR, DN, OTHER, SIZE
 

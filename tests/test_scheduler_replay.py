@@ -48,7 +48,7 @@ from gateway.scheduler.types import (
     WorkerRole,
     WorkerUnhealthy,
 )
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 
 BENCH_DIGEST = "6c985b75a9faad5f"
 # Recomputed on purpose: a request whose n can never be queued is refused in the client's terms, with the operator's

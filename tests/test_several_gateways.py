@@ -15,11 +15,11 @@ import pytest
 from grpc_health.v1 import health_pb2
 from PIL import Image
 
-from gateway.rest import upstream
-from gateway.rest.app import RestSettings, create_app
-from gateway.rest.upstream import GATEWAY_SERVICE, dns_host_port
 from glmimage import AsyncClient, Client, RetryPolicy
 from glmimage.wire.channels import ROUND_ROBIN_CONFIG, balanced_target, split_addresses
+from rest import upstream
+from rest.app import RestSettings, create_app
+from rest.upstream import GATEWAY_SERVICE, dns_host_port
 from tests.support.fake_gateway import FakeServer, serve_fake
 
 BODY = {"prompt": "two gateways", "size": "256x256"}

@@ -14,10 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from PIL import Image
 
 import gateway.__main__ as gateway_main
-import gateway.rest.__main__ as rest_main
-from gateway.rest import translate
-from gateway.rest.errors import APIError
-from gateway.rest.settings import RestSettings
+import rest.__main__ as rest_main
 from glmimage import cli
 from glmimage.client import build_request
 from glmimage.v1 import common_pb2
@@ -25,6 +22,9 @@ from glmimage.wire import formats
 from glmimage.wire.channels import TlsConfig, aio_channel, channel_options, sync_channel
 from glmimage.wire.keepalive import CLIENT_OPTIONS
 from glmimage.wire.sizes import parse_size, size_arg
+from rest import translate
+from rest.errors import APIError
+from rest.settings import RestSettings
 from services.denoiser.encoding import ImageFormat, encode
 
 # ---- sizes --------------------------------------------------------------------------------------------------------

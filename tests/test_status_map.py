@@ -1,4 +1,4 @@
-"""The one status-code map (services.runtime.status): pinned as it was when each hop kept its own copy, and
+"""The one status-code map (runtime.status): pinned as it was when each hop kept its own copy, and
 read the same way by a real server raising a domain error and the REST front answering its status."""
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import grpc
 import pytest
 
 from gateway.downstream import client_message
-from gateway.rest.errors import from_rpc_error
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
-from services.runtime.errors import ErrorKind, error_for
-from services.runtime.server import start_server
-from services.runtime.status import ROWS, code_of, kind_of, row_of
+from rest.errors import from_rpc_error
+from runtime.errors import ErrorKind, error_for
+from runtime.server import start_server
+from runtime.status import ROWS, code_of, kind_of, row_of
 
 C = grpc.StatusCode
 # What REST's GRPC_TO_HTTP said: grpc-gateway's HTTP status and the OpenAI error type, per code.

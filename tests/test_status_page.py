@@ -1,4 +1,4 @@
-"""The live pool page (`GET /status`, gateway/rest/status_page.py) in a real headless Chromium (Debian's chromium
+"""The live pool page (`GET /status`, rest/status_page.py) in a real headless Chromium (Debian's chromium
 and chromedriver, which `make tools` installs) over a real stack: it loads, shows every worker, and shows a denoiser
 busy soon after a request starts; who may see its data when keys are configured; and its tenants table, over a
 scripted gateway and a real front with --tenants."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.rest.app import RestSettings, create_app
+from rest.app import RestSettings, create_app
 from tests.support.cluster import running_stack
 from tests.support.fake_gateway import FakeServer
 from tests.support.rest_gateway import asgi_client
@@ -172,7 +172,7 @@ def _tenant_rows(browser) -> dict[str, dict[str, str]]:
 
 
 def test_an_admin_tenant_sees_each_tenant_s_share_and_quotas(browser, tmp_path: Path) -> None:
-    """Over a scripted gateway whose GetStatus reports two tenants, through a real `python -m gateway.rest
+    """Over a scripted gateway whose GetStatus reports two tenants, through a real `python -m rest
     --tenants`: the page asks for a key, refuses a user tenant's and shows the table to an admin tenant's."""
     from selenium.webdriver.common.by import By
 

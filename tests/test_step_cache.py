@@ -12,9 +12,9 @@ from prometheus_client import REGISTRY
 
 from glmimage.v1 import common_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import denoiser_service_pb2 as pb
+from runtime.errors import Cancelled, InvalidArgument
 from services.denoiser.engine import DenoiseJob, JobControl, PartialPreview
 from services.denoiser.step_cache import DEFAULT_SCHEDULES, Schedule, StepCacheLevel, supported
-from services.runtime.errors import Cancelled, InvalidArgument
 from tests.test_denoiser_edit import SQUARE, WIDE, _edit, _target
 
 STEPS = 16
@@ -60,8 +60,8 @@ def test_a_reply_says_when_no_step_could_be_cached() -> None:
 
 
 def test_the_engine_and_the_gateway_pass_the_note_on(denoise_engine) -> None:
-    from gateway.rest.translate import image_json
     from gateway.servicer import response_of
+    from rest.translate import image_json
 
     short = denoise_engine.run(denoise_engine.validate(_job(BALANCED, steps=2)))
     assert short.steps_cached == 0 and "no step was cached" in short.step_cache_note
@@ -71,8 +71,8 @@ def test_the_engine_and_the_gateway_pass_the_note_on(denoise_engine) -> None:
     # Through the gateway's reply and the REST front's data[i].
     from gateway.driver import Outcome
     from glmimage.v1 import ar_service_pb2, gateway_service_pb2
+    from runtime.admission import Admitted
     from services.denoiser.servicer import result_to_proto
-    from services.runtime.admission import Admitted
 
     admitted = Admitted(gateway_service_pb2.GenerateImagesRequest(prompt="p"), n=1, height=64, width=64)
     resp = response_of(Outcome([result_to_proto(short)], [ar_service_pb2.PriorOutput(seed=5)]), admitted, "req-1")

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 from gateway.auth import GatewayAuth
 from gateway.metrics import GatewayMetrics
 from glmimage.v1 import gateway_service_pb2 as pb
-from services.runtime.details import field_violation
-from services.runtime.tenants import TenantsFile, parse_tenants
+from runtime.details import field_violation
+from runtime.tenants import TenantsFile, parse_tenants
 from tests.support.authz import bearer
 from tests.support.sim_gateway import ADMIN_KEY, SimCluster, request, rpc_error, running_gateway, scrape, wait_for
 

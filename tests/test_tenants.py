@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.runtime.priority import BATCH, DEFAULT, INTERACTIVE
-from services.runtime.tenants import (
+from runtime.priority import BATCH, DEFAULT, INTERACTIVE
+from runtime.tenants import (
     ADMIN,
     USER,
     TenantsError,
@@ -163,7 +163,7 @@ def test_a_missing_file_is_a_tenants_error(tmp_path: Path) -> None:
         load_tenants(tmp_path / "absent.toml")
 
 
-@pytest.mark.parametrize("module", ["gateway", "gateway.rest"])
+@pytest.mark.parametrize("module", ["gateway", "rest"])
 def test_a_bad_file_stops_the_server_at_start_up_with_one_line(tmp_path: Path, module: str) -> None:
     path = tmp_path / "tenants.toml"
     path.write_text("[tenants.a]\nkeys = [\"k\"]\nweight = 0\n")

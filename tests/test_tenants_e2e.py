@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from glmimage.v1 import gateway_service_pb2 as pb
-from services.runtime.details import retry_delay
+from runtime.details import retry_delay
 from tests.support.tenants_stack import (
     GENERATIONS,
     RATE_LIMIT_HEADERS,

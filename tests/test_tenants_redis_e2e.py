@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.runtime.details import retry_delay
+from runtime.details import retry_delay
 from tests.support.redis_server import RedisServer, pings, redis_server
 from tests.support.tenants_stack import TenantStack, bearer, request, sample, tenant_stack, write_tenants
 from tests.support.waiting import until

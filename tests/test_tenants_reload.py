@@ -24,7 +24,7 @@ STAYING, LEAVING = "sk-staying-1", "sk-leaving-1"
 BEFORE = {"staying": {"keys": [STAYING], "weight": 1}, "leaving": {"keys": [LEAVING], "weight": 1}}
 AFTER = {"staying": {"keys": [STAYING], "weight": 1}}
 BAD = {"staying": {"keys": [STAYING], "weight": 0}}  # weight must be above 0
-NOT_RELOADED = "tenants file not reloaded"  # the reload's error line (services.runtime.tenants)
+NOT_RELOADED = "tenants file not reloaded"  # the reload's error line (runtime.tenants)
 QUICK = 2  # steps: the load is many short requests
 LONG = 200  # steps of leaving's request that runs across the reload (the most a request may ask)
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,7 +152,7 @@ def test_a_bad_file_stops_the_gateway_and_the_rest_front_with_one_line(tmp_path:
     for name, (text, _, _) in BAD_FILES.items():
         path = tmp_path / f"{name.replace(' ', '-')}.toml"
         path.write_text(text)
-        for module in ("gateway", "gateway.rest"):
+        for module in ("gateway", "rest"):
             runs[name, module] = (path, subprocess.Popen(
                 [sys.executable, "-m", module, "--tenants", str(path), "--port", "0"], cwd=ROOT, env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

@@ -15,9 +15,9 @@ from gateway.driver import Driver
 from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc
-from services.runtime.executor import SerialExecutor
-from services.runtime.server import common_server_args, start_server
-from services.runtime.tls import (
+from runtime.executor import SerialExecutor
+from runtime.server import common_server_args, start_server
+from runtime.tls import (
     ClientTls,
     ServerTls,
     client_tls_args,

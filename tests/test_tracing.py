@@ -1,4 +1,4 @@
-"""Traces across the hops (services/runtime/tracing.py): the spans of one n=2 request, received over real OTLP from
+"""Traces across the hops (runtime/tracing.py): the spans of one n=2 request, received over real OTLP from
 every process of the stack, form one tree under the caller's traceparent; and with no endpoint nothing is set up."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from services.runtime import tracing
+from runtime import tracing
 from tests.support.cluster import running_stack
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -165,7 +165,7 @@ def test_no_endpoint_installs_nothing() -> None:
     code = """
 import sys
 from opentelemetry import trace
-from services.runtime import tracing
+from runtime import tracing
 assert tracing.setup_tracing("x", tracing.endpoint_from(None)) is False
 assert not tracing.enabled()
 assert type(trace.get_tracer_provider()).__name__ == "ProxyTracerProvider"

@@ -24,7 +24,7 @@ from gateway.compat import SPOKEN, UNNUMBERED, Revisions, gateway_build, incompa
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
-from services.runtime.version import PROTO_REVISION, package_version
+from runtime.version import PROTO_REVISION, package_version
 from tests.support.cluster import SERVICES, reap, wait_serving
 from tests.support.waiting import until
 
@@ -38,7 +38,7 @@ PROMPT = 'skew "OK"'
 UNSPOKEN = SPOKEN.newest + 98
 MODULES = {"ar": "services.ar", "denoiser": "services.denoiser", "gateway": "gateway"}
 # This commit's denoiser, reporting UNSPOKEN as both ends of its range (the constants are read at each GetLimits).
-UNSPOKEN_DENOISER = ("import runpy, services.runtime.version as v; "
+UNSPOKEN_DENOISER = ("import runpy, runtime.version as v; "
                      f"v.PROTO_REVISION = v.OLDEST_PROTO_REVISION = {UNSPOKEN}; "
                      "runpy.run_module('services.denoiser', run_name='__main__', alter_sys=True)")
 

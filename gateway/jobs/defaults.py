@@ -1,11 +1,11 @@
 """Where the embedded job store, its images and its secrets live by default: one cache directory the gateways and
-the REST front of one machine agree on (services.runtime.paths), so `make run` keeps jobs across restarts."""
+the REST front of one machine agree on (runtime.paths), so `make run` keeps jobs across restarts."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from services.runtime.paths import cache_root
+from runtime.paths import cache_root
 
 JOBS_DIR_ENV = "GLMIMAGE_JOBS_DIR"
 

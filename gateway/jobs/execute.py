@@ -16,9 +16,9 @@ from gateway.scheduler import types as sch
 from gateway.servicer import response_of
 from gateway.tenancy import TenantGate, Usage, priority_of
 from glmimage.v1 import denoiser_service_pb2, gateway_service_pb2
-from services.runtime.admission import Admitted, check_generate
-from services.runtime.errors import ErrorKind, ServiceError
-from services.runtime.tenants import Tenant, TenantsFile
+from runtime.admission import Admitted, check_generate
+from runtime.errors import ErrorKind, ServiceError
+from runtime.tenants import Tenant, TenantsFile
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from gateway.jobs.metrics import JobMetrics
 from gateway.jobs.model import JobRecord
 from gateway.jobs.outcomes import Finisher
 from gateway.jobs.store import JobStore, StoreUnavailable
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from gateway.jobs.store import JobStore
 from gateway.jobs.urls import object_key
 from glmimage.v1 import gateway_service_pb2
 from glmimage.wire import formats
-from services.runtime.errors import ResourceExhausted
-from services.runtime.tenants import Tenant
+from runtime.errors import ResourceExhausted
+from runtime.tenants import Tenant
 
 log = logging.getLogger(__name__)
 

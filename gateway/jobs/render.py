@@ -8,7 +8,7 @@ import grpc
 
 from glmimage.v1 import common_pb2, gateway_service_pb2, job_service_pb2
 from glmimage.wire import formats
-from services.runtime.status import row_of
+from runtime.status import row_of
 
 STATUS_NAMES = {
     job_service_pb2.JOB_STATUS_QUEUED: "queued",
@@ -20,7 +20,7 @@ STATUS_NAMES = {
 STATUS_VALUES = {v: k for k, v in STATUS_NAMES.items()}
 JOB_OBJECT = "image.job"
 
-# A GenerateImagesRequest field -> the REST parameter a client sent (the error mapping's; see gateway.rest.errors).
+# A GenerateImagesRequest field -> the REST parameter a client sent (the error mapping's; see rest.errors).
 _REST_PARAM = {"height": "size", "width": "size", "prompt": "prompt", "n": "n", "seed": "seed",
                "num_inference_steps": "num_inference_steps", "guidance_scale": "guidance_scale",
                "output_format": "output_format", "output_compression": "output_compression",

@@ -28,8 +28,8 @@ from gateway.jobs.model import COMPLETED, Lease, Outcome
 from gateway.jobs.outcomes import Finisher
 from gateway.jobs.store import JobStore, StoreUnavailable
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.errors import ErrorKind
-from services.runtime.logs import request_id_var
+from runtime.errors import ErrorKind
+from runtime.logs import request_id_var
 
 log = logging.getLogger(__name__)
 

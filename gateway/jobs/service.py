@@ -23,9 +23,9 @@ from gateway.jobs.runner import Runner
 from gateway.jobs.store import JobStore, StoreUnavailable
 from gateway.tenancy import TenantGate, priority_of
 from glmimage.v1 import job_service_pb2, job_service_pb2_grpc
-from services.runtime.errors import InvalidArgument, Unavailable
-from services.runtime.logs import request_id_var
-from services.runtime.tenants import Tenant
+from runtime.errors import InvalidArgument, Unavailable
+from runtime.logs import request_id_var
+from runtime.tenants import Tenant
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from gateway.jobs.store import JobStore, StoreUnavailable, open_store
 from gateway.jobs.urls import UrlSigner, load_secret, load_url_secret
 from gateway.jobs.webhooks import webhook_secret_for
 from gateway.tenancy import TenantGate
-from services.runtime.tenants import Tenant, TenantsFile
+from runtime.tenants import Tenant, TenantsFile
 
 log = logging.getLogger(__name__)
 

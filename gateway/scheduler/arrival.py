@@ -6,7 +6,7 @@ core.Scheduler calls ``refusal`` first thing for every RequestArrived and admits
 
 from __future__ import annotations
 
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 
 from .fairness import Shares
 from .pool import Pool

@@ -2,7 +2,7 @@
 directory on some of them, a lower --max-pixels on one).
 
 Each denoiser's capabilities come in as WorkerCapabilities, each request's needs with RequestArrived; both are
-opaque here, and whether a job fits a worker is the driver's ``fits`` (services.runtime.capability.fits: the one
+opaque here, and whether a job fits a worker is the driver's ``fits`` (runtime.capability.fits: the one
 rule admission applies too). The scheduler calls it once per request and kind of denoiser (the answers are kept
 on the request), and only while the pool holds a kind that some active request does not fit (``restricted``):
 until then every job goes anywhere, on the plain path, as in a uniform pool.

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, get_args
 
 # Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 
 from .arrival import refusal
 from .capability import Capability, Fits

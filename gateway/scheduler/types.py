@@ -2,7 +2,7 @@
 
 gateway/scheduler/core.py holds the state machine that consumes these (``Scheduler.handle(event) -> list[Action]``);
 every user imports them from here. Like the scheduler, this module imports only the standard library and
-services.runtime.errors.
+runtime.errors.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import enum
 from dataclasses import dataclass, field
 
 # Failure classes are shared with the gRPC edge, which maps them to status codes (that module is stdlib-only).
-from services.runtime.errors import ErrorKind
-from services.runtime.priority import BATCH, DEFAULT, INTERACTIVE, PRIORITY_NAMES
+from runtime.errors import ErrorKind
+from runtime.priority import BATCH, DEFAULT, INTERACTIVE, PRIORITY_NAMES
 
 __all__ = [
     "Action",
@@ -144,13 +144,13 @@ class RequestArrived:
     tenant: str = "default"
     weight: float = 1.0
     priority: int = 1
-    # What it asks of the denoiser that runs it (services.runtime.capability.Needs; opaque here): it is placed only
+    # What it asks of the denoiser that runs it (runtime.capability.Needs; opaque here): it is placed only
     # on a denoiser whose capabilities the scheduler's ``fits`` accepts for it. None: any denoiser can run it.
     needs: object = None
 
 
 # Priority classes (RequestArrived.priority): lower runs first within a tenant (defined with their names in
-# services/runtime/priority.py, which the REST front and the tenants file share).
+# runtime/priority.py, which the REST front and the tenants file share).
 
 
 @dataclass(frozen=True)
@@ -275,7 +275,7 @@ class WorkerNotServing:
 
 @dataclass(frozen=True)
 class WorkerCapabilities:
-    """What a worker can run (its limits, its adapter directory...: services.runtime.capability.Capabilities, opaque
+    """What a worker can run (its limits, its adapter directory...: runtime.capability.Capabilities, opaque
     and hashable here), as it last said; sent before it is first healthy, and again whenever that changes. None:
     not known (it runs anything, as before it said)."""
 

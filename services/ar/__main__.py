@@ -7,17 +7,17 @@ import functools
 import logging
 
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc
+from runtime.errors import ServiceError
+from runtime.limits import AR_FIELDS, Limits, add_limit_args, limits_from_args, max_request_bytes
+from runtime.logs import configure_logging
+from runtime.server import common_server_args
+from runtime.tracing import endpoint_from, setup_tracing
 from services.ar.engine import ArEngine
 from services.ar.servicer import DEFAULT_MERGE_WINDOW, ArServicer
 from services.ar.srt_backend import SrtBackend
 from services.model.device import DeviceUnavailable
 from services.model.loading import CheckpointError
 from services.model.serving import model_args, serve_model
-from services.runtime.errors import ServiceError
-from services.runtime.limits import AR_FIELDS, Limits, add_limit_args, limits_from_args, max_request_bytes
-from services.runtime.logs import configure_logging
-from services.runtime.server import common_server_args
-from services.runtime.tracing import endpoint_from, setup_tracing
 
 SERVICE_NAME = ar_service_pb2.DESCRIPTOR.services_by_name["ArService"].full_name
 

@@ -15,10 +15,10 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from runtime.errors import DeadlineExceeded, ResourceExhausted
+from runtime.executor import SerialExecutor
+from runtime.logs import spawn
 from services.ar.domain import RunControl
-from services.runtime.errors import DeadlineExceeded, ResourceExhausted
-from services.runtime.executor import SerialExecutor
-from services.runtime.logs import spawn
 
 log = logging.getLogger(__name__)
 

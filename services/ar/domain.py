@@ -10,9 +10,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
-from services.model.references import ReferenceTokens
-from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError
-from services.runtime.limits import (
+from runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError
+from runtime.limits import (
     SEED_SPACE,
     Limits,
     check_n,
@@ -22,6 +21,7 @@ from services.runtime.limits import (
     check_seed,
     model_size,
 )
+from services.model.references import ReferenceTokens
 
 
 @dataclass(frozen=True)

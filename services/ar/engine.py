@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from runtime.errors import InvalidArgument
+from runtime.limits import SEED_SPACE, Limits
 from services.ar.domain import (
     ArRequest,
     ArResult,
@@ -37,8 +39,6 @@ from services.ar.sampling import ControlStop, RowParams, RowSampler, resolve
 from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.tiny import AR_PARTS
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import SEED_SPACE, Limits
 
 # Kept importable from here: the engine's public vocabulary.
 __all__ = ["ArEngine", "ArRequest", "ArResult", "Sampling"]

@@ -5,7 +5,7 @@ import enum
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 
 
 class Outcome(enum.StrEnum):

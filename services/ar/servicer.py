@@ -10,6 +10,13 @@ import grpc
 from opentelemetry import trace
 
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, common_pb2
+from runtime.deadlines import rpc_deadline
+from runtime.errors import InvalidArgument
+from runtime.executor import SerialExecutor
+from runtime.limits import AR_FIELDS, check_id, valid_id
+from runtime.logs import request_id_var
+from runtime.server import request_id_from
+from runtime.version import build_info
 from services.ar import metrics
 from services.ar.batcher import AdmissionQueue, CallMerger
 from services.ar.domain import (
@@ -22,13 +29,6 @@ from services.ar.domain import (
     Usage,
     check_batch,
 )
-from services.runtime.deadlines import rpc_deadline
-from services.runtime.errors import InvalidArgument
-from services.runtime.executor import SerialExecutor
-from services.runtime.limits import AR_FIELDS, check_id, valid_id
-from services.runtime.logs import request_id_var
-from services.runtime.server import request_id_from
-from services.runtime.version import build_info
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
             metrics.record(metrics.outcome_of(exc), count)
             raise
         metrics.record(metrics.Outcome.OK, count)
-        # The call's server span (services.runtime.server; non-recording with traces off): its two stages.
+        # The call's server span (runtime.server; non-recording with traces off): its two stages.
         # Compute is the rest of the call after its wait for the model (merge window and decoding included).
         trace.get_current_span().set_attributes({
             "glmimage.ar.queue_seconds": control.queue_seconds,

@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from runtime.errors import DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
+from runtime.limits import SEED_SPACE, Limits
 from services.ar.domain import (
     ArRequest,
     ArResult,
@@ -30,8 +32,6 @@ from services.ar.domain import (
 )
 from services.ar.prompts import PromptEncoder
 from services.model.loading import checkpoint_root, require_parts
-from services.runtime.errors import DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
-from services.runtime.limits import SEED_SPACE, Limits
 
 log = logging.getLogger(__name__)
 

@@ -7,14 +7,8 @@ import functools
 from pathlib import Path
 
 from glmimage.v1 import denoiser_service_pb2, denoiser_service_pb2_grpc
-from services.denoiser.compiled import CompileSettings, parse_sizes
-from services.denoiser.encoding import PNG_LEVELS
-from services.denoiser.engine import DenoiseEngine, DenoiseSettings
-from services.denoiser.servicer import DenoiserServicer
-from services.denoiser.step_cache import DEFAULT_SCHEDULES, Schedule
-from services.model.serving import model_args, serve_model
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import (
+from runtime.errors import InvalidArgument
+from runtime.limits import (
     DENOISER_FIELDS,
     Limits,
     add_limit_args,
@@ -22,9 +16,15 @@ from services.runtime.limits import (
     max_request_bytes,
     model_size,
 )
-from services.runtime.logs import configure_logging
-from services.runtime.server import common_server_args
-from services.runtime.tracing import endpoint_from, setup_tracing
+from runtime.logs import configure_logging
+from runtime.server import common_server_args
+from runtime.tracing import endpoint_from, setup_tracing
+from services.denoiser.compiled import CompileSettings, parse_sizes
+from services.denoiser.encoding import PNG_LEVELS
+from services.denoiser.engine import DenoiseEngine, DenoiseSettings
+from services.denoiser.servicer import DenoiserServicer
+from services.denoiser.step_cache import DEFAULT_SCHEDULES, Schedule
+from services.model.serving import model_args, serve_model
 
 SERVICE_NAME = denoiser_service_pb2.DESCRIPTOR.services_by_name["DenoiserService"].full_name
 

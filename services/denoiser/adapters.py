@@ -4,7 +4,7 @@ thread, which owns the transformer.
 
 The directory (``--lora-dir``) holds ``NAME.safetensors``, or a folder ``NAME/`` in diffusers' layout
 (``NAME/pytorch_lora_weights.safetensors``), each with an optional sidecar ``NAME.json``: ``{"scale": 0.8,
-"description": "..."}``. A request names adapters, never paths: a name is checked (services.runtime.limits) before
+"description": "..."}``. A request names adapters, never paths: a name is checked (runtime.limits) before
 anything on disk is looked up. Links are followed only within the directory: every path is resolved first and one
 that leads outside it (or to nothing) is refused without being opened, so nothing outside the directory is ever read.
 A file whose name is not an adapter name is left out; each refusal is logged once per process, not at every listing.
@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
+from runtime.errors import InvalidArgument
+from runtime.limits import MAX_LORA_SCALE, Limits, check_lora_name, check_lora_names, check_loras
 from services.denoiser import metrics
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import MAX_LORA_SCALE, Limits, check_lora_name, check_lora_names, check_loras
 
 log = logging.getLogger(__name__)
 

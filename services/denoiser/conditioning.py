@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import torch
 from PIL import Image
 
+from runtime.errors import InvalidArgument
+from runtime.limits import Limits, check_reference_images
 from services.model.references import ReferenceTokens, prepare
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import Limits, check_reference_images
 
 
 def check_codes(ids: Sequence[int], field: str, codebook_size: int) -> None:

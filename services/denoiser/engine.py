@@ -20,6 +20,20 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument
+from runtime.limits import (
+    SEED_SPACE,
+    Limits,
+    check_guidance,
+    check_lora_names,
+    check_output_compression,
+    check_partial_images,
+    check_prompt,
+    check_seed,
+    check_steps,
+    model_size,
+    round_up,
+)
 from services.denoiser.adapters import AdapterCache, AdapterDirectory, AdapterInfo, LoraRef, base_only
 from services.denoiser.compiled import CompileCounter, CompileSettings, WarmUpJob, compile_blocks, warm_up_plan
 from services.denoiser.conditioning import (
@@ -35,20 +49,6 @@ from services.model.device import resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.references import TOKEN_PATCH, ReferenceTokens
 from services.model.tiny import DENOISER_PARTS, tiny_lora_dir
-from services.runtime.errors import Cancelled, DeadlineExceeded, InvalidArgument
-from services.runtime.limits import (
-    SEED_SPACE,
-    Limits,
-    check_guidance,
-    check_lora_names,
-    check_output_compression,
-    check_partial_images,
-    check_prompt,
-    check_seed,
-    check_steps,
-    model_size,
-    round_up,
-)
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,11 @@ from opentelemetry import trace
 
 from glmimage.v1 import common_pb2, denoiser_service_pb2, denoiser_service_pb2_grpc
 from glmimage.wire import formats
+from runtime.deadlines import rpc_deadline
+from runtime.errors import DENOISER_BUSY, Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
+from runtime.executor import SerialExecutor
+from runtime.limits import DENOISER_CAPABILITIES, DENOISER_FIELDS, check_id
+from runtime.version import build_info
 from services.denoiser import metrics
 from services.denoiser.adapters import AdapterInfo, LoraRef
 from services.denoiser.encoding import ImageFormat
@@ -35,11 +40,6 @@ from services.denoiser.metrics import CancelReason, Outcome, StepKind
 from services.denoiser.occupancy import OccupancyBoard
 from services.denoiser.step_cache import StepCacheLevel
 from services.model.references import ReferenceTokens
-from services.runtime.deadlines import rpc_deadline
-from services.runtime.errors import DENOISER_BUSY, Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
-from services.runtime.executor import SerialExecutor
-from services.runtime.limits import DENOISER_CAPABILITIES, DENOISER_FIELDS, check_id
-from services.runtime.version import build_info
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
             log.info("stopping the job after %d of %d step(s): %s", control.steps_done, job.steps,
                      "deadline passed" if passed else "client cancelled")
             raise
-        # The call's server span (services.runtime.server; non-recording with traces off): the job's stages.
+        # The call's server span (runtime.server; non-recording with traces off): the job's stages.
         trace.get_current_span().set_attributes({
             "glmimage.denoise.prepare_seconds": result.prepare_seconds,
             "glmimage.denoise.lora_load_seconds": result.lora_load_seconds,

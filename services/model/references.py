@@ -6,7 +6,7 @@ area its image processor will not rescale) and reports it as the reference's tok
 after the 2x upsampling). The denoiser resizes the same bytes to exactly grid x 16 (``prepare``), whatever policy
 the AR used: the DiT's patch grid of each reference must equal its doubled AR grid, or it fails.
 
-Headers were checked against the limits at every edge before anything here runs (services.runtime.limits
+Headers were checked against the limits at every edge before anything here runs (runtime.limits
 .check_reference_images); decoding errors of a sound header (a truncated file) are refused here, field named.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import MAX_ASPECT, SIZE_MULTIPLE, TOKEN_PATCH
+from runtime.errors import InvalidArgument
+from runtime.limits import MAX_ASPECT, SIZE_MULTIPLE, TOKEN_PATCH
 
 
 @dataclass(frozen=True)

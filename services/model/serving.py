@@ -12,18 +12,18 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from services.model.device import DEVICE_CHOICES, DTYPE_CHOICES
-from services.runtime.auth import add_internal_token_args, internal_token_interceptor, internal_tokens_from_args
-from services.runtime.executor import SerialExecutor
-from services.runtime.metrics import serve_metrics
-from services.runtime.server import (
+from runtime.auth import add_internal_token_args, internal_token_interceptor, internal_tokens_from_args
+from runtime.executor import SerialExecutor
+from runtime.metrics import serve_metrics
+from runtime.server import (
     announce,
     install_shutdown_signals,
     intake_from_args,
     run_until_signalled,
     start_server,
 )
-from services.runtime.tls import server_tls_from_args
+from runtime.tls import server_tls_from_args
+from services.model.device import DEVICE_CHOICES, DTYPE_CHOICES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

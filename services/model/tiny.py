@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from services.runtime.paths import cache_root
+from runtime.paths import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from glmimage.v1 import gateway_service_pb2 as gw_pb
-from services.runtime.details import field_violation
+from runtime.details import field_violation
 from tests.support.fuzz import (
     CALL_TIMEOUT,
     FLOAT32_MAX,

@@ -10,8 +10,8 @@ import pytest_asyncio
 from fastapi import FastAPI
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gateway.rest.app import RestSettings, create_app
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
+from rest.app import RestSettings, create_app
 from tests.support.rest_gateway import Backend, FakeGateway, asgi_client
 
 

@@ -1,4 +1,4 @@
-"""The REST front's image files route (gateway/rest/files.py) on the front's real app (create_app) over a real disk
+"""The REST front's image files route (rest/files.py) on the front's real app (create_app) over a real disk
 image store: served at a signed URL without a key, 403 for an expired or tampered URL, 404 for another tenant's
 key and for a missing object, path traversal refused without opening anything outside the store's root."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ from fastapi import FastAPI
 
 from gateway.jobs.images import DiskImageStore, S3ImageStore
 from gateway.jobs.urls import FILES_PATH, UrlSigner, object_key
-from gateway.rest.app import RestSettings, create_app
-from gateway.rest.files import IMAGE_STORE_STATE, URL_SIGNER_STATE, caller_tenant
+from rest.app import RestSettings, create_app
+from rest.files import IMAGE_STORE_STATE, URL_SIGNER_STATE, caller_tenant
 from tests.support.rest_gateway import asgi_client
 from tests.support.rest_tenants import tenants_toml
 

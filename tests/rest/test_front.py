@@ -18,11 +18,11 @@ import pytest_asyncio
 from fastapi import FastAPI
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.rest import __main__ as rest_main
-from gateway.rest.app import RestSettings, create_app
 from glmimage.v1 import common_pb2
 from glmimage.v1 import gateway_service_pb2 as gw
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
+from rest import __main__ as rest_main
+from rest.app import RestSettings, create_app
 from tests.support.certs import Pki
 from tests.support.rest_gateway import (
     COMPLETED,

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 
-from gateway.rest.app import RestSettings, create_app
-from gateway.rest.schemas import (
+from rest.app import RestSettings, create_app
+from rest.schemas import (
     ImageGenCompletedEvent,
     ImageGenerationRequest,
     ImageGenPartialImageEvent,

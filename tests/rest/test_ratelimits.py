@@ -11,10 +11,10 @@ import httpx
 import openai
 import pytest
 
-from gateway.rest.app import RestSettings, create_app
-from gateway.rest.ratelimits import RATE_LIMIT_HEADERS
 from glmimage.v1 import gateway_service_pb2 as gw
-from services.runtime.errors import InvalidArgument
+from rest.app import RestSettings, create_app
+from rest.ratelimits import RATE_LIMIT_HEADERS
+from runtime.errors import InvalidArgument
 from tests.support.images import image_file
 from tests.support.rest_gateway import (
     COMPLETED,

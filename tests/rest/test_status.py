@@ -12,8 +12,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from gateway.rest.app import RestSettings, create_app
-from services.runtime.errors import InvalidArgument
+from rest.app import RestSettings, create_app
+from runtime.errors import InvalidArgument
 from tests.support.asgi import RawClient
 from tests.support.rest_gateway import (
     Backend,

@@ -11,8 +11,8 @@ import openai
 import pytest
 from fastapi import FastAPI
 
-from gateway.rest.app import RestSettings
 from glmimage.v1 import common_pb2
+from rest.app import RestSettings
 from tests.support.rest_gateway import (
     COMPLETED,
     COMPLETED_KEYS,

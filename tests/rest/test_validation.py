@@ -17,10 +17,10 @@ import openai
 import pytest
 from fastapi import FastAPI
 
-from gateway.rest import __main__ as rest_main
-from gateway.rest.app import RestSettings, create_app
 from glmimage.v1 import common_pb2
-from services.runtime.limits import from_proto
+from rest import __main__ as rest_main
+from rest.app import RestSettings, create_app
+from runtime.limits import from_proto
 from tests.support.rest_gateway import (
     Backend,
     asgi_client,
@@ -129,8 +129,8 @@ def test_client_texts_name_no_server_flag() -> None:
     # (/health's reasons are the operator's, and may name one.)
     calls = {"APIError", "error_response", "InvalidArgument", "ResourceExhausted", "Unavailable", "_answer"}
     root = Path(__file__).resolve().parents[2]
-    sources = [*sorted((root / "gateway/rest").glob("*.py")), root / "services/runtime/admission.py",
-               root / "services/runtime/limits.py"]
+    sources = [*sorted((root / "rest").glob("*.py")), root / "runtime/admission.py",
+               root / "runtime/limits.py"]
     texts = []
     for source in sources:
         for node in ast.walk(ast.parse(source.read_text())):

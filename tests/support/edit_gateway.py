@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.limits import Limits
+from runtime.limits import Limits
 from tests.support.fake_gateway import IMAGE_TOKENS_PER_REFERENCE, FakeGateway, FakeServer, serve_fake
 
 __all__ = ["IMAGE_TOKENS_PER_REFERENCE", "EditGateway", "serve_edit_fake"]

@@ -20,8 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
-from services.runtime.details import rich_status
-from services.runtime.errors import InvalidArgument
+from runtime.details import rich_status
+from runtime.errors import InvalidArgument
 
 DEFAULT_STEPS = 4
 IMAGE_TOKENS_PER_REFERENCE = 64

@@ -25,7 +25,7 @@ from glmimage.v1 import ar_service_pb2 as ar_pb
 from glmimage.v1 import common_pb2
 from glmimage.v1 import denoiser_service_pb2 as dn_pb
 from glmimage.v1 import gateway_service_pb2 as gw_pb
-from services.runtime.limits import round_up
+from runtime.limits import round_up
 from tests.support.sim_gateway import Gateway, running_gateway
 
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT

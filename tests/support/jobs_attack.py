@@ -1,5 +1,5 @@
 """Real processes for the attacker tests of jobs (tests/test_jobs_attack.py): the simulated workers of
-bench/sim_backends.py, a `python -m gateway` with jobs on, a `python -m gateway.rest` in front of it, and a
+bench/sim_backends.py, a `python -m gateway` with jobs on, a `python -m rest` in front of it, and a
 PostgreSQL job store that can be hung (SIGSTOP), killed (SIGKILL) and started again on the same port and data.
 
 No model anywhere: the simulated workers answer with a tiny PNG after a sleep from their cost model, so a gateway
@@ -139,10 +139,10 @@ def jobs_gateway(run_dir: Path, name: str, workers: SimWorkers, jobs_db: str, fi
 
 @contextlib.contextmanager
 def rest_front(run_dir: Path, gateway: Process, files: GatewayFiles, *flags: str) -> Iterator[Process]:
-    """``python -m gateway.rest`` over ``gateway``, serving the same image store; yielded once it listens."""
+    """``python -m rest`` over ``gateway``, serving the same image store; yielded once it listens."""
     port_file = run_dir / "rest.port"
     port_file.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "gateway.rest", "--port", "0", "--port-file", str(port_file),
+    argv = [sys.executable, "-m", "rest", "--port", "0", "--port-file", str(port_file),
             "--gateway-address", gateway.address, "--image-store", str(files.images), "--url-secret-file",
             str(files.url_secret), "--log-level", "info", *flags]
     proc = _spawn("rest", argv, run_dir)

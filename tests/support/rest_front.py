@@ -1,4 +1,4 @@
-"""The REST front as `python -m gateway.rest` serves it (its own flags, its uvicorn server and protocol), in the
+"""The REST front as `python -m rest` serves it (its own flags, its uvicorn server and protocol), in the
 test's event loop on an ephemeral loopback port, and raw HTTP/1.1 over asyncio streams for what clients do badly."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from gateway.rest import __main__ as rest_main
+from rest import __main__ as rest_main
 
 STARTUP_TIMEOUT = 30.0  # the lifespan reads the gateway's limits first: generous on a loaded machine
 

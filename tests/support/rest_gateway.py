@@ -21,12 +21,12 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from PIL import Image
 
-from gateway.rest.app import RestSettings, create_app
 from glmimage.v1 import common_pb2
 from glmimage.v1 import gateway_service_pb2 as gw
 from glmimage.v1 import gateway_service_pb2_grpc as gw_grpc
-from services.runtime.details import OWN_ERROR_KEY, rich_status
-from services.runtime.errors import ServiceError
+from rest.app import RestSettings, create_app
+from runtime.details import OWN_ERROR_KEY, rich_status
+from runtime.errors import ServiceError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROMPT_TOKENS = 11

@@ -1,5 +1,5 @@
 """The REST front with ``--tenants``: a tenants file, the scripted gateway of tests/support/fake_gateway.py whose
-GetStatus also reports tenants (as the real gateway's does), and the front as a real ``python -m gateway.rest``
+GetStatus also reports tenants (as the real gateway's does), and the front as a real ``python -m rest``
 process on an ephemeral port (for signals, exit statuses and a browser, which a front in the test's loop cannot
 serve while selenium blocks it)."""
 from __future__ import annotations
@@ -76,21 +76,21 @@ class FrontProcess:
 
 
 def run_front(*flags: str, timeout: float = START_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    """``python -m gateway.rest FLAGS`` that is expected to stop by itself (a start-up error)."""
+    """``python -m rest FLAGS`` that is expected to stop by itself (a start-up error)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GLMIMAGE_")}
-    return subprocess.run([sys.executable, "-m", "gateway.rest", "--port", "0", *flags], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rest", "--port", "0", *flags], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 
 @contextlib.contextmanager
 def front_process(workdir: Path, *flags: str) -> Iterator[FrontProcess]:
-    """``python -m gateway.rest --port 0 FLAGS``, started once its port file says it listens; SIGTERM on exit (its
+    """``python -m rest --port 0 FLAGS``, started once its port file says it listens; SIGTERM on exit (its
     graceful stop must end with status 0)."""
     port_file, log = workdir / "rest.port", workdir / "rest.log"
     port_file.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GLMIMAGE_")}
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.rest", "--port", "0", "--port-file", str(port_file),
+        proc = subprocess.Popen([sys.executable, "-m", "rest", "--port", "0", "--port-file", str(port_file),
                                  *flags], stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         until(lambda: port_file.exists() or proc.poll() is not None, START_TIMEOUT_S, "the REST front's port file")

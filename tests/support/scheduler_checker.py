@@ -40,7 +40,7 @@ from gateway.scheduler.types import (
     WorkerState,
     WorkerUnhealthy,
 )
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 from tests.support.scheduler_model import (
     AR,
     CAPABILITIES,

@@ -69,7 +69,7 @@ class _World:
 
 
 # Capabilities in the model: a worker can do a set of things, a request needs a set of them (None: unknown or
-# nothing asked); the scheduler is given this as its ``fits``, as the driver gives it services.runtime.capability's.
+# nothing asked); the scheduler is given this as its ``fits``, as the driver gives it runtime.capability's.
 CAPABILITIES = frozenset({"big", "cache"})
 
 

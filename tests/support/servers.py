@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from glmimage.v1 import ar_service_pb2_grpc, denoiser_service_pb2_grpc
-from services.runtime.executor import SerialExecutor
-from services.runtime.server import GrpcServer, start_server
-from services.runtime.tls import ServerTls
+from runtime.executor import SerialExecutor
+from runtime.server import GrpcServer, start_server
+from runtime.tls import ServerTls
 
 AR_SERVICE = "glmimage.v1.ArService"
 DENOISER_SERVICE = "glmimage.v1.DenoiserService"

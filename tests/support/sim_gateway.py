@@ -26,9 +26,9 @@ from gateway.scheduler.types import SchedulerConfig
 from gateway.servicer import GatewayServicer
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
-from services.runtime.server import GrpcServer, start_server
-from services.runtime.tenants import Tenant, TenantsFile, tenants_from_keys
-from services.runtime.tls import ClientTls
+from runtime.server import GrpcServer, start_server
+from runtime.tenants import Tenant, TenantsFile, tenants_from_keys
+from runtime.tls import ClientTls
 
 GATEWAY = "glmimage.v1.GatewayService"
 FAST = SimCosts(scale=0.001)  # AR ~20-33 ms, denoise ~12 ms

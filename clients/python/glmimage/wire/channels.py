@@ -1,7 +1,7 @@
 """The one client-side channel builder of the suite: plaintext or TLS (CA, client certificate for mutual TLS,
 a target name override), with the shared keepalive and reconnect settings (glmimage.wire.keepalive), as a blocking or
 an asyncio channel. The SDK's clients, the REST front's gateway channel and the gateway's worker channels are all
-built here; the servers' side of TLS is services.runtime.tls."""
+built here; the servers' side of TLS is runtime.tls."""
 from __future__ import annotations
 
 import ipaddress

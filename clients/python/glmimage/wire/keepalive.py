@@ -2,7 +2,7 @@
 and the gateway -> AR and denoisers all dial with these (through glmimage.wire.channels).
 
 What the servers accept, and the reasoning behind both ends (how grpc core polices pings, and what went wrong
-before), is in services.runtime.keepalive, which imports these numbers; tests/test_keepalive.py checks that the
+before), is in runtime.keepalive, which imports these numbers; tests/test_keepalive.py checks that the
 servers accept what the clients send. In short: a keepalive ping every 10 s (the servers accept one every 5 s, so
 none is ever early and counted as a strike), also on an idle connection and without grpc's cap of two pings
 between our own data frames; reconnects from 100 ms, capped at 1 s, instead of gRPC's default that grows to minutes.

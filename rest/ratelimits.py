@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Iterable
 
-from services.runtime.details import QUOTA_KEY, RATE_LIMIT_HEADERS, RETRY_AFTER_KEY
+from runtime.details import QUOTA_KEY, RATE_LIMIT_HEADERS, RETRY_AFTER_KEY
 
 # The openai SDK honours Retry-After on 429; one second is the gateway's usual backoff.
 DEFAULT_RETRY_AFTER_S = 1

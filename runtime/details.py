@@ -12,8 +12,8 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from services.runtime.errors import ErrorKind, ServiceError
-from services.runtime.status import code_of
+from runtime.errors import ErrorKind, ServiceError
+from runtime.status import code_of
 
 # Trailing metadata on a status this suite's own code composed (a domain error): its text is meant for the client.
 # A status without it may come from gRPC itself (connection refused, a deadline seen by the client), whose text

@@ -1,9 +1,9 @@
 """The one status-code map every hop reads: domain ErrorKind <-> gRPC status code <-> HTTP status and OpenAI error.
 
-The hops: a server raising a domain error answers its code (composed by services.runtime.details); the gateway
+The hops: a server raising a domain error answers its code (composed by runtime.details); the gateway
 reads a worker's code back as a scheduler ErrorKind (gateway.downstream); the REST front answers a gateway's code as
-an HTTP status with an OpenAI error ``type`` and ``code`` (gateway.rest.errors). Torch-free, like the rest of
-services.runtime.
+an HTTP status with an OpenAI error ``type`` and ``code`` (rest.errors). Torch-free, like the rest of
+runtime.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.runtime.errors import ErrorKind
+from runtime.errors import ErrorKind
 
 
 @dataclass(frozen=True)

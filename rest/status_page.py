@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.auth import bearer_token
+from runtime.auth import bearer_token
 
 from .deps import GatewayDep, Metrics, Settings
 from .dispatch import gateway_metadata

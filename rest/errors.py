@@ -1,5 +1,5 @@
 """OpenAI-shaped errors, and a gateway status as one (its HTTP status and OpenAI `type` are read from
-services.runtime.status, the map every hop shares)."""
+runtime.status, the map every hop shares)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from gateway.jobs.render import param_of
-from services.runtime.details import OWN_ERROR_KEY, field_violation, retry_delay
-from services.runtime.status import row_of
+from runtime.details import OWN_ERROR_KEY, field_violation, retry_delay
+from runtime.status import row_of
 
 from .ratelimits import quota_of, rate_limit_headers, retry_after
 

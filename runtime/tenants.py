@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.runtime.priority import DEFAULT, INTERACTIVE, PRIORITY_NAMES
+from runtime.priority import DEFAULT, INTERACTIVE, PRIORITY_NAMES
 
 log = logging.getLogger(__name__)
 

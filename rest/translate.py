@@ -14,9 +14,9 @@ from typing import Any
 from gateway.jobs.render import usage_json
 from glmimage.v1 import common_pb2, gateway_service_pb2
 from glmimage.wire import formats, sizes
-from services.runtime.admission import Admitted, check_generate, check_partial_images
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import MAX_ASPECT, SIZE_MULTIPLE, Limits, check_loras, check_reference_images
+from runtime.admission import Admitted, check_generate, check_partial_images
+from runtime.errors import InvalidArgument
+from runtime.limits import MAX_ASPECT, SIZE_MULTIPLE, Limits, check_loras, check_reference_images
 
 from .errors import APIError
 from .limits import as_api_error
@@ -67,7 +67,7 @@ def parse_size(size: str | None, settings: RestSettings) -> tuple[int, int]:
         width, height = sizes.parse_size(size)
     except ValueError as exc:
         raise APIError(400, f"{exc}; or 'auto' for the default", param="size", code="invalid_value") from None
-    return width, height  # the pixel budget is a limit in force (gateway/rest/limits.py)
+    return width, height  # the pixel budget is a limit in force (rest/limits.py)
 
 
 def auto_size(width: int, height: int, max_pixels: int) -> tuple[int, int]:

@@ -3,7 +3,7 @@
 The gateway's GetLimits is the source (the tightest of its flags and of every worker's own limits); this front
 reads it at start and every REFRESH_S seconds after. With it the front refuses, naming the REST ``param``, what
 the gateway would refuse anyway, without a round trip, and /openapi.json advertises it (``maxLength``,
-``maximum``). Until the gateway answers, the defaults of services.runtime.limits stand in: the gateway still
+``maximum``). Until the gateway answers, the defaults of runtime.limits stand in: the gateway still
 checks every request itself, so a stale copy here can only refuse early what the gateway refuses too, or let
 through what it then refuses.
 """
@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import (
+from runtime.errors import InvalidArgument
+from runtime.limits import (
     MAX_ASPECT,
     SEED_SPACE,
     Limits,

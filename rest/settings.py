@@ -63,7 +63,7 @@ class RestSettings:
     api_keys: tuple[str, ...] = ()  # empty: auth off
     # Keys that may see the live pool page (/status) when api_keys are set: the gateway's admin keys.
     admin_keys: tuple[str, ...] = ()
-    # The tenants file (services.runtime.tenants), instead of both key lists: any tenant's key may call the API, an
+    # The tenants file (runtime.tenants), instead of both key lists: any tenant's key may call the API, an
     # admin tenant's see the live pool page; SIGHUP reloads it.
     tenants_file: Path | None = None
     request_timeout: float = 300.0

@@ -6,7 +6,7 @@ tightest of all: admission accepts what some member of each stage can run (``lim
 bounded by the gateway's own flags, and ``Driver.capable`` asks ``unmet`` of each member), and the scheduler places
 each denoise job only on a denoiser for which ``unmet`` says nothing (the driver hands it ``fits``).
 
-``unmet`` reuses the checks of services.runtime.limits, so a request no worker can run is refused with the very
+``unmet`` reuses the checks of runtime.limits, so a request no worker can run is refused with the very
 field and words a worker would use. Torch-free, protobuf-free apart from what limits.py imports.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.runtime.admission import Admitted
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import (
+from runtime.admission import Admitted
+from runtime.errors import InvalidArgument
+from runtime.limits import (
     AR_FIELDS,
     DENOISER_CAPABILITIES,
     DENOISER_FIELDS,

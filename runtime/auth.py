@@ -7,7 +7,7 @@ functions (bearer_token, key_hits), so both paths treat odd headers alike. Metho
 
 Used by the gateway (user and admin keys on GatewayService, see gateway.auth) and by the AR and denoiser servers
 (the internal token the gateway presents on ArService and DenoiserService, see services.model.serving).
-Torch-free, like the rest of services.runtime.
+Torch-free, like the rest of runtime.
 """
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ class BearerAuthInterceptor(CheckingInterceptor):
 def refusal_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """A handler for ``handler``'s method that answers ``code`` without reading the request: served as
     client-streaming on raw bytes (the same on the wire as unary), so no message of an unknown caller is ever
-    received, let alone decoded (services.runtime.intake)."""
+    received, let alone decoded (runtime.intake)."""
     ser = handler.response_serializer
 
     async def unary(requests, context: grpc.aio.ServicerContext):

@@ -1,4 +1,4 @@
-"""`python -m gateway.rest`: serve the OpenAI-compatible REST front with uvicorn."""
+"""`python -m rest`: serve the OpenAI-compatible REST front with uvicorn."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import uvicorn
 
 from glmimage.wire.sizes import size_arg
-from services.runtime.paths import write_port_file
-from services.runtime.tenants import TenantsError
-from services.runtime.tracing import add_tracing_args, endpoint_from, setup_tracing
+from runtime.paths import write_port_file
+from runtime.tenants import TenantsError
+from runtime.tracing import add_tracing_args, endpoint_from, setup_tracing
 
 from .app import create_app
 from .connections import GUARD_HELP, ConnectionGuards, protocol_class
@@ -215,7 +215,7 @@ class RestServer(uvicorn.Server):
             try:
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.on_sighup)
             except (RuntimeError, ValueError):  # a loop outside the main thread takes no signals
-                logging.getLogger("gateway.rest").warning("SIGHUP will not reload the tenants file: the server does "
+                logging.getLogger("rest").warning("SIGHUP will not reload the tenants file: the server does "
                                                           "not run in the main thread")
         await super().startup(sockets)
 
@@ -261,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     sock = inherited_socket(args.listen_fd) if args.listen_fd is not None else listen_socket(args.host, args.port)
     if args.port_file is not None:
         write_port_file(args.port_file, sock.getsockname()[1])
-    logging.getLogger("gateway.rest").info("REST front listening on %s:%d", args.host, sock.getsockname()[1])
+    logging.getLogger("rest").info("REST front listening on %s:%d", args.host, sock.getsockname()[1])
     server.run(sockets=[sock])
 
 

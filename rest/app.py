@@ -32,7 +32,7 @@ from starlette.middleware.cors import CORSMiddleware
 from gateway.jobs.defaults import default_image_store, default_url_secret_file
 from gateway.jobs.images import DiskImageStore
 from gateway.jobs.urls import UrlSigner, load_url_secret
-from services.runtime.details import RATE_LIMIT_HEADERS, RETRY_AFTER_KEY
+from runtime.details import RATE_LIMIT_HEADERS, RETRY_AFTER_KEY
 
 from .adapters import AdapterCache
 from .edits import router as edits_router

@@ -3,7 +3,7 @@
 The client side, one definition for every hop (gateway -> AR and denoisers, REST front -> gateway, Python SDK ->
 gateway), is ``glmimage.wire.keepalive``, applied by ``glmimage.wire.channels`` (the protocol package, in the base
 install, must not import ``services``, so the servers import it from there); what every server accepts is here
-(``services.runtime.server.start_server``). Torch-free and grpc-free: plain channel arguments.
+(``runtime.server.start_server``). Torch-free and grpc-free: plain channel arguments.
 
 How grpc core (chttp2, grpcio 1.85) polices pings, which is what the numbers below must respect:
 

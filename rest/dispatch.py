@@ -1,6 +1,6 @@
 """What every image route does with an admitted request (translate.Generation): the gateway call's metadata
 (request id, and the client's or this front's key), the call itself, and the answer as JSON or as server-sent
-events, with the call's rate-limit figures as headers (gateway/rest/ratelimits.py)."""
+events, with the call's rate-limit figures as headers (rest/ratelimits.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.jobs.render import absolute
-from services.runtime.auth import bearer_metadata
-from services.runtime.tracing import with_trace
+from runtime.auth import bearer_metadata
+from runtime.tracing import with_trace
 
 from . import jobs, streaming, translate, upstream
 from .errors import APIError
@@ -32,7 +32,7 @@ def gateway_metadata(request: Request, settings: RestSettings, rid: str) -> tupl
     if settings.gateway_auth == "own":  # the gateway sees this front's key; the client's stays here
         return metadata + bearer_metadata(settings.gateway_api_key)
     # Forwarded whether or not REST checks keys itself: the gateway may enforce its own. A repeated one is not
-    # forwarded, as no key check on any hop accepts one (services.runtime.auth).
+    # forwarded, as no key check on any hop accepts one (runtime.auth).
     authorization = request.headers.getlist("authorization")
     if len(authorization) == 1 and _HEADER_VALUE_RE.fullmatch(authorization[0]):
         metadata += (("authorization", authorization[0]),)

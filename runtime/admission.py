@@ -1,11 +1,11 @@
 """Admission of GatewayService requests: every field range-checked before any arithmetic or queueing. The rules
-over the limits model (services.runtime.limits) that both the gateway servicer and the REST front apply.
+over the limits model (runtime.limits) that both the gateway servicer and the REST front apply.
 
 Whatever a worker would refuse is refused here, with the field named, so a bad request never reaches a shared AR
 batch, never holds a slot and never costs AR or denoiser work. The limits are those in force (the gateway driver's
 ``limits()``: what some worker of each stage advertised over GetLimits, within the gateway's flags; whether one
-single worker serves the whole request is services.runtime.capability's); the checks themselves are the workers'
-own, from services.runtime.limits.
+single worker serves the whole request is runtime.capability's); the checks themselves are the workers'
+own, from runtime.limits.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from glmimage.v1 import common_pb2, gateway_service_pb2
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import (
+from runtime.errors import InvalidArgument
+from runtime.limits import (
     Limits,
     check_guidance,
     check_loras,

@@ -4,8 +4,8 @@ gRPC Python reads a unary request whole, into its own buffers, a Python ``bytes`
 any handler runs: twelve callers sending 60 MB each held about 1.5 GB, whether or not they had a credential. So
 every server here:
 
-- refuses a credential on the call's metadata alone (services.runtime.auth), before a byte of the message is read;
-- receives no message larger than its largest legitimate request (services.runtime.limits.max_request_bytes);
+- refuses a credential on the call's metadata alone (runtime.auth), before a byte of the message is read;
+- receives no message larger than its largest legitimate request (runtime.limits.max_request_bytes);
   gRPC refuses a longer one from its length prefix, without buffering it;
 - lets gRPC buffer at most ``LOOKAHEAD_BYTES`` of a message nobody reads yet (no bandwidth-delay probing, which
   grows that window to whole messages), so calls waiting for their turn hold next to nothing;

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.auth import bearer_metadata
+from runtime.auth import bearer_metadata
 
 from . import adapters, dispatch, translate, upstream
 from .deps import Created, GatewayDep, Metrics, Settings, image_responses

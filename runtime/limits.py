@@ -3,7 +3,7 @@
 Who reads it:
 - the AR and the denoiser run with a ``Limits`` built from their flags (``--max-steps`` ...), check every request
   against it, and serve the part each of them applies over ``GetLimits`` (AR_FIELDS, DENOISER_FIELDS);
-- the gateway reads its workers' limits when each joins and keeps them per worker (services.runtime.capability):
+- the gateway reads its workers' limits when each joins and keeps them per worker (runtime.capability):
   it admits what some denoiser (and every AR server) can run, never more than its own flags, and refuses the rest,
   the field named; its ``GetLimits`` serves that (what the pool can do);
 - the REST front advertises the gateway's limits in /openapi.json (``maxLength``/``maximum``) and bounds bodies.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from glmimage.v1 import common_pb2
-from services.runtime.errors import InvalidArgument
+from runtime.errors import InvalidArgument
 
 # Output i of a request uses seed + i: the last one must fit the uint32 seed space too.
 SEED_SPACE = 2**32
@@ -147,7 +147,7 @@ def limits_in_force(own: Mapping[str, float], ar: Iterable[Mapping[str, float]],
     capability, whether any has it); for the AR servers, the tightest of them; the default for a role none has
     advertised yet; for a bound both roles apply, the lesser of the two; never more than the gateway's own flags.
 
-    The denoisers' union, not their tightest: each worker's limits are kept apart (services.runtime.capability), a
+    The denoisers' union, not their tightest: each worker's limits are kept apart (runtime.capability), a
     request within the union but past every single denoiser (a combination none serves) is refused by
     ``Driver.capable``, and the scheduler places each denoise job only on a denoiser that can run it. The AR servers
     are not placed by capability (a batch is shared by several requests), so every one of them must run what is

@@ -26,8 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.jobs.images import DiskImageStore
 from gateway.jobs.urls import CONTENT_TYPES, FILES_PATH, UrlSigner, ext_of_key, tenant_tag, tenant_tag_of_key
-from services.runtime.auth import bearer_token
-from services.runtime.tenants import Tenants, tenants_from_keys
+from runtime.auth import bearer_token
+from runtime.tenants import Tenants, tenants_from_keys
 
 from .errors import APIError
 from .keys import FrontKeys

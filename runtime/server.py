@@ -23,10 +23,10 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from services.runtime import keepalive, tracing
-from services.runtime.details import OWN_MARK, rich_status
-from services.runtime.errors import ServiceError
-from services.runtime.intake import (
+from runtime import keepalive, tracing
+from runtime.details import OWN_MARK, rich_status
+from runtime.errors import ServiceError
+from runtime.intake import (
     DEFAULT_BUDGET_BYTES,
     FLOW_CONTROL_OPTIONS,
     Intake,
@@ -34,10 +34,10 @@ from services.runtime.intake import (
     Malformed,
     trim_freed_memory,
 )
-from services.runtime.limits import Limits, max_request_bytes
-from services.runtime.logs import REQUEST_ID_KEY, accepted_request_id, new_request_id, request_id_var
-from services.runtime.paths import write_port_file
-from services.runtime.tls import ServerTls, add_server_tls_args
+from runtime.limits import Limits, max_request_bytes
+from runtime.logs import REQUEST_ID_KEY, accepted_request_id, new_request_id, request_id_var
+from runtime.paths import write_port_file
+from runtime.tls import ServerTls, add_server_tls_args
 
 log = logging.getLogger(__name__)
 # What grpc.aio raises when a call is written to after it ended: an answer is no longer possible.
@@ -309,8 +309,8 @@ class GrpcServer:
 
 def server_options(receive_bytes: int, send_bytes: int) -> list[tuple[str, int]]:
     """The channel arguments of every server: message limits, the flow control that keeps unread messages out of
-    memory (services.runtime.intake), and the pings it accepts from the clients of every hop
-    (services.runtime.keepalive, where the numbers are reasoned)."""
+    memory (runtime.intake), and the pings it accepts from the clients of every hop
+    (runtime.keepalive, where the numbers are reasoned)."""
     return [
         *keepalive.message_size_options(receive_bytes, send_bytes),
         *FLOW_CONTROL_OPTIONS,

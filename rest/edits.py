@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.runtime.limits import Limits
+from runtime.limits import Limits
 
 from . import adapters, dispatch, translate
 from .deps import GatewayDep, Metrics, Settings, image_responses

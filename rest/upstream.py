@@ -19,7 +19,7 @@ from starlette.types import Receive
 
 from glmimage.v1 import gateway_service_pb2, gateway_service_pb2_grpc, job_service_pb2_grpc
 from glmimage.wire.channels import TlsConfig, aio_channel, balanced_target
-from services.runtime import keepalive
+from runtime import keepalive
 
 from .errors import from_rpc_error
 from .ratelimits import rate_limit_headers

@@ -1,7 +1,7 @@
 """Pydantic models for the OpenAI-compatible Images API.
 
 Only shape and fixed-range checks live here; checks that depend on RestSettings (model names) are done by the
-route, and the limits in force (gateway/rest/limits.py) after translation, by the gateway's own admission code.
+route, and the limits in force (rest/limits.py) after translation, by the gateway's own admission code.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from pydantic import BaseModel, ConfigDict, Field
 
 from glmimage.v1 import gateway_service_pb2
-from services.runtime.limits import MAX_LORA_NAME_CHARS, MAX_LORA_SCALE
+from runtime.limits import MAX_LORA_NAME_CHARS, MAX_LORA_SCALE
 
 Quality = Literal["low", "medium", "high", "auto", "standard", "hd"]
 OutputFormat = Literal["png", "jpeg", "webp"]
@@ -56,13 +56,13 @@ def _ignored(why: str) -> Any:
                  json_schema_extra={"x-ignored": True})
 
 
-# An adapter name's form (services.runtime.limits.check_lora_name, which also refuses '..'), for /openapi.json.
+# An adapter name's form (runtime.limits.check_lora_name, which also refuses '..'), for /openapi.json.
 LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class LoraRef(BaseModel):
     """One LoRA adapter of a request (GLM-Image extension). Only the shape is checked here; the name's form, the
-    scale's range and the count are the limits model's (services.runtime.limits.check_loras), so that a bad one is
+    scale's range and the count are the limits model's (runtime.limits.check_loras), so that a bad one is
     named as `loras[i].name` or `loras[i].scale`."""
 
     # Strict in an edit's form too: that field is JSON, so its types are JSON's. NaN and infinity get through to
@@ -96,7 +96,7 @@ class ImageRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     # The bounds that depend on the servers' limits (prompt length, n, steps, guidance, partial images, pixels) are
-    # the ones in force, from the gateway's GetLimits: gateway/rest/limits.py checks them and adds them to
+    # the ones in force, from the gateway's GetLimits: rest/limits.py checks them and adds them to
     # /openapi.json. Only fixed ranges are stated here, and every number's proto type (_number).
     prompt: str = Field(description="Text description of the desired image(s). Must not be empty.")
     model: str | None = Field(

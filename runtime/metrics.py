@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prometheus_client import start_http_server
 
-from services.runtime.paths import write_port_file
+from runtime.paths import write_port_file
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import enum
 
-from services.runtime.auth import key_hits
-from services.runtime.tenants import ADMIN, TenantsFile, tenants_from_keys
+from runtime.auth import key_hits
+from runtime.tenants import ADMIN, TenantsFile, tenants_from_keys
 
 from .settings import RestSettings
 

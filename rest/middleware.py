@@ -18,9 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.runtime import tracing
-from services.runtime.auth import bearer_token
-from services.runtime.logs import REQUEST_ID_KEY, new_request_id, request_id_or_new
+from runtime import tracing
+from runtime.auth import bearer_token
+from runtime.logs import REQUEST_ID_KEY, new_request_id, request_id_or_new
 
 from .errors import error_response
 from .keys import FrontKeys
@@ -100,7 +100,7 @@ class FrontMiddleware:
             await self.app(scope, receive, send)
             return
         headers = _headers(scope)
-        # The gRPC servers' rule (services.runtime.logs), on the first header as they take the first metadata value.
+        # The gRPC servers' rule (runtime.logs), on the first header as they take the first metadata value.
         rid = request_id_or_new(next((v for k, v in scope.get("headers", ()) if k.lower() == _RID_BYTES), None))
         scope.setdefault("state", {})["request_id"] = rid
         status = 500

@@ -20,8 +20,8 @@ import grpc
 from fastapi import Request
 
 from glmimage.v1 import common_pb2, gateway_service_pb2
-from services.runtime.errors import InvalidArgument
-from services.runtime.limits import check_lora_name
+from runtime.errors import InvalidArgument
+from runtime.limits import check_lora_name
 
 from . import upstream
 from .dispatch import gateway_metadata
