@@ -17,6 +17,7 @@ import uvicorn
 
 from glmimage.wire.sizes import size_arg
 from runtime.paths import write_port_file
+from runtime.sockets import listen_socket
 from runtime.tenants import TenantsError
 from runtime.tracing import add_tracing_args, endpoint_from, setup_tracing
 
@@ -167,27 +168,6 @@ def inherited_socket(fd: int) -> socket.socket:
         sys.exit(f"glmimage-rest: error: --listen-fd {fd}: {exc.strerror or exc}")
     if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
         sys.exit(f"glmimage-rest: error: --listen-fd {fd} is not a listening socket")
-    return sock
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket created with an explicit IPPROTO_TCP.
-
-    socket.create_server leaves proto at 0, and asyncio only sets TCP_NODELAY on accepted sockets whose proto
-    is IPPROTO_TCP: without it, Nagle's algorithm meets the client's delayed ACK and every response after the
-    first on a keep-alive connection waits ~40 ms.
-    """
-    family, type_, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, type_, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind(address)
-        sock.listen(socket.SOMAXCONN)
-    except OSError:
-        sock.close()
-        raise
     return sock
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from runtime.sockets import listen_socket
+
 log = logging.getLogger("services.supervisor")
 
 
@@ -322,19 +324,8 @@ class Supervisor:
 
     def listen(self, port: int) -> socket.socket:
         """A listening TCP socket on this supervisor's host (port 0: a free one, bound now, so no other process can
-        take it before the server starts), for `child(listener=...)`. IPPROTO_TCP explicitly: asyncio sets
-        TCP_NODELAY only on connections accepted from such a socket."""
-        family, type_, proto, _, address = socket.getaddrinfo(
-            self.host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, type_, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-            sock.listen(socket.SOMAXCONN)
-        except OSError:
-            sock.close()
-            raise
-        return sock
+        take it before the server starts), for `child(listener=...)`."""
+        return listen_socket(self.host, port)
 
     async def supervise(self) -> None:
         """Keep every started child running until cancelled (the launcher cancels it before `stop`); a child
