@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from glmimage.cli import format_jobs, job_progress
+from glmimage.cli_jobs import format_jobs, job_progress
 from glmimage.jobs import Job, JobError, JobImage, JobProgress
 from glmimage.v1 import common_pb2, gateway_service_pb2
 from tests.support.fake_gateway import fake_image

@@ -7,13 +7,13 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, TypedDict, Unpack
+from typing import Any, Unpack
 
 import grpc
 
 from glmimage.errors import GlmImageError
 from glmimage.jobs import Job, JobPage, JobWaitTimeout, build_list_jobs, build_submit_job
-from glmimage.messages import ImageInput, LoraInput, PriorityInput, build_request, read_images
+from glmimage.messages import GenerationOptions, ImageInput, build_request, read_images
 from glmimage.v1 import gateway_service_pb2, job_service_pb2
 
 log = logging.getLogger("glmimage.client")
@@ -21,17 +21,7 @@ log = logging.getLogger("glmimage.client")
 JobCallback = Callable[[Job], Any]
 
 
-class JobOptions(TypedDict, total=False):
-    """`submit_job`'s generation options: `generate`'s, less n and size (positional there too)."""
-
-    output_format: str | None
-    output_compression: int | None
-    seed: int | None
-    steps: int | None
-    guidance: float | None
-    step_cache: str | None
-    loras: LoraInput | Sequence[LoraInput]
-    priority: PriorityInput | None
+JobOptions = GenerationOptions  # `submit_job`'s options: `generate`'s, less n and size (positional there too)
 
 
 def job_request(prompt: str, n: int, size: str | Sequence[int] | None,

@@ -83,11 +83,9 @@ def lora_refs(loras: LoraInput | Sequence[LoraInput]) -> list[common_pb2.LoraRef
 ImageInput = str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes]
 
 
-class ImageOptions(TypedDict, total=False):
-    """The keyword arguments of `Client.edit` and `edit_stream` (and their async twins), as `generate` takes them."""
+class GenerationOptions(TypedDict, total=False):
+    """A generation's options besides its prompt, count and size: what `submit_job` takes as keywords."""
 
-    n: int
-    size: str | Sequence[int] | None
     output_format: str | None
     output_compression: int | None
     seed: int | None
@@ -96,6 +94,13 @@ class ImageOptions(TypedDict, total=False):
     step_cache: str | None
     loras: LoraInput | Sequence[LoraInput]
     priority: PriorityInput | None
+
+
+class ImageOptions(GenerationOptions, total=False):
+    """The keyword arguments of `Client.edit` and `edit_stream` (and their async twins), as `generate` takes them."""
+
+    n: int
+    size: str | Sequence[int] | None
 
 
 def read_images(images: ImageInput | Sequence[ImageInput]) -> list[bytes]:
