@@ -25,6 +25,7 @@ from runtime.limits import (
     check_loras,
     check_n,
     check_partial_images,
+    check_reference_totals,
     check_step_cache,
     check_steps,
     from_advertised,
@@ -95,12 +96,7 @@ def _check(needs: Needs, caps: Capabilities) -> None:
     if caps.role == AR:
         check_n(needs.n, limits)
     model_size(needs.height, needs.width, limits)
-    if needs.references > limits.max_reference_images:
-        raise InvalidArgument("reference_images", f"{needs.references} images; an edit takes at most "
-                                                  f"{limits.max_reference_images}")
-    if needs.reference_total_bytes > limits.max_reference_total_bytes:
-        raise InvalidArgument("reference_images", f"{needs.reference_total_bytes} bytes in all; the limit is "
-                                                  f"{limits.max_reference_total_bytes}")
+    check_reference_totals(needs.references, needs.reference_total_bytes, limits)
     if needs.reference_bytes > limits.max_reference_bytes:
         raise InvalidArgument("reference_images", f"a file of {needs.reference_bytes} bytes; the limit is "
                                                   f"{limits.max_reference_bytes}")

@@ -343,6 +343,17 @@ def check_partial_images(count: int, limits: Limits) -> None:
 REFERENCE_FORMATS = ("PNG", "JPEG", "WEBP")
 
 
+def check_reference_totals(count: int, total_bytes: int, limits: Limits) -> None:
+    """An edit's references as a whole: how many, and their bytes together (both on ``reference_images``). One rule
+    for the images themselves (check_reference_images) and for a summary of them (runtime.capability)."""
+    if count > limits.max_reference_images:
+        raise InvalidArgument("reference_images",
+                              f"{count} images; an edit takes at most {limits.max_reference_images}")
+    if total_bytes > limits.max_reference_total_bytes:
+        raise InvalidArgument("reference_images", f"{total_bytes} bytes in all; the limit is "
+                                                  f"{limits.max_reference_total_bytes}")
+
+
 def check_reference_images(images: Sequence[bytes], limits: Limits) -> list[tuple[int, int]]:
     """Each reference's (width, height) from its header, or InvalidArgument naming it (``reference_images[i]``).
 
@@ -352,13 +363,7 @@ def check_reference_images(images: Sequence[bytes], limits: Limits) -> list[tupl
     """
     from PIL import Image, UnidentifiedImageError  # servers only: the SDK never checks images
 
-    if len(images) > limits.max_reference_images:
-        raise InvalidArgument("reference_images",
-                              f"{len(images)} images; an edit takes at most {limits.max_reference_images}")
-    total = sum(len(data) for data in images)
-    if total > limits.max_reference_total_bytes:
-        raise InvalidArgument("reference_images", f"{total} bytes in all; the limit is "
-                                                  f"{limits.max_reference_total_bytes}")
+    check_reference_totals(len(images), sum(len(data) for data in images), limits)
     sizes = []
     for i, data in enumerate(images):
         name = f"reference_images[{i}]"
