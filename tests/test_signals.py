@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import forkserver
 from tests.support.cluster import MODULES, SERVICES, Cluster, reap, wait_serving
 
 pytestmark = pytest.mark.e2e
@@ -31,7 +32,7 @@ class _Run:
     role: str
     sig: signal.Signals
     phase: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | forkserver.Forked
     log: Path
     port_file: Path
 
@@ -60,10 +61,8 @@ class _Run:
 def _launch(role: str, sig: signal.Signals, phase: str, workdir: Path) -> _Run:
     stem = workdir / f"{role}-{sig.name}-{phase}"
     log, port_file = stem.with_suffix(".log"), stem.with_suffix(".port")
-    with open(log, "wb") as out:
-        popen = subprocess.Popen([sys.executable, "-m", MODULES[role], "--host", "127.0.0.1", "--port", "0",
-                                  "--port-file", str(port_file), *FLAGS[role]],
-                                 stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    popen = forkserver.spawn([sys.executable, "-m", MODULES[role], "--host", "127.0.0.1", "--port", "0",
+                              "--port-file", str(port_file), *FLAGS[role]], log, dict(os.environ))
     return _Run(role, sig, phase, popen, log, port_file)
 
 

@@ -21,6 +21,8 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support import forkserver
+
 SERVICES = {"ar": "glmimage.v1.ArService", "denoiser": "glmimage.v1.DenoiserService",
             "gateway": "glmimage.v1.GatewayService"}
 MODULES = {"ar": "services.ar", "denoiser": "services.denoiser", "gateway": "gateway", "rest": "rest"}
@@ -32,7 +34,7 @@ class Proc:
     role: str
     flags: list[str]
     port: int = 0
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen | forkserver.Forked | None = None
     metrics_port: int | None = None
     log: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -83,9 +85,7 @@ class Cluster:
         if proc.metrics_port is not None:  # a restart binds the port it reported the first time
             metrics_file.unlink(missing_ok=True)
             argv += ["--metrics-port", str(proc.metrics_port), "--metrics-port-file", str(metrics_file)]
-        with open(proc.log, "ab") as log:
-            proc.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, **proc.extra_env})
+        proc.popen = forkserver.spawn(argv, proc.log, {**os.environ, **proc.extra_env})
         deadline = time.monotonic() + 120
         while not port_file.exists():  # the child writes it atomically once bound
             if proc.popen.poll() is not None:
@@ -143,7 +143,7 @@ class Cluster:
                 reap(proc.popen, 30)
 
 
-def reap(popen: subprocess.Popen, timeout: float) -> int:
+def reap(popen: subprocess.Popen | forkserver.Forked, timeout: float) -> int:
     """Wait for a process told to stop; kill it if it is not gone within `timeout`. Its exit code."""
     try:
         return popen.wait(timeout)

@@ -1,0 +1,83 @@
+"""The fork server the tests start model servers from (tests/support/forkserver.py): a forked child must look, to
+the test and to itself, like the `python -m` subprocess it replaces, or the suite would test something else."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import forkserver
+from tests.support.waiting import until as wait_until
+
+ARGV = [sys.executable, "-m", "tests.support.forked_child"]
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, **extra}
+
+
+def seen(log: Path) -> dict:
+    wait_until(lambda: log.exists() and log.read_text().strip(), 60, "the child's first line")
+    return json.loads(log.read_text().splitlines()[0])
+
+
+def test_a_child_sees_what_python_m_would(tmp_path: Path) -> None:
+    log = tmp_path / "child.log"
+    child = forkserver.spawn([*ARGV, "exit", "7"], log, env(GLMIMAGE_FORKED="yes"))
+    assert isinstance(child, forkserver.Forked)
+    assert child.wait(60) == 7 and child.poll() == 7
+    view = seen(log)
+    assert view["argv"][1:] == ["exit", "7"] and view["argv"][0].endswith("forked_child.py")
+    assert view["name"] == "__main__" and view["setting"] == "yes" and view["pid"] == child.pid
+    assert Path(view["cwd"]) == forkserver.REPO and view["stdin"] == ""
+    # The libraries come preloaded; this project's modules are imported afresh by each child.
+    assert view["torch"] and not view["runtime"]
+
+
+def test_every_way_a_child_ends_gives_the_status_a_subprocess_would(tmp_path: Path) -> None:
+    for mode, code, text in [("message", 1, "a message for stderr"), ("raise", 1, "an error nobody caught"),
+                             ("interrupt", -signal.SIGINT, "")]:
+        log = tmp_path / f"{mode}.log"
+        plain = subprocess.run([*ARGV, mode], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60,
+                               cwd=forkserver.REPO)
+        child = forkserver.spawn([*ARGV, mode], log, env())
+        assert child.wait(60) == code == plain.returncode, (mode, log.read_text())
+        assert text in log.read_text() and text in plain.stderr
+
+
+def test_signals_reach_the_child_itself(tmp_path: Path) -> None:
+    child = forkserver.spawn([*ARGV, "wait"], tmp_path / "stop.log", env())
+    seen(tmp_path / "stop.log")
+    child.send_signal(signal.SIGSTOP)
+    wait_until(lambda: Path(f"/proc/{child.pid}/stat").read_text().split(") ")[1][0] == "T", 30, "stopped")
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(0.2)  # a stopped child has not exited
+    child.send_signal(signal.SIGCONT)
+    child.terminate()
+    assert child.wait(60) == -signal.SIGTERM
+    child.kill()  # after its exit: a no-op, as Popen's
+
+    handled = forkserver.spawn([*ARGV, "wait", "handle"], tmp_path / "handled.log", env())
+    seen(tmp_path / "handled.log")
+    handled.terminate()
+    assert handled.wait(60) == 3
+
+    killed = forkserver.spawn([*ARGV, "wait"], tmp_path / "killed.log", env())
+    seen(tmp_path / "killed.log")
+    started = time.monotonic()
+    killed.kill()
+    assert killed.wait(60) == -signal.SIGKILL
+    assert time.monotonic() - started < 30
+
+
+def test_a_start_a_fork_cannot_reproduce_runs_as_a_subprocess(tmp_path: Path) -> None:
+    # The interpreter and the libraries read PYTHON* and the like while starting: those starts are not forked.
+    child = forkserver.spawn([*ARGV, "exit", "0"], tmp_path / "plain.log", env(PYTHONHASHSEED="5"))
+    assert isinstance(child, subprocess.Popen)
+    assert child.wait(60) == 0 and seen(tmp_path / "plain.log")["argv"][1:] == ["exit", "0"]
