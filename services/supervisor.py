@@ -27,6 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from runtime.forkclient import ENV_SOCKET, AsyncForked, Client, connect, forkable
 from runtime.sockets import listen_socket
 
 log = logging.getLogger("services.supervisor")
@@ -38,7 +39,7 @@ class Child:
     argv: list[str]
     port_file: Path
     health_service: str | None  # None: an HTTP server, checked on /health
-    process: asyncio.subprocess.Process | None = None
+    process: asyncio.subprocess.Process | AsyncForked | None = None
     port: int = 0
     metrics_port: int | None = None  # its /metrics port, as it reported it (the REST front: its own port)
     metrics_port_file: Path | None = None  # where it reports that port (--metrics-port-file), when it serves one
@@ -178,6 +179,8 @@ class Supervisor:
         self.run_dir = Path(tempfile.mkdtemp(prefix="glmimage-stack-"))
         self._changed = asyncio.Event()  # set (then replaced) whenever a child's state changes: see _until
         self.on_restart: Callable[[], None] | None = None  # after a child is back (new PID) or stopped: the ready file
+        # Only where a test names one (runtime.forkclient); production starts are plain processes.
+        self._forks: Client | None = connect(path) if (path := os.environ.get(ENV_SOCKET)) else None
 
     def child(self, name: str, module: str, port: int, flags: list[str], health: str | None,
               env: dict[str, str] | None = None, metrics_port: int | None = None,
@@ -199,11 +202,19 @@ class Supervisor:
 
     async def _spawn(self, child: Child) -> None:
         log.info("starting %s", child.name)
+        env = {**os.environ, **child.env}
+        if self._forks is not None and forkable(child.argv):
+            # The tests' fork server (runtime.forkclient): a forked child dies with this process's connection.
+            forked = await asyncio.to_thread(self._forks.spawn, child.argv, env, sys.stdout.fileno(),
+                                             sys.stderr.fileno())
+            if forked is not None:
+                child.process = AsyncForked(forked, asyncio.get_running_loop())
+                return
         # Through the die_with_parent trampoline, so no child outlives the launcher (see that module for why not
         # a preexec_fn).
         child.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "runtime.die_with_parent", str(os.getpid()), "--", *child.argv,
-            env={**os.environ, **child.env}, pass_fds=(child.listener.fileno(),) if child.listener else ())
+            env=env, pass_fds=(child.listener.fileno(),) if child.listener else ())
 
     async def start(self, group: list[Child], deadline: float) -> None:
         """Spawn `group` at once, then wait until every member has bound its port and reports healthy."""

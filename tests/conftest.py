@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from runtime.executor import SerialExecutor
+from tests.support import forkserver
 from tests.support.certs import Pki, make_pki
 from tests.support.fake_gateway import FakeServer, serve_fake
 from tests.support.servers import serve_ar, serve_denoiser
@@ -46,6 +47,14 @@ def jobs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("jobs")
     os.environ["GLMIMAGE_JOBS_DIR"] = str(path)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server() -> None:
+    """The launchers the tests start fork their AR and denoisers from this worker's fork server
+    (tests/support/forkserver.py), as tests.support.cluster does: a model server's start then costs its model load
+    and not its imports."""
+    forkserver.export()
 
 
 @pytest.fixture(scope="session")

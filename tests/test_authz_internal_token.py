@@ -140,7 +140,8 @@ async def wait_for_ready_workers(stub: pb_grpc.GatewayServiceStub, timeout: floa
 def test_make_run_can_turn_the_internal_token_on_without_showing_it(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """`python -m services.launcher --internal-token`: AR and denoisers require a per-run token that only the gateway
     has, handed over in the environment; it is in no process's command line."""
-    with running_stack(tmp_path, denoisers=1, extra_args=("--internal-token",)) as run:
+    # Plain processes: what ps shows of a forked server is the fork server's command line and environment.
+    with running_stack(tmp_path, denoisers=1, extra_args=("--internal-token",), forked=False) as run:
         procs = [psutil.Process(run.proc.pid), *psutil.Process(run.proc.pid).children(recursive=True)]
         role = {p.pid: next((m for m in ("services.ar", "services.denoiser", "rest", "gateway")
                              if m in p.cmdline()), "launcher") for p in procs}

@@ -25,7 +25,7 @@ from glmimage import Client, Completed, GlmImageError, Lora
 from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc
 from services.denoiser.step_cache import DEFAULT_SCHEDULES, StepCacheLevel
 from services.model.tiny import TINY_LORA
-from tests.support.cluster import running_stack
+from tests.support.cluster import launcher_tree, running_stack
 from tests.support.net import free_port
 from tests.support.programs import glmimage
 from tests.support.waiting import until
@@ -47,7 +47,7 @@ def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         # other call stays open, as on `make run`.
         env.setenv(ENV_ADMIN_KEYS, ADMIN_KEY)
         with running_stack(tmp_path_factory.mktemp("stack"), extra_args=metrics + dead_collector) as run:
-            children = psutil.Process(run.proc.pid).children(recursive=True)
+            children = launcher_tree(run.proc.pid)
             yield {"proc": run.proc, "addresses": run.addresses, "children": children, "banner": run.banner}
 
 

@@ -81,3 +81,27 @@ def test_a_start_a_fork_cannot_reproduce_runs_as_a_subprocess(tmp_path: Path) ->
     child = forkserver.spawn([*ARGV, "exit", "0"], tmp_path / "plain.log", env(PYTHONHASHSEED="5"))
     assert isinstance(child, subprocess.Popen)
     assert child.wait(60) == 0 and seen(tmp_path / "plain.log")["argv"][1:] == ["exit", "0"]
+
+
+def test_a_launcher_forks_its_model_servers_and_starts_the_rest_itself(tmp_path: Path) -> None:
+    """The launcher's supervisor asks the fork server that ENV_SOCKET names for its AR and denoisers only; the child
+    it gets back ends with the status a plain one would, seen through asyncio."""
+    import asyncio
+
+    from runtime.forkclient import ENV_SOCKET, AsyncForked
+    from services.supervisor import Child, Supervisor
+
+    forkserver.export()
+    assert os.environ[ENV_SOCKET] == str(forkserver.server().path)
+
+    async def scenario() -> tuple[object, int, object, int]:
+        sup = Supervisor("127.0.0.1", "INFO")
+        model = Child("ar", [sys.executable, "-m", "services.ar", "--help"], tmp_path / "ar.port", None)
+        other = Child("gw", [sys.executable, "-m", "gateway", "--help"], tmp_path / "gw.port", None)
+        await sup._spawn(model)
+        await sup._spawn(other)
+        return model.process, await model.process.wait(), other.process, await other.process.wait()
+
+    model, model_code, other, other_code = asyncio.run(scenario())
+    assert isinstance(model, AsyncForked) and model_code == 0 and model.returncode == 0
+    assert not isinstance(other, AsyncForked) and other_code == 0

@@ -18,7 +18,7 @@ import pytest
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
 from services.launcher import gateway_names, parse_args, port_problem, ready_map
-from tests.support.cluster import launcher_child, running_stack, wait_serving
+from tests.support.cluster import launcher_child, launcher_tree, running_stack, wait_serving
 from tests.support.waiting import until as _until
 
 BURST = 16
@@ -80,7 +80,7 @@ def test_two_gateways_one_killed_mid_burst(tiny_checkpoint: Path, tmp_path: Path
         assert addr["gateways"] == f"{addr['gateway-1']},{addr['gateway-2']}"
         rest_argv = psutil.Process(launcher_child(launcher, "rest")).cmdline()
         assert rest_argv[rest_argv.index("--gateway-address") + 1] == addr["gateways"]
-        seen = {p.pid for p in psutil.Process(launcher).children(recursive=True)}
+        seen = {p.pid for p in launcher_tree(launcher)}
 
         workers = {addr["ar"]: pb.WORKER_ROLE_AR, addr["denoiser-0"]: pb.WORKER_ROLE_DENOISER,
                    addr["denoiser-1"]: pb.WORKER_ROLE_DENOISER}
@@ -129,7 +129,7 @@ def test_two_gateways_one_killed_mid_burst(tiny_checkpoint: Path, tmp_path: Path
         assert generate(BURST).status_code == 200
         for ch in channels.values():
             ch.close()
-        seen |= {p.pid for p in psutil.Process(launcher).children(recursive=True)}
+        seen |= {p.pid for p in launcher_tree(launcher)}
         run.proc.send_signal(signal.SIGTERM)
         assert run.proc.wait(timeout=60) == 0
     left = [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]

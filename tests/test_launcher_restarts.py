@@ -19,7 +19,7 @@ import pytest
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
 from services.supervisor import Child, RestartPolicy, Supervisor
-from tests.support.cluster import launcher_child, running_stack
+from tests.support.cluster import launcher_child, launcher_children, launcher_tree, running_stack
 from tests.support.waiting import until as _until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
@@ -106,7 +106,7 @@ def test_a_killed_denoiser_is_restarted_on_its_port_and_rejoins(tiny_checkpoint:
         run.proc.send_signal(signal.SIGUSR1)  # nothing is given up: a no-op, and it must not end the launcher
         gateway = gateway_service_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(addr["gateway"]))
         victim = addr["denoiser-1"]
-        seen = {p.pid for p in psutil.Process(launcher).children(recursive=True)}
+        seen = {p.pid for p in launcher_tree(launcher)}
 
         def state() -> int:
             st = gateway.GetStatus(pb.GetStatusRequest(), timeout=10)
@@ -133,9 +133,9 @@ def test_a_killed_denoiser_is_restarted_on_its_port_and_rejoins(tiny_checkpoint:
             # The launcher's restart backoff and a denoiser's start-up: 11-12 s seen with both cores busy.
             _until(lambda: replaced() and state() == pb.WORKER_STATE_AVAILABLE, 60,
                    f"round {round_}: the victim to be back")
-            argv = psutil.Process(launcher_child(launcher, "denoiser-1")).cmdline()
+            argv = launcher_children(launcher)[launcher_child(launcher, "denoiser-1")]
             assert argv[argv.index("--port") + 1] == victim.rsplit(":", 1)[1]  # the same port, so the same address
-            seen |= {p.pid for p in psutil.Process(launcher).children(recursive=True)}
+            seen |= {p.pid for p in launcher_tree(launcher)}
             assert generate(1000 + round_) == 1
             _until(lambda: json.loads((tmp_path / "ready.json").read_text())["pids"]["denoiser-1"]
                    == launcher_child(launcher, "denoiser-1"), 30, "the ready file to show the new PID")

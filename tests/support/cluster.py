@@ -163,14 +163,31 @@ def wait_serving(address: str, service: str, timeout: float = 120) -> None:
     raise RuntimeError(f"{address} stopped before {service} was SERVING")
 
 
+def launcher_children(launcher: int) -> dict[int, list[str]]:
+    """The launcher's running children by pid, with their command lines: its own (what ps shows) and those the fork
+    server forked for it (their /proc cmdline is the fork server's: tests.support.forkserver keeps theirs)."""
+    found = forkserver.started_by(launcher)
+    for proc in psutil.Process(launcher).children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.status() != "zombie":
+                found[proc.pid] = proc.cmdline()
+    return found
+
+
+def launcher_tree(launcher: int) -> list[psutil.Process]:
+    """Every process the launcher started and is running: its descendants and those forked for it."""
+    procs = psutil.Process(launcher).children(recursive=True)
+    for pid in forkserver.started_by(launcher):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    return procs
+
+
 def launcher_child(launcher: int, name: str) -> int | None:
     """The pid of the launcher's child `name` (recognised by its --port-file), if one is running."""
-    for proc in psutil.Process(launcher).children():
-        try:
-            if any(arg.endswith(f"/{name}.port") for arg in proc.cmdline()) and proc.status() != "zombie":
-                return proc.pid
-        except psutil.NoSuchProcess:
-            continue
+    for pid, argv in launcher_children(launcher).items():
+        if any(arg.endswith(f"/{name}.port") for arg in argv):
+            return pid
     return None
 
 
@@ -183,8 +200,10 @@ class StackRun:
 
 @contextlib.contextmanager
 def running_stack(run_dir: Path, denoisers: int = 2, extra_args: tuple[str, ...] = (),
-                  gateways: int = 1) -> Iterator[StackRun]:
-    """`python -m services.launcher` (what `make run` starts) on ephemeral ports, once every server is SERVING."""
+                  gateways: int = 1, forked: bool = True) -> Iterator[StackRun]:
+    """`python -m services.launcher` (what `make run` starts) on ephemeral ports, once every server is SERVING.
+    ``forked=False``: its AR and denoisers are plain processes, not forked by the fork server (a test of what ps
+    shows of them: their command lines and environments)."""
     ready = run_dir / "ready.json"
     # One gateway through the old single-port flag, which the launcher keeps; several through --gateway-ports.
     gateway_flags = ["--gateway-port", "0"] if gateways == 1 else ["--gateway-ports", ",".join(["0"] * gateways)]
@@ -192,7 +211,7 @@ def running_stack(run_dir: Path, denoisers: int = 2, extra_args: tuple[str, ...]
         [sys.executable, "-m", "services.launcher", "--rest-port", "0", *gateway_flags, "--ar-port", "0",
          "--denoiser-ports", ",".join(["0"] * denoisers), "--ready-file", str(ready), "--log-level", "WARNING",
          *extra_args],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, text=True, env=None if forked else forkserver.without())
     try:
         # The launcher prints its banner only once every server reports SERVING: block on that line.
         assert proc.stdout is not None

@@ -25,21 +25,25 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Callable
 from pathlib import Path
+
+from runtime.forkclient import ENV_SOCKET, MODEL_SERVERS, Client, Forked
 
 REPO = Path(__file__).resolve().parents[2]
 _ENVIRONMENT = dict(os.environ)  # the test process's, before any test changed it: what the fork server runs with
 PR_SET_PDEATHSIG = 1
-# The servers that import the model libraries anyway. A gateway or REST front forked from here would hold torch's
-# pages, which they never import: they keep starting as themselves.
-FORKED = frozenset({"services.ar", "services.denoiser", "tests.support.no_step_cache_denoiser",
-                    "tests.support.forked_child"})
+# The servers that import the model libraries anyway (runtime.forkclient.MODEL_SERVERS, what launchers ask for) and
+# the tests' own. A gateway or REST front forked from here would hold torch's pages, which they never import: they
+# keep starting as themselves.
+FORKED = MODEL_SERVERS | {"tests.support.no_step_cache_denoiser", "tests.support.forked_child"}
+# This project's packages: a child imports them afresh (see _preload), so the fork server's own are dropped.
+OWN_PACKAGES = frozenset({"runtime", "services", "gateway", "rest", "glmimage", "tests"})
 
 
 def _preload() -> None:
@@ -73,8 +77,10 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _acceptable(request: dict, own_env: dict[str, str]) -> str | None:
-    """Why a fork would not reproduce the request's `python -m` exactly, or None (see the module's docstring)."""
+def _acceptable(request: dict, own_env: dict[str, str], added: dict[str, str]) -> str | None:
+    """Why a fork would not reproduce the request's `python -m` exactly, or None (see the module's docstring).
+    ``added``: what the libraries set in the environment while the fork server imported them; a client that has
+    imported them too has the same, one that has not lacks it, and neither is another environment."""
     argv, env = request["argv"], request["env"]
     if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
         return "not this interpreter's python -m"
@@ -83,7 +89,8 @@ def _acceptable(request: dict, own_env: dict[str, str]) -> str | None:
     if Path(request["cwd"]).resolve() != REPO:
         return "another directory"
     differ = sorted(k for k in set(env) | set(own_env) if env.get(k) != own_env.get(k)
-                    and not k.startswith("GLMIMAGE_") and k != "PYTEST_CURRENT_TEST")
+                    and not k.startswith("GLMIMAGE_") and k != "PYTEST_CURRENT_TEST"
+                    and not (k in added and env.get(k, added[k]) == added[k]))
     return f"another environment ({', '.join(differ)})" if differ else None
 
 
@@ -106,6 +113,8 @@ def _run_child(request: dict, stdout: int, stderr: int, inherited: list[int]) ->
             os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"])
+        for name in [m for m in sys.modules if m.split(".")[0] in OWN_PACKAGES]:
+            del sys.modules[name]
         module, args = request["argv"][2], request["argv"][3:]
         sys.argv = [module, *args]
         try:
@@ -143,11 +152,14 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
     """The fork server's loop. Clients (the test process on `control`, a launcher on `listener`) send one message
     per start: JSON with the argv, environment and directory, and the child's stdout and stderr as passed fds. The
     reply is the child's pid (or why it was refused), and later its wait status. A client's EOF SIGKILLs its
-    children (as the launcher's die_with_parent does); the control's ends the fork server too."""
+    children (as the launcher's die_with_parent does); the control's ends the fork server too. Each running child's
+    command line and client pid are kept in `records` (see `started_by`), since its /proc cmdline is the fork
+    server's."""
     own_env = dict(os.environ)
     _preload()
     gc.freeze()  # the children share these pages instead of copying them when the collector touches them
-    # What the libraries set while importing (torch: TORCHINDUCTOR_CACHE_DIR): a fresh process would set it too.
+    # What the libraries set while importing (torch: TORCHINDUCTOR_CACHE_DIR): a fresh process would set it too, and
+    # a client that has imported them since it started has it already, which is no other environment.
     added = {k: v for k, v in os.environ.items() if k not in own_env}
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -156,6 +168,9 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     clients: dict[socket.socket, set[int]] = {control: set()}
     owner: dict[int, socket.socket] = {}
+    peer_pid = {control: os.getppid()}
+    records = Path(listener.getsockname()).parent / "children"
+    records.mkdir(exist_ok=True)
     _send(control, {"ready": listener.getsockname()})
     while True:
         readable, _, _ = select.select([*clients, listener, wake_r], [], [])
@@ -170,12 +185,16 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
                 break
             if pid == 0:
                 break
+            (records / f"{pid}.json").unlink(missing_ok=True)
             conn = owner.pop(pid)
-            clients[conn].discard(pid)
-            _send(conn, {"exit": pid, "status": status})
+            if conn in clients:  # else gone, its children killed
+                clients[conn].discard(pid)
+                _send(conn, {"exit": pid, "status": status})
         if listener in readable:
             conn, _ = listener.accept()
             clients[conn] = set()
+            peer_pid[conn] = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                 struct.calcsize("3i")))[0]
         for conn in [c for c in readable if c in clients]:
             try:
                 data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
@@ -185,12 +204,13 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
                 for pid in clients.pop(conn):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
+                peer_pid.pop(conn, None)
                 conn.close()
                 if conn is control:
                     return
                 continue
             request = json.loads(data)
-            refused = _acceptable(request, own_env) if len(fds) == 2 else "no stdout and stderr"
+            refused = _acceptable(request, own_env, added) if len(fds) == 2 else "no stdout and stderr"
             if refused:
                 _send(conn, {"id": request["id"], "refused": refused})
             else:
@@ -201,145 +221,49 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
                     _run_child(request, fds[0], fds[1], inherited)
                 clients[conn].add(pid)
                 owner[pid] = conn
+                (records / f"{pid}.json").write_text(json.dumps({"argv": request["argv"], "client": peer_pid[conn]}))
                 _send(conn, {"id": request["id"], "pid": pid})
             for fd in fds:
                 os.close(fd)
 
 
-class Forked:
-    """A child of the fork server, with the part of `subprocess.Popen` the tests use."""
-
-    def __init__(self, pid: int, args: list[str]) -> None:
-        self.pid = pid
-        self.args = args
-        self.returncode: int | None = None
-        self._exited = threading.Event()
-        self._callbacks: list[Callable[[], None]] = []
-
-    def _set_status(self, status: int) -> None:
-        self.returncode = os.waitstatus_to_exitcode(status)
-        self._exited.set()
-        for callback in self._callbacks:
-            callback()
-
-    def on_exit(self, callback: Callable[[], None]) -> None:
-        """Call `callback` (from the reply thread) once the child has exited."""
-        self._callbacks.append(callback)
-        if self._exited.is_set():
-            callback()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._exited.wait(timeout):
-            raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
-        assert self.returncode is not None
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:  # as Popen: never signal a pid that may have been reused
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-class Client:
-    """One connection to the fork server: sends starts, and reads the replies on a thread."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._lock = threading.Lock()
-        self._next = 0
-        self._replies: dict[int, dict] = {}
-        self._answered: dict[int, threading.Event] = {}
-        self._children: dict[int, Forked] = {}
-        self._early: dict[int, int] = {}  # exits read before their start's reply was handled
-        self.refused: list[str] = []  # what ran as a plain subprocess instead, and why
-        threading.Thread(target=self._read, name="forkserver-replies", daemon=True).start()
-
-    def spawn(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> Forked | None:
-        """`argv` forked, with `stdout` and `stderr` as its fds 1 and 2; None if the fork server refused it."""
-        with self._lock:
-            self._next += 1
-            request_id = self._next
-            answered = self._answered[request_id] = threading.Event()
-            message = {"id": request_id, "argv": argv, "env": env, "cwd": os.getcwd()}
-            socket.send_fds(self._sock, [json.dumps(message).encode()], [stdout, stderr])
-        if not answered.wait(60):
-            raise RuntimeError("the fork server did not answer")
-        with self._lock:
-            reply = self._replies.pop(request_id)
-            if "pid" not in reply:
-                self.refused.append(f"{' '.join(argv[1:3])}: {reply['refused']}")
-                return None
-            child = self._children[reply["pid"]] = Forked(reply["pid"], argv)
-            status = self._early.pop(child.pid, None)
-        if status is not None:
-            child._set_status(status)
-        return child
-
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self._sock.recv(1 << 16)
-            except OSError:  # closed by `close`
-                return
-            if not message:
-                return
-            reply = json.loads(message)
-            with self._lock:
-                if "id" in reply:
-                    self._replies[reply["id"]] = reply
-                    self._answered.pop(reply["id"]).set()
-                    continue
-                child = self._children.pop(reply["exit"], None)
-                if child is None:
-                    self._early[reply["exit"]] = reply["status"]
-            if child is not None:
-                child._set_status(reply["status"])
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-
-
 class ForkServer:
     """The fork server of one test process, and that process's connection to it. Launchers the tests start reach
-    it on `path` (GLMIMAGE_TEST_FORKSERVER_SOCKET) through `connect`."""
+    it on `path` (runtime.forkclient.ENV_SOCKET, which `export` sets). Started at once; `client` waits until it has
+    imported the libraries."""
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.path = Path(tempfile.mkdtemp(prefix="glmimage-forkserver-")) / "socket"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(str(self.path))
-        listener.listen(16)
+        listener.listen(64)  # a launcher that connects before the fork server's loop runs waits in the backlog
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.forkserver", str(theirs.fileno()), str(listener.fileno())],
             pass_fds=[theirs.fileno(), listener.fileno()], cwd=REPO, env=_ENVIRONMENT, stdin=subprocess.DEVNULL)
         theirs.close()
         listener.close()
-        if not ours.recv(1 << 16):
-            raise RuntimeError(f"the fork server did not start (exit code {self._proc.wait()})")
-        self.client = Client(ours)
+        self._ours = ours
+        self._client: Client | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> Client:
+        with self._lock:
+            if self._client is None:
+                if not self._ours.recv(1 << 16):
+                    raise RuntimeError(f"the fork server did not start (exit code {self._proc.wait()})")
+                self._client = Client(self._ours)
+            return self._client
 
     def close(self) -> None:
-        self.client.close()
+        if self._client is not None:
+            self._client.close()
+        else:
+            self._ours.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(30)
         shutil.rmtree(self.path.parent, ignore_errors=True)
-
-
-def connect(path: str) -> Client:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sock.connect(path)
-    return Client(sock)
 
 
 _server: ForkServer | None = None
@@ -356,8 +280,36 @@ def server() -> ForkServer:
         return _server
 
 
+def started_by(client: int) -> dict[int, list[str]]:
+    """The running children that process ``client`` (a launcher) had forked by this test process's fork server,
+    by pid, with the command line each was started with."""
+    if _server is None:
+        return {}
+    found = {}
+    for record in (_server.path.parent / "children").glob("*.json"):
+        with contextlib.suppress(FileNotFoundError, ValueError):  # it exited meanwhile
+            data = json.loads(record.read_text())
+            if data["client"] == client:
+                found[int(record.stem)] = data["argv"]
+    return found
+
+
+def without() -> dict[str, str]:
+    """This process's environment for a launcher that must start its servers as plain processes."""
+    return {k: v for k, v in os.environ.items() if k != ENV_SOCKET}
+
+
 def enabled() -> bool:
     return os.environ.get("GLMIMAGE_TEST_FORKSERVER", "1") != "0"
+
+
+def export() -> None:
+    """Start this test process's fork server now (it imports the libraries while the first tests run) and name its
+    socket in the environment, where the launchers the tests start find it (services/supervisor.py). A test whose
+    launcher must start its servers as plain processes (it reads their command lines or environments, which a
+    forked child inherits from the fork server) removes ENV_SOCKET from the launcher's environment."""
+    if enabled():
+        os.environ[ENV_SOCKET] = str(server().path)
 
 
 def spawn(argv: list[str], log: Path, env: dict[str, str]) -> Forked | subprocess.Popen:
