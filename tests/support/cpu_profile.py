@@ -3,7 +3,8 @@
 The suite is CPU-bound on CI's 2-core machine (its workers together keep both cores busy), so a file's wall time on
 a loaded worker says little about what it costs; its CPU does. Counted: the worker's own CPU and that of the child
 processes it reaped while the file ran (the servers a file starts are reaped by its fixtures' teardown, which runs
-within the file's last test). Off unless loaded:
+within the file's last test), and that of the servers its fork server forked and reaped meanwhile, for the tests or
+for their launchers (tests/support/forkserver.py: they are the fork server's children). Off unless loaded:
 
     GLMIMAGE_TEST_CPU_LOG=/tmp/cpu.jsonl .venv/bin/python -m pytest -n 3 --dist loadfile -p tests.support.cpu_profile
 """
@@ -17,10 +18,13 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.support import forkserver
+
 
 def _cpu_seconds() -> float:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    forked = forkserver.children_cpu_seconds()  # the servers forked for this worker are the fork server's children
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked
 
 
 @dataclass

@@ -171,6 +171,7 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
     peer_pid = {control: os.getppid()}
     records = Path(listener.getsockname()).parent / "children"
     records.mkdir(exist_ok=True)
+    children_cpu = 0.0  # CPU seconds of every child reaped so far (tests/support/cpu_profile.py reads them)
     _send(control, {"ready": listener.getsockname()})
     while True:
         readable, _, _ = select.select([*clients, listener, wake_r], [], [])
@@ -180,12 +181,14 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
                     pass
         while owner:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
             (records / f"{pid}.json").unlink(missing_ok=True)
+            children_cpu += usage.ru_utime + usage.ru_stime
+            (records.parent / "children-cpu").write_text(f"{children_cpu:.3f}")
             conn = owner.pop(pid)
             if conn in clients:  # else gone, its children killed
                 clients[conn].discard(pid)
@@ -292,6 +295,17 @@ def started_by(client: int) -> dict[int, list[str]]:
             if data["client"] == client:
                 found[int(record.stem)] = data["argv"]
     return found
+
+
+def children_cpu_seconds() -> float:
+    """The CPU seconds of every child this test process's fork server has reaped, whoever asked for it (a test or
+    a launcher): the CPU that RUSAGE_CHILDREN does not see, since they are not this process's children."""
+    if _server is None:
+        return 0.0
+    try:
+        return float((_server.path.parent / "children-cpu").read_text())
+    except (FileNotFoundError, ValueError):
+        return 0.0
 
 
 def without() -> dict[str, str]:
