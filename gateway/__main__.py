@@ -156,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--credential-recheck-interval", type=float, default=g.credential_recheck_interval,
                    help="seconds between checks of a worker that refused the gateway's internal token (a GetLimits "
                         "with it): it serves nothing until one passes")
-    # Admission refuses past the tightest of these and of what every worker advertises over GetLimits.
+    # Admission refuses past these, and past what no worker of a stage advertises over GetLimits (their union).
     add_limit_args(p, BOUNDS, follow_workers=True)
     p.add_argument("--queue-without-workers", action="store_true",
                    help="hold requests until their deadline when a stage has no ready worker, instead of failing "

@@ -1,6 +1,6 @@
 """The limits in force, as the REST front knows them, and what it does with them.
 
-The gateway's GetLimits is the source (the tightest of its flags and of every worker's own limits); this front
+The gateway's GetLimits is the source (what some worker of each stage can run, within the gateway's flags); this front
 reads it at start and every REFRESH_S seconds after. With it the front refuses, naming the REST ``param``, what
 the gateway would refuse anyway, without a round trip, and /openapi.json advertises it (``maxLength``,
 ``maximum``). Until the gateway answers, the defaults of runtime.limits stand in: the gateway still

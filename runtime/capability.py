@@ -4,7 +4,8 @@ A pool is rarely uniform for long (a rolling upgrade, an adapter directory on ha
 beside the old ones), so the gateway keeps each worker's capabilities apart instead of merging them into the
 tightest of all: admission accepts what some member of each stage can run (``limits_in_force`` is then the union,
 bounded by the gateway's own flags, and ``Driver.capable`` asks ``unmet`` of each member), and the scheduler places
-each denoise job only on a denoiser for which ``unmet`` says nothing (the driver hands it ``fits``).
+each AR batch only on an AR server, and each denoise job only on a denoiser, for which ``unmet`` says nothing of
+any request in it (the driver hands it ``fits``).
 
 ``unmet`` reuses the checks of runtime.limits, so a request no worker can run is refused with the very
 field and words a worker would use. Torch-free, protobuf-free apart from what limits.py imports.

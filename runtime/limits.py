@@ -4,8 +4,8 @@ Who reads it:
 - the AR and the denoiser run with a ``Limits`` built from their flags (``--max-steps`` ...), check every request
   against it, and serve the part each of them applies over ``GetLimits`` (AR_FIELDS, DENOISER_FIELDS);
 - the gateway reads its workers' limits when each joins and keeps them per worker (runtime.capability):
-  it admits what some denoiser (and every AR server) can run, never more than its own flags, and refuses the rest,
-  the field named; its ``GetLimits`` serves that (what the pool can do);
+  it admits what some worker of each stage can run, never more than its own flags, and refuses the rest, the field
+  named; its ``GetLimits`` serves that (what the pool can do);
 - the REST front advertises the gateway's limits in /openapi.json (``maxLength``/``maximum``) and bounds bodies.
 
 Torch-free and gRPC-free apart from the protobuf conversion, so every process imports it.
@@ -143,21 +143,19 @@ def from_advertised(bounds: Mapping[str, float], base: Limits = Limits()) -> Lim
 
 def limits_in_force(own: Mapping[str, float], ar: Iterable[Mapping[str, float]],
                     denoisers: Iterable[Mapping[str, float]]) -> Limits:
-    """What the gateway admits (and serves over GetLimits): for the denoisers, the most any of them advertises (for a
-    capability, whether any has it); for the AR servers, the tightest of them; the default for a role none has
-    advertised yet; for a bound both roles apply, the lesser of the two; never more than the gateway's own flags.
+    """What the gateway admits (and serves over GetLimits): for each role, the most any of its workers advertises
+    (for a capability, whether any has it), the default for a role none has advertised yet; for a bound both roles
+    apply, the lesser of the two roles' unions; never more than the gateway's own flags.
 
-    The denoisers' union, not their tightest: each worker's limits are kept apart (runtime.capability), a
-    request within the union but past every single denoiser (a combination none serves) is refused by
-    ``Driver.capable``, and the scheduler places each denoise job only on a denoiser that can run it. The AR servers
-    are not placed by capability (a batch is shared by several requests), so every one of them must run what is
-    admitted: their tightest.
+    Each role's union, not its tightest: each worker's limits are kept apart (runtime.capability), a request
+    within the union but past every single worker of a stage (a combination none serves) is refused by
+    ``Driver.capable``, and the scheduler places each AR batch and each denoise job only on a worker that can run
+    every request in it.
     """
     bounds: dict[str, float] = {}
-    for fields, advertisements, pick in ((AR_FIELDS, list(ar), min),
-                                         (DENOISER_FIELDS + DENOISER_CAPABILITIES, list(denoisers), max)):
+    for fields, advertisements in ((AR_FIELDS, list(ar)), (DENOISER_FIELDS + DENOISER_CAPABILITIES, list(denoisers))):
         for name in fields:
-            value = pick([a[name] for a in advertisements if name in a] or [getattr(Limits, name)])
+            value = max([a[name] for a in advertisements if name in a] or [getattr(Limits, name)])
             bounds[name] = min(bounds.get(name, value), value)
     for name, value in own.items():
         bounds[name] = min(bounds.get(name, value), value)

@@ -1,8 +1,9 @@
 """Capabilities per worker (issue 32): the one rule (runtime.capability.unmet) that says whether a request fits
-one worker, the union the gateway admits, and the pure scheduler placing each denoise job only on a denoiser that can
-run it, with the real rule as its ``fits``: a job whose capable denoisers are busy waits for one (never failing,
-never going to an idle one that cannot run it) while the jobs behind it go on, and plain jobs use every denoiser.
-The state machine (tests/test_scheduler_machine.py) checks the placement on random event streams too.
+one worker, the union the gateway admits, and the pure scheduler placing each denoise job only on a denoiser, and
+each AR batch only on an AR server, that can run it, with the real rule as its ``fits``: work whose capable workers
+are busy waits for one (never failing, never going to an idle one that cannot run it) while the work behind it goes
+on, and plain requests use every worker. The state machine (tests/test_scheduler_machine.py) checks the placement on
+random event streams too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from gateway.scheduler.core import Scheduler
 from gateway.scheduler.types import (
+    ArBatchFailed,
     ArBatchSucceeded,
     DenoiseSucceeded,
     DispatchArBatch,
@@ -22,6 +24,7 @@ from gateway.scheduler.types import (
     FailRequest,
     RequestArrived,
     SchedulerConfig,
+    Tick,
     WorkerAdded,
     WorkerCapabilities,
     WorkerHealthy,
@@ -29,6 +32,7 @@ from gateway.scheduler.types import (
 )
 from glmimage.v1 import common_pb2
 from runtime.capability import AR, DENOISER, Capabilities, Needs, fits, refusal, unmet
+from runtime.errors import ErrorKind
 from runtime.limits import DENOISER_FIELDS, Limits, limits_in_force
 from tests.support.scheduler_events import only, up
 from tests.support.scheduler_model import AR as AR_ROLE
@@ -179,6 +183,126 @@ def test_without_fits_every_job_goes_anywhere_as_before() -> None:
     up(s, "d0", DN)
     s.handle(WorkerCapabilities(0.0, "d0", NO_LORA))
     assert [d.worker for d in _submit(s, "r1", Needs(loras=(STYLE,)))] == ["d0"]
+
+
+# ---- AR batches placed by capability ------------------------------------------------------------------------------
+
+BIG_AR = Capabilities(AR)  # the default pixel budget
+SMALL_AR = Capabilities(AR, Limits(max_pixels=256 * 256))
+SHORT_AR = Capabilities(AR, Limits(max_prompt_chars=100))
+LARGE = Needs(height=512, width=512)  # past SMALL_AR's budget
+LONG = Needs(prompt_chars=500)  # past SHORT_AR's (at the size of Needs(), so in the same AR queue)
+
+
+def _ar_pool(*kinds: Capabilities, **cfg: object) -> Scheduler:
+    """AR servers ``a0``, ``a1``... of ``kinds`` (each with one batch at a time) and one denoiser of every kind."""
+    s = Scheduler(SchedulerConfig(**{"ar_batch_delay": 0.0, "ar_batch_max_outputs": 4, **cfg}),  # type: ignore[arg-type]
+                  fits=fits)
+    for i, caps in enumerate(kinds):
+        s.handle(WorkerAdded(0.0, f"a{i}", AR_ROLE))
+        s.handle(WorkerCapabilities(0.0, f"a{i}", caps))
+        s.handle(WorkerHealthy(0.0, f"a{i}"))
+    s.handle(WorkerCapabilities(0.0, "d0", FULL))
+    up(s, "d0", DN)
+    return s
+
+
+def _arrive(s: Scheduler, rid: str, needs: Needs, now: float = 0.0, deadline: float | None = None
+            ) -> list[DispatchArBatch]:
+    ev = RequestArrived(now, rid, 1, needs.height, needs.width, deadline, needs=needs)
+    return only(s.handle(ev), DispatchArBatch)
+
+
+def test_an_ar_pool_of_one_kind_keeps_the_plain_path() -> None:
+    s = _ar_pool(SMALL_AR, SMALL_AR)
+    assert _arrive(s, "r1", Needs())[0].worker == "a0"
+    assert s._capability.ar_kinds == {SMALL_AR: 2} and s._capability.ar_restricted == 0
+
+
+def test_a_request_only_one_ar_server_can_run_waits_for_it_while_the_others_go_on() -> None:
+    s = _ar_pool(BIG_AR, SMALL_AR)
+    (first,) = _arrive(s, "big1", LARGE)
+    assert first.worker == "a0"  # the only one that can
+    assert _arrive(s, "big2", LARGE, now=0.1) == []  # a0 is busy: it waits, a1 stays free for what it can run
+    (plain,) = _arrive(s, "plain", Needs(), now=0.2)
+    assert (plain.worker, plain.request_ids) == ("a1", ("plain",))
+    # a0 frees up: the waiting request goes there, and never to a1.
+    (nxt,) = only(s.handle(ArBatchSucceeded(1.0, first.batch_id, {"big1": ["x"]})), DispatchArBatch)
+    assert (nxt.worker, nxt.request_ids) == ("a0", ("big2",))
+    assert s._capability.ar_restricted == 2  # (big1 is denoising: counted while active, as for denoisers)
+
+
+def _blocked(s: Scheduler, needs: Needs) -> DispatchArBatch:
+    """A first request that only a1 runs, taken there when its batch delay (0.05 s) ends."""
+    assert _arrive(s, "b0", needs) == []
+    (blocker,) = only(s.handle(Tick(0.05)), DispatchArBatch)
+    assert (blocker.worker, blocker.request_ids) == ("a1", ("b0",))
+    return blocker
+
+
+def test_the_ar_server_that_can_run_less_chooses_first() -> None:
+    # Both free when the batches may leave: a1 takes the plain one, and a0 (which runs anything) stays free for
+    # the request only it can run, instead of taking the plain one first and leaving a1 idle.
+    s = _ar_pool(BIG_AR, SMALL_AR, ar_batch_delay=0.05)
+    assert _arrive(s, "plain", Needs()) == [] and _arrive(s, "big", LARGE, now=0.01) == []
+    (plain,) = only(s.handle(Tick(0.05)), DispatchArBatch)
+    assert (plain.worker, plain.request_ids) == ("a1", ("plain",))
+    (big,) = only(s.handle(Tick(s.next_wakeup())), DispatchArBatch)
+    assert (big.worker, big.request_ids) == ("a0", ("big",))
+
+
+def test_a_shared_queue_gives_each_ar_server_only_the_requests_it_can_run() -> None:
+    s = _ar_pool(SHORT_AR, BIG_AR, ar_batch_delay=0.05)
+    blocker = _blocked(s, LONG)
+    # One resolution's queue: a request only a1 can run before two that both can; a0 batches those two when
+    # their delay ends, and the other waits for a1.
+    for i, needs in enumerate((LONG, Needs(), Needs()), start=1):
+        assert _arrive(s, f"r{i}", needs, now=0.05 + 0.01 * i) == []
+    assert s.next_wakeup() == pytest.approx(0.12)  # r2's delay: r1's is not a0's to wait for
+    (short,) = only(s.handle(Tick(s.next_wakeup())), DispatchArBatch)
+    assert (short.worker, short.request_ids) == ("a0", ("r2", "r3"))
+    (long,) = only(s.handle(ArBatchSucceeded(0.15, blocker.batch_id, {"b0": ["x"]})), DispatchArBatch)
+    assert (long.worker, long.request_ids) == ("a1", ("r1",))
+
+
+def test_a_free_ar_server_with_nothing_due_holds_up_no_other() -> None:
+    s = _ar_pool(SMALL_AR, BIG_AR, ar_batch_delay=0.05)
+    blocker = _blocked(s, LARGE)
+    assert _arrive(s, "b1", LARGE, now=0.06) == []
+    assert _arrive(s, "p1", Needs(), now=0.1) == []  # a0 could take p1, but its batch has not waited its delay
+    # a1 frees up at 0.12: b1 has waited past its delay and goes at once, though a0, which chooses first (it can
+    # run fewer of the waiting requests), has nothing due yet.
+    (nxt,) = only(s.handle(ArBatchSucceeded(0.12, blocker.batch_id, {"b0": ["x"]})), DispatchArBatch)
+    assert (nxt.worker, nxt.request_ids) == ("a1", ("b1",))
+    assert s.next_wakeup() == pytest.approx(0.15)  # p1's delay ends then, and a0 is free for it
+    (last,) = only(s.handle(Tick(s.next_wakeup())), DispatchArBatch)
+    assert (last.worker, last.request_ids) == ("a0", ("p1",))
+
+
+def test_a_request_whose_only_capable_ar_server_left_waits_and_fails_at_its_deadline() -> None:
+    # As a denoise job whose capable denoisers left: it waits (never on a server that cannot run it, never failing
+    # while one may come back), runs if a capable one comes back or joins, else ends at its deadline. (A new such
+    # request is refused at admission, the field named: Driver.capable.)
+    s = _ar_pool(BIG_AR, SMALL_AR)
+    (first,) = _arrive(s, "big1", LARGE)
+    assert _arrive(s, "big2", LARGE, now=0.1, deadline=5.0) == []
+    assert _arrive(s, "big3", LARGE, now=0.1, deadline=5.0) == []
+    s.handle(WorkerRemoved(0.2, "a0"))  # draining: its batch ends there
+    actions = s.handle(ArBatchSucceeded(0.3, first.batch_id, {"big1": ["x"]}))
+    assert not only(actions, DispatchArBatch) and not only(actions, FailRequest)
+    assert "a0" not in s._pool.members and s._capability.ar_kinds == {SMALL_AR: 1}
+    assert (plain := _arrive(s, "plain", Needs(), now=0.4)) and plain[0].worker == "a1"
+    # A capable server joins: the waiting requests go there.
+    s.handle(WorkerAdded(1.0, "a2", AR_ROLE))
+    s.handle(WorkerCapabilities(1.0, "a2", BIG_AR))
+    (moved,) = only(s.handle(WorkerHealthy(1.0, "a2")), DispatchArBatch)
+    assert (moved.worker, moved.request_ids) == ("a2", ("big2", "big3"))
+    # It leaves too, the batch failing with it: both wait again, and end at their deadline.
+    s.handle(WorkerRemoved(1.1, "a2"))
+    s.handle(ArBatchFailed(1.2, moved.batch_id, "gone"))
+    failed = only(s.handle(Tick(5.0)), FailRequest)
+    assert sorted((f.request_id, f.error.kind) for f in failed) == [("big2", ErrorKind.DEADLINE_EXCEEDED),
+                                                                    ("big3", ErrorKind.DEADLINE_EXCEEDED)]
 
 
 # ---- the union admits what any one member can run --------------------------------------------------------------

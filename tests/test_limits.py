@@ -66,18 +66,20 @@ LORA_DEFAULTS = {**{name: getattr(Limits, name) for name in LORA_FIELDS}, "max_l
 
 # ---- the model itself ------------------------------------------------------------------------------------------
 
-def test_in_force_is_the_denoisers_union_the_ar_servers_tightest_and_defaults_stand_in_for_an_unknown_role() -> None:
-    # What some denoiser can do (each one's limits are kept apart: runtime.capability) and every AR server.
+def test_in_force_is_each_roles_union_and_defaults_stand_in_for_an_unknown_role() -> None:
+    # What some worker of each stage can do (each one's limits are kept apart: runtime.capability); a bound both
+    # roles apply, the lesser of the two unions.
     ar = [{"max_prompt_chars": 300, "max_n": 4}, {"max_prompt_chars": 500, "max_n": 16}]
     den = [{"max_steps": 500, "step_cache": False, "max_prompt_chars": 400},
            {"max_steps": 20, "step_cache": True, "max_prompt_chars": 8000}]  # raised above the default: counts
     got = limits_in_force({}, ar, den)
-    assert (got.max_prompt_chars, got.max_n, got.max_steps, got.step_cache) == (300, 4, 500, True)
+    assert (got.max_prompt_chars, got.max_n, got.max_steps, got.step_cache) == (500, 16, 500, True)
     assert limits_in_force({}, [], den).max_prompt_chars == 8000
+    assert limits_in_force({}, ar, [{"max_prompt_chars": 400}]).max_prompt_chars == 400
     assert got.max_pixels == Limits.max_pixels  # nobody advertised it: the default
     # The gateway's own flags only ever lower it.
     lowered = limits_in_force({"max_steps": 50, "max_n": 10}, ar, den)
-    assert (lowered.max_steps, lowered.max_n) == (50, 4)
+    assert (lowered.max_steps, lowered.max_n) == (50, 10)
     # No denoiser known yet: the denoiser fields take the defaults, not the AR's silence.
     assert limits_in_force({}, ar, []).max_steps == Limits.max_steps
     # A batch cap below n bounds n too (one AR batch must hold a request's outputs).

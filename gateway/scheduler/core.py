@@ -19,7 +19,7 @@ Invariants (checked by the tests/test_scheduler_*.py files):
 This module is the policy, top to bottom: the public API, the event handlers, the request lifecycle, the AR stage,
 the denoise stage. Parts of it have modules of their own: fairness.py (the share of both stages between tenants:
 the order in which queued work is served), placement.py (the LoRA placement's denoise pass), capability.py (which
-denoisers may run which jobs, in a mixed pool) and arrival.py (whether an arriving request is admitted). What it
+workers may run which requests, in a mixed pool) and arrival.py (whether an arriving request is admitted). What it
 keeps its books with is in the other siblings: records.py (a request and its outputs), containers.py (the queues),
 pool.py (the workers, and the choice of a free one), speed.py (the CPython speed tricks).
 """
@@ -97,7 +97,7 @@ class Scheduler:
                  fits: Fits | None = None) -> None:
         """``pick_seed``: this gateway's own order of the denoisers, for the choice of a free one (see Pool); the
         choices are deterministic given it. None: the order they joined in. ``fits(needs, capabilities)``: whether a
-        job fits a denoiser (capability.py); None: every job fits every denoiser."""
+        request fits a worker (capability.py); None: every request fits every worker."""
         self.config = config
         self.counters = Counters()
         self._now: float = float("-inf")
@@ -121,7 +121,7 @@ class Scheduler:
         self._ar_dirty = False
         self._ar_recheck_at = NEVER
         self._placement = Placement(config.lora_load_cost)  # and what it learns (see placement.py)
-        self._capability = Capability(fits)  # which denoisers may run which jobs (see capability.py)
+        self._capability = Capability(fits)  # which workers may run which requests (see capability.py)
         # Event type -> its handler, in the order of the Event union (handle() looks up the exact type).
         self._handlers: dict[type, Callable[[Any, list[Action]], None]] = {
             RequestArrived: self._on_arrived,
@@ -196,10 +196,11 @@ class Scheduler:
         candidates: list[float] = []
         if self._deadlines.first is not None:
             candidates.append(self._deadlines.first[0])  # pruned after every handle(): the head is live
-        # A batch delay expiry matters only if some AR worker could take the batch; otherwise the event that
-        # frees a worker triggers the dispatch. (Without this, an expired group would make the driver spin.)
-        if self._pending_ar and self._pool.free_ar_server() is not None:
-            candidates.extend(self._shares.ar_wakeups(self._pending_ar, self.config, self._now))
+        # When a waiting group's batch delay lets it leave, as the AR pass last found (see _dispatch_ar), if an AR
+        # server could take it; otherwise the event that frees one triggers the dispatch. (Without this, an expired
+        # group would make the driver spin.)
+        if self._ar_recheck_at < NEVER and self._pool.free_ar_server() is not None:
+            candidates.append(self._ar_recheck_at)
         # A job waiting for a busy holder of its adapters while a denoiser is free: placed when its wait ends.
         recheck = self._placement.recheck_at
         if recheck < NEVER and self._denoise_q.first is not None and self._pool.idle:
@@ -440,6 +441,7 @@ class Scheduler:
         w = self._pool.members.get(ev.worker)
         if w is not None:  # (a job of its own already on it was placed by what it could do then, and may end)
             self._capability.set(w, ev.capabilities, self._active.values())
+            self._ar_dirty = self._ar_dirty or w.role is AR  # it may take requests it could not (or the reverse)
 
     def _on_worker_unhealthy(self, ev: WorkerUnhealthy, actions: list[Action]) -> None:
         w = self._pool.members.get(ev.worker)
@@ -654,6 +656,10 @@ class Scheduler:
         # events (denoise results) change neither, and the pass would scan the queues for nothing.
         self._ar_dirty = False
         self._ar_recheck_at = NEVER
+        if self._capability.ar_restricted:  # some request cannot run on every AR server: each batch goes where it can
+            self._ar_recheck_at = self._capability.dispatch_ar(self._pending_ar, self._pool, self._shares, self.config,
+                                                               self._now, self._start_batch, actions)
+            return
         shares = self._shares
         while self._pending_ar:  # checked first: cheaper than looking for a group or a free worker
             # The group first: usually none may leave yet (a batch is filling up), and then no worker is looked at.
@@ -664,26 +670,28 @@ class Scheduler:
             w = self._pool.free_ar_server()
             if w is None:
                 return  # until a slot frees up or a worker becomes ready (both set _ar_dirty)
-            q = self._pending_ar[key]
-            taken = shares.ar_batch(q.requests, self.config.ar_batch_max_outputs)
-            ids = {id(r) for r in taken}
-            rest = deque(r for r in q.requests if id(r) not in ids)
-            if rest:
-                q.keep_only(rest)
-            else:
-                del self._pending_ar[key]
-            batch = DispatchArBatch(
-                next(self._batch_ids), w.address, key[0], key[1], tuple(r.request_id for r in taken)
-            )
-            for r in taken:
-                r.stage = AR_INFLIGHT
-                r.ar_batch = batch.batch_id
-                self._pending_ar_outputs -= r.n
-            shares.ar_taken(taken)
-            self._batches[batch.batch_id] = batch
-            w.batches.add(batch.batch_id)
-            self._pool.used(w)
-            actions.append(batch)
+            taken = shares.ar_batch(self._pending_ar[key].requests, self.config.ar_batch_max_outputs)
+            self._start_batch(w, key, taken, actions)
+
+    def _start_batch(self, w: Worker, key: tuple[int, int, int], taken: list[Request], actions: list[Action]) -> None:
+        """Send ``taken``, requests of the AR queue ``key`` in batch order, to AR server ``w`` as one batch."""
+        q = self._pending_ar[key]
+        ids = {id(r) for r in taken}
+        rest = deque(r for r in q.requests if id(r) not in ids)
+        if rest:
+            q.keep_only(rest)
+        else:
+            del self._pending_ar[key]
+        batch = DispatchArBatch(next(self._batch_ids), w.address, key[0], key[1], tuple(r.request_id for r in taken))
+        for r in taken:
+            r.stage = AR_INFLIGHT
+            r.ar_batch = batch.batch_id
+            self._pending_ar_outputs -= r.n
+        self._shares.ar_taken(taken)
+        self._batches[batch.batch_id] = batch
+        w.batches.add(batch.batch_id)
+        self._pool.used(w)
+        actions.append(batch)
 
     # -------------------------------------------------------------------------------------------- denoise stage
 

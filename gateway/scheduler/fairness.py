@@ -458,14 +458,6 @@ class Shares:
                 wait_until = due
         return (None if best is None else best[1]), wait_until
 
-    def ar_wakeups(self, groups: dict[tuple[int, int, int], ArQueue], cfg: SchedulerConfig, now: float) -> list[float]:
-        """When the groups that may not leave yet may by age (for next_wakeup; BATCH work behind other work has no
-        such time)."""
-        if self.ar_flows > 1 or self.ar_interactive:
-            due = self._fair_group(groups, cfg.ar_batch_max_outputs, cfg.ar_batch_delay, now)[1]
-            return [due] if due < NEVER else []
-        return [q.oldest()[0] + cfg.ar_batch_delay for q in groups.values()]
-
     def ar_batch(self, q: deque[Request], cap: int) -> list[Request]:
         """The requests of a group's batch. With one flow and no INTERACTIVE request waiting: in queue order,
         skipping what does not fit and scanning on; an oversized or solo head goes alone. Else in fair order

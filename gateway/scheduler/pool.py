@@ -270,6 +270,13 @@ class Pool:
                     best, best_key = w, key
         return best
 
+    def free_ar_servers(self) -> list[Worker]:
+        """Every AR worker with room, in free_ar_server's order (for capability.py's pass, in a mixed pool)."""
+        room = self._ar_room
+        free = [w for w in self.ar_servers.values() if w.ready and len(w.batches) < room]
+        free.sort(key=lambda w: (len(w.batches), w.last_used, w.added_seq))
+        return free
+
     # ---------------------------------------------------------------------------------------------- snapshots
 
     def state_counts(self) -> dict[tuple[WorkerRole, WorkerState], int]:

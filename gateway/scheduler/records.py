@@ -66,11 +66,13 @@ class Request:
     priority: int = 1
     flow: Any = None
     listed: bool = True
-    # Capability placement (capability.py): what it needs (opaque; None: any denoiser runs it), whether it fits each
-    # kind of denoiser asked so far (capabilities -> bool), and whether some kind in the pool cannot run it.
+    # Capability placement (capability.py): what it needs (opaque; None: any worker runs it), whether it fits each
+    # kind of worker asked so far (capabilities -> bool), and whether some kind of denoiser (``restricted``) or of
+    # AR server (``ar_restricted``) in the pool cannot run it.
     needs: object = None
     fit: dict[object, bool] | None = None
     restricted: bool = False
+    ar_restricted: bool = False
 
     @property
     def queue_key(self) -> tuple[int, int, int]:

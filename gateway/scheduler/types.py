@@ -144,8 +144,9 @@ class RequestArrived:
     tenant: str = "default"
     weight: float = 1.0
     priority: int = 1
-    # What it asks of the denoiser that runs it (runtime.capability.Needs; opaque here): it is placed only
-    # on a denoiser whose capabilities the scheduler's ``fits`` accepts for it. None: any denoiser can run it.
+    # What it asks of the workers that run it (runtime.capability.Needs; opaque here): its AR batch goes only to an
+    # AR server, and its denoise jobs only to denoisers, whose capabilities the scheduler's ``fits`` accepts for it.
+    # None: any worker can run it.
     needs: object = None
 
 

@@ -197,7 +197,7 @@ class CheckedScheduler(RuleBasedStateMachine):
             for a in actions
         ):
             w.reqs[ev.request_id] = _Req(ev.n, (ev.height, ev.width), ev.deadline, priority=ev.priority,
-                                         tenant=ev.tenant, needs=ev.needs)  # type: ignore[arg-type]
+                                         tenant=ev.tenant, needs=ev.needs, arrived=self.now)  # type: ignore[arg-type]
         assert {a.batch_id for a in actions if isinstance(a, CancelArBatch) and not a.abandoned} == expect_ar_cancels
         if expect_invalid is not None:  # failed at once, not retried (or its deadline passed first)
             assert any(isinstance(a, FailRequest) and a.request_id == expect_invalid[0]
@@ -229,11 +229,10 @@ class CheckedScheduler(RuleBasedStateMachine):
         assert s is not None
         if any(isinstance(a, DispatchDenoise) and w.reqs[a.job.request_id].priority == BATCH for a in actions):
             assert all(k[0] == BATCH for k in s._denoise_q), "a BATCH job went before queued work of another class"
-        if any(isinstance(a, DispatchArBatch) and all(w.reqs[r].priority == BATCH for r in a.request_ids)
-               for a in actions):
-            held = set().union(*w.ar_owned.values()) if w.ar_owned else set()
-            assert not any(r.priority != BATCH and not r.denoising and (r.batch is None or r.batch not in held)
-                           for rid, r in w.reqs.items() if rid not in w.ended), "a BATCH-only AR batch went first"
+        for a in actions:
+            if isinstance(a, DispatchArBatch) and all(w.reqs[r].priority == BATCH for r in a.request_ids):
+                assert not any(r.priority != BATCH and can_run(r.needs, w.caps.get(a.worker))
+                               for r in self._waiting_for_ar()), "a BATCH-only AR batch went first"
 
     def _check_abandoned_batches(self, cancelled: set[int]) -> None:
         """A batch is stopped exactly when its last waiting request ends, and keeps its AR slot until it returns."""
@@ -249,6 +248,13 @@ class CheckedScheduler(RuleBasedStateMachine):
         for owned in w.ar_owned.values():
             for bid in owned:
                 assert waited_for(bid) or bid in w.abandoned, f"batch {bid} keeps running for nobody"
+
+    def _waiting_for_ar(self) -> list[_Req]:
+        """The live requests waiting for an AR batch (none of theirs in flight), as the model derives them."""
+        w = self.w
+        held = set().union(*w.ar_owned.values()) if w.ar_owned else set()
+        return [r for rid, r in w.reqs.items()
+                if rid not in w.ended and not r.denoising and (r.batch is None or r.batch not in held)]
 
     def _forget(self, name: str) -> None:
         self.w.members.pop(name, None)
@@ -280,6 +286,9 @@ class CheckedScheduler(RuleBasedStateMachine):
                 r.batch = a.batch_id
                 slots += r.n
             assert len(a.request_ids) >= 1
+            # Capability placement: a batch goes only to an AR server that can run every request in it.
+            assert all(can_run(w.reqs[rid].needs, w.caps.get(a.worker)) for rid in a.request_ids), \
+                f"batch {a.batch_id} on {a.worker}, which cannot run all of {a.request_ids}"
             assert len(a.request_ids) == 1 or not any(w.reqs[rid].solo for rid in a.request_ids)
             assert slots <= cfg.ar_batch_max_outputs or len(a.request_ids) == 1
         elif isinstance(a, DispatchDenoise):
@@ -421,10 +430,20 @@ class CheckedScheduler(RuleBasedStateMachine):
                 passed_at = req.outputs[index].passed_at
                 assert passed_at is not None and self.now < passed_at + s._placement.load_cost, \
                     f"{rid}/{index} waited too long"
-        if snap.pending_ar_requests and any(
-            x.role is AR and x.state is WorkerState.AVAILABLE for x in snap.workers
-        ):
-            assert s.next_wakeup() is not None
+        # Work conservation among the AR servers that can run a request: none of them is free while it waits past
+        # its batch delay (a BATCH one waits while one of another class that server can run does; a request no free
+        # server can run waits for one that can); and when one would be free for it once a delay ends, the
+        # scheduler asks to be woken.
+        free_ar = [x.address for x in snap.workers if x.role is AR and x.state is WorkerState.AVAILABLE]
+        if free_ar and snap.pending_ar_requests:
+            waiting = self._waiting_for_ar()
+            for name in free_ar:
+                mine = [r for r in waiting if can_run(r.needs, w.caps.get(name))]
+                other_class = any(r.priority != BATCH for r in mine)
+                for r in mine:
+                    assert r.priority == BATCH and other_class or self.now < r.arrived + self.cfg.ar_batch_delay, \
+                        f"{name} is free while a request it can run waited past its batch delay"
+                assert not mine or s.next_wakeup() is not None, f"{name} can run a waiting request; no wakeup"
         wake = s.next_wakeup()
         assert wake is None or wake > self.now, "a Tick now would change something: the driver would spin"
         # Conservation: every output of a live request is exactly one of queued / in flight / done, as
@@ -512,8 +531,8 @@ class CheckedScheduler(RuleBasedStateMachine):
         for name, m in list(self.w.members.items()):
             if not m.healthy or not m.serving:
                 self.send(WorkerHealthy(self.now, name))
-            if m.role is DN:  # the other gateways' jobs end, and each can run anything (what waits for one runs)
-                self.send(WorkerCapabilities(self.now, name, CAPABILITIES))
+            self.send(WorkerCapabilities(self.now, name, CAPABILITIES))  # each can run anything: what waits runs
+            if m.role is DN:  # the other gateways' jobs end
                 self.seq += 1
                 self.send(DenoiserOccupancy(self.now, name, False, self.seq))
         for _ in range(10_000):

@@ -41,7 +41,8 @@ class _Req:
     solo: bool = False  # it shared a batch refused as bad input: every later batch of it holds it alone
     priority: int = 1  # its class (types.INTERACTIVE, DEFAULT, BATCH)
     tenant: str = "default"
-    needs: frozenset[str] | None = None  # what its denoiser must be able to do (None: anything runs it)
+    needs: frozenset[str] | None = None  # what its AR server and denoiser must be able to do (None: anything)
+    arrived: float = 0.0  # when it was admitted: its AR batch delay counts from then, over retries too
 
 
 @dataclass

@@ -327,7 +327,8 @@ class Client(JobCalls, _Base):
         return Status.from_proto(resp)
 
     def limits(self, *, timeout: float | None = None) -> Limits:
-        """What the gateway admits (the tightest of its flags and of every worker's own limits)."""
+        """What the gateway admits: what some worker of each stage can run (the union of their own limits), within
+        the gateway's flags."""
         resp = self._call("GetLimits", self._stub.GetLimits, gateway_service_pb2.GetLimitsRequest(), timeout, None)
         return Limits.from_proto(resp.limits)
 

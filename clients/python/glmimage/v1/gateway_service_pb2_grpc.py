@@ -107,8 +107,9 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetLimits(self, request, context):
-        """The limits in force: what admission refuses past (the tightest of the gateway's flags and of every worker's
-        own limits). Open without a key, like health: the REST front's /openapi.json advertises them.
+        """The limits in force: what admission refuses past (what some worker of each stage can run, its union of the
+        workers' own limits, within the gateway's flags). Open without a key, like health: the REST front's
+        /openapi.json advertises them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
