@@ -28,7 +28,7 @@ from gateway.observe import Observer, Timing
 from gateway.scheduler import types as sch
 from gateway.scheduler.core import Scheduler
 from gateway.traces import RequestTrace, ar_call, traced
-from gateway.workers import Worker, WorkerHealth
+from gateway.workers import Platform, Worker, WorkerHealth
 from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2
 from runtime.admission import Admitted
 from runtime.capability import Capabilities, Needs, fits, refusal
@@ -502,6 +502,11 @@ class Driver:
         """Its release and contract revisions, as its GetLimits last said (gateway.compat); empty if unknown."""
         worker = self._workers.get(address)
         return common_pb2.BuildInfo() if worker is None else worker.build
+
+    def worker_platform(self, address: str) -> Platform:
+        """What it runs on (its device, a denoiser's compiled sizes), as its GetLimits last said; empty if unknown."""
+        worker = self._workers.get(address)
+        return Platform() if worker is None else worker.platform
 
     def _sideline(self, worker: Worker, health: WorkerHealth, code: grpc.StatusCode, detail: str = "") -> None:
         """A call to it timed out or broke (or it refused the credential: ``detail``, what it said): unavailable

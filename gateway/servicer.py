@@ -26,7 +26,7 @@ from gateway.quotas import Quotas
 from gateway.scheduler import types as sch
 from gateway.stream_relay import StreamRelay
 from gateway.tenancy import PRIORITY_TO_PROTO, TenantGate, Ticket, Usage, priority_of, quota_of
-from gateway.workers import WorkerHealth
+from gateway.workers import Platform, WorkerHealth
 from glmimage.v1 import common_pb2, gateway_service_pb2, gateway_service_pb2_grpc
 from runtime.admission import Admitted, check_generate, check_partial_images
 from runtime.capability import Needs
@@ -284,13 +284,16 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             health = self.driver.worker_health(w.address)
             # (Only while it runs a job, as the scheduler sees it: the stream may say a step of a job just ended.)
             step, total_steps = self.driver.worker_progress(w.address) if w.inflight or w.held_elsewhere else (0, 0)
+            platform = self.driver.worker_platform(w.address) if full else Platform()
             workers.append(gateway_service_pb2.WorkerStatus(
                 address=w.address if full else "", role=ROLE_TO_PROTO[w.role], state=STATE_TO_PROTO[w.state],
                 inflight=w.inflight, current_job=shown(w.current_job), health=health.value, stuck=health.stuck,
                 held_elsewhere=w.held_elsewhere, loras_loaded=sorted(w.loras), step=step, total_steps=total_steps,
                 health_detail=self.driver.worker_health_detail(w.address) if full else "",
                 incompatible=health is WorkerHealth.INCOMPATIBLE,
-                build=self.driver.worker_build(w.address) if full else None))
+                build=self.driver.worker_build(w.address) if full else None, device=platform.device,
+                compiled_sizes=[common_pb2.ImageSize(width=width, height=height)
+                                for height, width in platform.compiled_sizes]))
         return gateway_service_pb2.GetStatusResponse(
             pending_ar_requests=snap.pending_ar_requests, pending_ar_outputs=snap.pending_ar_outputs,
             pending_denoise_outputs=snap.pending_denoise_outputs, active_requests=snap.active_requests,

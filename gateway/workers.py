@@ -11,6 +11,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -27,6 +28,25 @@ from runtime.logs import spawn
 from runtime.tls import make_channel
 
 log = logging.getLogger("gateway.driver")
+
+@dataclass(frozen=True)
+class Platform:
+    """What a worker runs on, as its GetLimits said: kept per worker and shown in GetStatus (admin role only). No
+    placement follows it (a job of a size not warmed up compiles once, on whichever denoiser it runs)."""
+
+    device: str = ""  # "cpu", "cuda:0", ...; "srt": an AR whose model another server runs; "": not said
+    compiled_sizes: tuple[tuple[int, int], ...] = ()  # a denoiser with --compile: the (height, width) warmed up
+
+    @classmethod
+    def of(cls, reply: ar_service_pb2.ArServiceGetLimitsResponse | denoiser_service_pb2.DenoiserServiceGetLimitsResponse
+           ) -> Platform:
+        sizes = getattr(reply, "compiled_sizes", ())  # (an AR's reply has none)
+        return cls(reply.device, tuple((size.height, size.width) for size in sizes))
+
+    def __str__(self) -> str:
+        sizes = ",".join(f"{width}x{height}" for height, width in self.compiled_sizes)
+        return (self.device or "a device it does not say") + (f", compiled for {sizes}" if sizes else "")
+
 
 class Feed(Protocol):
     """The driver's way in to the scheduler. ``quiet``: publish nothing unless the event caused actions."""
@@ -122,6 +142,7 @@ class Worker:
         self.limits: dict[str, float] | None = None
         # Its release and contract revisions, as that GetLimits said (empty: it said none, an older release).
         self.build = common_pb2.BuildInfo()
+        self.platform = Platform()  # what it runs on, as that GetLimits said
         self._on_limits: Callable[[], None] = lambda: None
         # Denoisers: the adapters of its adapter directory by name, as its ListLoras last said (read with its limits,
         # and again at each GatewayService.ListLoras); None until then. What admission knows adapter names from, and
@@ -243,6 +264,7 @@ class Worker:
                                               metadata=self.config.worker_metadata)
             limits = advertised(reply.limits)
             self.build = reply.build
+            platform = Platform.of(reply)
         except grpc.aio.AioRpcError as err:
             if err.code() in CREDENTIAL_CODES:
                 # Health is open, so it looks serving; but it would refuse every job sent to it, at once, and so be
@@ -256,6 +278,10 @@ class Worker:
                         err.code().name, err.details())
             limits = {}
             self.build = common_pb2.BuildInfo()
+            platform = Platform()
+        if platform != self.platform:
+            log.info("%s %s runs on %s", self.role.name.lower(), self.address, platform)
+            self.platform = platform
         if why := incompatibility(self.build):
             raise _Incompatible(why)
         if limits != self.limits:

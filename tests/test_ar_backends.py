@@ -18,7 +18,7 @@ import torch
 from glmimage.v1 import ar_service_pb2 as pb
 from glmimage.v1 import ar_service_pb2_grpc, common_pb2
 from services.ar.domain import ArRequest
-from services.model.device import DeviceUnavailable, resolve_device
+from services.model.device import DeviceUnavailable, device_name, resolve_device
 from tests.support.servers import serve_ar
 
 HAS_CUDA = torch.cuda.is_available()
@@ -29,6 +29,16 @@ HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 
 def test_cpu_is_selected_explicitly() -> None:
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_a_device_is_named_with_its_index_as_getlimits_says_it() -> None:
+    assert device_name(torch.device("cpu")) == "cpu"
+    assert device_name(torch.device("cuda", 1)) == "cuda:1"  # (no GPU needed: the index is given)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no GPU here")
+def test_cuda_without_an_index_is_named_by_the_current_device() -> None:
+    assert device_name(resolve_device("cuda")) == f"cuda:{torch.cuda.current_device()}"
 
 
 @pytest.mark.skipif(HAS_CUDA or HAS_TORCH_NPU, reason="an accelerator is present: auto would pick it")
@@ -208,6 +218,11 @@ async def test_srt_batch_sends_one_request_and_takes_usage_from_meta_info(srt_ar
     assert u0.completion_tokens == 16 * 16 + 2 * 2 + 1
     assert first.usage.cached_tokens == u0.cached_tokens + u1.cached_tokens
     assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+async def test_an_srt_backed_ar_says_another_server_runs_its_model(srt_ar) -> None:
+    _, ar = srt_ar
+    assert (await ar.GetLimits(pb.ArServiceGetLimitsRequest())).device == "srt"
 
 
 async def test_srt_backend_errors_map_to_statuses(srt_ar, stand_in: StandIn) -> None:

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.__main__ import config_from
 from gateway.__main__ import parse_args as gateway_args
 from gateway.scheduler.types import WorkerState
+from gateway.workers import Platform
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
 from rest import __main__ as rest_main
@@ -125,6 +126,8 @@ async def test_get_status_shows_addresses_and_other_callers_ids_to_the_admin_rol
         role = "admin"
         """))
     async with running_gateway([ar], [d0], tenants=tenants) as gw:
+        # (The simulated workers say no device: as a GPU denoiser compiled for two sizes would say it.)
+        gw.driver.worker_platform = lambda address: Platform("cuda:0", ((64, 64), (256, 512)))  # type: ignore
         sims.gate.clear()  # the job holds d0 after its first step
         mine = asyncio.ensure_future(gw.stub.GenerateImages(request(), metadata=USER + (("x-request-id", "mine"),)))
         whole = await gw.until(lambda st: any(w.current_job for w in st.workers))  # the admin's view
@@ -136,9 +139,12 @@ async def test_get_status_shows_addresses_and_other_callers_ids_to_the_admin_rol
             assert [w.address for w in view.workers] == ["", ""], name
             assert [(w.role, w.state, w.inflight, w.health) for w in view.workers] == [
                 (w.role, w.state, w.inflight, w.health) for w in whole.workers], name
-            # Nor the releases (the gateway's and each worker's): the admin's to see.
+            # Nor the releases (the gateway's and each worker's), nor what each runs on: the admin's to see.
             assert not view.HasField("gateway_build") and not any(w.HasField("build") for w in view.workers), name
+            assert not any(w.device or w.compiled_sizes for w in view.workers), name
         assert whole.gateway_build.proto_revision == PROTO_REVISION and whole.gateway_build.version
+        assert [(w.device, [(s.width, s.height) for s in w.compiled_sizes]) for w in whole.workers] == [
+            ("cuda:0", [(64, 64), (512, 256)])] * 2
         assert views["owner"].workers[1].current_job == "mine/0#1"
         assert views["other"].workers[1].current_job == "" and views["other"].workers[1].inflight == 1
         assert [t.name for t in views["owner"].tenants] == ["alpha"] and views["owner"].tenants[0].active_requests == 1

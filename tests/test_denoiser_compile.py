@@ -4,6 +4,7 @@ the warm-up compiles everything the configured sizes need, requests at those siz
 the uncompiled one."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def test_the_compiled_image_is_the_uncompiled_one(compiled: DenoiseEngine, denoi
     assert compiled.run(compiled.validate(edit)).image == denoise_engine.run(denoise_engine.validate(edit)).image
 
 
-def test_the_servicer_exports_the_compilations(compiled: DenoiseEngine) -> None:
+def test_the_servicer_exports_the_compilations_and_says_its_compiled_sizes(compiled: DenoiseEngine) -> None:
+    from glmimage.v1 import denoiser_service_pb2
     from runtime.executor import SerialExecutor
     from services.denoiser.servicer import DenoiserServicer
 
@@ -81,8 +83,10 @@ def test_the_servicer_exports_the_compilations(compiled: DenoiseEngine) -> None:
     start = exported()
     executor = SerialExecutor("test-compile")
     try:
-        DenoiserServicer(compiled, executor)
+        servicer = DenoiserServicer(compiled, executor)
         assert exported() - start == compiled.compilations.graphs
+        said = asyncio.run(servicer.GetLimits(denoiser_service_pb2.DenoiserServiceGetLimitsRequest(), None))
+        assert said.device == "cpu" and [(s.width, s.height) for s in said.compiled_sizes] == [(SIZE, SIZE)]
         compiled.compilations.backend("eager")(*_tiny_graph())  # what torch does at a compilation
         assert exported() - start == compiled.compilations.graphs
     finally:

@@ -184,6 +184,7 @@ async def test_workers_and_gateway_advertise_their_limits(stack: Cluster) -> Non
         ar = await ar_service_pb2_grpc.ArServiceStub(ch).GetLimits(ar_service_pb2.ArServiceGetLimitsRequest())
     assert advertised(ar.limits) == {"max_prompt_chars": 300, "max_n": 4, "max_pixels": 512 * 512,
                                      "max_batch_outputs": 32, **REFERENCE_DEFAULTS}
+    assert ar.device == "cpu"  # (Cluster starts workers with --device cpu)
     async with grpc.aio.insecure_channel(stack.procs["denoiser"].address) as ch:
         den = await denoiser_service_pb2_grpc.DenoiserServiceStub(ch).GetLimits(
             denoiser_service_pb2.DenoiserServiceGetLimitsRequest())
@@ -191,9 +192,14 @@ async def test_workers_and_gateway_advertise_their_limits(stack: Cluster) -> Non
                                       "max_guidance": 9.0, "max_partial_images": 2, "step_cache": True,
                                       **LORA_DEFAULTS,
                                       **REFERENCE_DEFAULTS}
+    assert den.device == "cpu" and not den.compiled_sizes  # (no --compile)
     async with grpc.aio.insecure_channel(stack.procs["gateway"].address) as ch:
-        gw = await gateway_service_pb2_grpc.GatewayServiceStub(ch).GetLimits(pb.GetLimitsRequest())
+        stub = gateway_service_pb2_grpc.GatewayServiceStub(ch)
+        gw = await stub.GetLimits(pb.GetLimitsRequest())
+        status = await stub.GetStatus(pb.GetStatusRequest())  # (a keyless gateway shows everything to everyone)
     assert from_proto(gw.limits) == EXPECTED
+    assert [(w.role, w.device) for w in status.workers] == [(pb.WORKER_ROLE_AR, "cpu"),
+                                                            (pb.WORKER_ROLE_DENOISER, "cpu")]
 
 
 async def test_openapi_advertises_the_limits_in_force(stack: Cluster) -> None:

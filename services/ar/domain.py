@@ -131,6 +131,7 @@ class ArBackend(Protocol):
     """What the servicer needs from a backend: the local torch engine or an external server."""
 
     limits: Limits  # only AR_FIELDS apply here
+    device_name: str  # what runs the model, as GetLimits says it ("cpu", "cuda:0"; "srt": another server)
 
     def validate(self, req: ArRequest) -> ArRequest: ...
 

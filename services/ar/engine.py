@@ -36,7 +36,7 @@ from services.ar.domain import (
 )
 from services.ar.prompts import EncodedPrompt, PromptEncoder
 from services.ar.sampling import ControlStop, RowParams, RowSampler, resolve
-from services.model.device import resolve_device, resolve_dtype
+from services.model.device import device_name, resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.tiny import AR_PARTS
 
@@ -65,6 +65,7 @@ class ArEngine:
         self.prompts = PromptEncoder(processor)
         self.model = model
         self.device = device
+        self.device_name = device_name(device)
         self.limits = limits
         gc = model.generation_config
         self.model_sampling = Sampling(temperature=gc.temperature, top_p=gc.top_p, top_k=gc.top_k)

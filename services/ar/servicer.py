@@ -101,7 +101,7 @@ class ArServicer(ar_service_pb2_grpc.ArServiceServicer):
 
     async def GetLimits(self, request, context: grpc.aio.ServicerContext):
         return ar_service_pb2.ArServiceGetLimitsResponse(limits=self.engine.limits.to_proto(AR_FIELDS),
-                                                          build=build_info())
+                                                          build=build_info(), device=self.engine.device_name)
 
     async def GenerateBatch(self, request, context: grpc.aio.ServicerContext):
         self._adopt_request_id(context, request.requests)

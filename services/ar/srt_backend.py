@@ -68,6 +68,7 @@ class SrtBackend:
         self.url = generate_url(url)
         self.prompts = prompts
         self.limits = limits
+        self.device_name = "srt"  # the model runs on the srt server, on whatever device it has
         self.timeout = timeout
         self.codebook_size = codebook_size
         tok = prompts.processor.tokenizer

@@ -45,7 +45,7 @@ from services.denoiser.conditioning import (
 )
 from services.denoiser.encoding import DEFAULT_PNG_LEVEL, ImageFormat, encode
 from services.denoiser.step_cache import DEFAULT_SCHEDULES, Schedule, StepCacheLevel, StepCacheRun, supported
-from services.model.device import resolve_device, resolve_dtype
+from services.model.device import device_name, resolve_device, resolve_dtype
 from services.model.loading import checkpoint_root, require_parts
 from services.model.references import TOKEN_PATCH, ReferenceTokens
 from services.model.tiny import DENOISER_PARTS, tiny_lora_dir
@@ -162,6 +162,9 @@ class DenoiseEngine:
     def __init__(self, pipe, device: torch.device, settings: DenoiseSettings = DenoiseSettings()) -> None:
         self.pipe = pipe
         self.device = device
+        self.device_name = device_name(device)
+        # (height, width) of the jobs its compiled blocks are warmed up for before SERVING; none without --compile.
+        self.compiled_sizes = settings.compile.sizes if settings.compile is not None else ()
         self.settings = settings
         # The step cache is advertised (Limits.step_cache) only where this transformer and diffusers support it.
         self.limits = replace(settings.limits, step_cache=supported(pipe.transformer))

@@ -161,7 +161,9 @@ class DenoiserServicer(denoiser_service_pb2_grpc.DenoiserServiceServicer):
 
     async def GetLimits(self, request, context: grpc.aio.ServicerContext):
         return denoiser_service_pb2.DenoiserServiceGetLimitsResponse(
-            limits=self.engine.limits.to_proto(DENOISER_FIELDS + DENOISER_CAPABILITIES), build=build_info())
+            limits=self.engine.limits.to_proto(DENOISER_FIELDS + DENOISER_CAPABILITIES), build=build_info(),
+            device=self.engine.device_name,
+            compiled_sizes=[common_pb2.ImageSize(width=w, height=h) for h, w in self.engine.compiled_sizes])
 
     async def WatchOccupancy(self, request, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[denoiser_service_pb2.WatchOccupancyResponse]:

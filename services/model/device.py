@@ -49,6 +49,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def device_name(device: torch.device) -> str:
+    """How a worker names its device in GetLimits: type and index ("cpu", "cuda:0", "npu:1"); an accelerator chosen
+    without an index (``--device cuda``) is named by the one torch uses for it, its current device."""
+    if device.type == "cpu" or device.index is not None:
+        return str(device)
+    return f"{device.type}:{getattr(torch, device.type).current_device()}"
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto: bfloat16 on accelerators (the checkpoint's dtype), float32 on cpu where bf16 matmuls are slow."""
     if name not in DTYPE_CHOICES:

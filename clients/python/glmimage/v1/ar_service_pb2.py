@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from glmimage.v1 import common_pb2 as glmimage_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cglmimage/v1/ar_service.proto\x12\x0bglmimage.v1\x1a\x18glmimage/v1/common.proto\"\x1b\n\x19\x41rServiceGetLimitsRequest\"h\n\x1a\x41rServiceGetLimitsResponse\x12#\n\x06limits\x18\x01 \x01(\x0b\x32\x13.glmimage.v1.Limits\x12%\n\x05\x62uild\x18\x02 \x01(\x0b\x32\x16.glmimage.v1.BuildInfo\"\xe1\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\t\n\x01n\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\rH\x00\x88\x01\x01\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.glmimage.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x35\n\x10reference_images\x18\x08 \x03(\x0b\x32\x1b.glmimage.v1.ReferenceImageB\x07\n\x05_seed\"e\n\x0bPriorOutput\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.glmimage.v1.TokenRow\x12\x0c\n\x04seed\x18\x02 \x01(\r\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.glmimage.v1.Usage\"\xda\x01\n\x10GenerateResponse\x12)\n\x07outputs\x18\x01 \x03(\x0b\x32\x18.glmimage.v1.PriorOutput\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x13\n\x0bgrid_height\x18\x04 \x01(\r\x12\x12\n\ngrid_width\x18\x05 \x01(\r\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.glmimage.v1.Usage\x12\x30\n\nreferences\x18\x07 \x03(\x0b\x32\x1c.glmimage.v1.ReferenceTokens\"F\n\x14GenerateBatchRequest\x12.\n\x08requests\x18\x01 \x03(\x0b\x32\x1c.glmimage.v1.GenerateRequest\"`\n\x15GenerateBatchResponse\x12\x30\n\tresponses\x18\x01 \x03(\x0b\x32\x1d.glmimage.v1.GenerateResponse\x12\x15\n\rqueue_seconds\x18\x02 \x01(\x01\x32\x8a\x02\n\tArService\x12G\n\x08Generate\x12\x1c.glmimage.v1.GenerateRequest\x1a\x1d.glmimage.v1.GenerateResponse\x12V\n\rGenerateBatch\x12!.glmimage.v1.GenerateBatchRequest\x1a\".glmimage.v1.GenerateBatchResponse\x12\\\n\tGetLimits\x12&.glmimage.v1.ArServiceGetLimitsRequest\x1a\'.glmimage.v1.ArServiceGetLimitsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cglmimage/v1/ar_service.proto\x12\x0bglmimage.v1\x1a\x18glmimage/v1/common.proto\"\x1b\n\x19\x41rServiceGetLimitsRequest\"x\n\x1a\x41rServiceGetLimitsResponse\x12#\n\x06limits\x18\x01 \x01(\x0b\x32\x13.glmimage.v1.Limits\x12%\n\x05\x62uild\x18\x02 \x01(\x0b\x32\x16.glmimage.v1.BuildInfo\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"\xe1\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\t\n\x01n\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\rH\x00\x88\x01\x01\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.glmimage.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x35\n\x10reference_images\x18\x08 \x03(\x0b\x32\x1b.glmimage.v1.ReferenceImageB\x07\n\x05_seed\"e\n\x0bPriorOutput\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.glmimage.v1.TokenRow\x12\x0c\n\x04seed\x18\x02 \x01(\r\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.glmimage.v1.Usage\"\xda\x01\n\x10GenerateResponse\x12)\n\x07outputs\x18\x01 \x03(\x0b\x32\x18.glmimage.v1.PriorOutput\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x13\n\x0bgrid_height\x18\x04 \x01(\r\x12\x12\n\ngrid_width\x18\x05 \x01(\r\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.glmimage.v1.Usage\x12\x30\n\nreferences\x18\x07 \x03(\x0b\x32\x1c.glmimage.v1.ReferenceTokens\"F\n\x14GenerateBatchRequest\x12.\n\x08requests\x18\x01 \x03(\x0b\x32\x1c.glmimage.v1.GenerateRequest\"`\n\x15GenerateBatchResponse\x12\x30\n\tresponses\x18\x01 \x03(\x0b\x32\x1d.glmimage.v1.GenerateResponse\x12\x15\n\rqueue_seconds\x18\x02 \x01(\x01\x32\x8a\x02\n\tArService\x12G\n\x08Generate\x12\x1c.glmimage.v1.GenerateRequest\x1a\x1d.glmimage.v1.GenerateResponse\x12V\n\rGenerateBatch\x12!.glmimage.v1.GenerateBatchRequest\x1a\".glmimage.v1.GenerateBatchResponse\x12\\\n\tGetLimits\x12&.glmimage.v1.ArServiceGetLimitsRequest\x1a\'.glmimage.v1.ArServiceGetLimitsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ARSERVICEGETLIMITSREQUEST']._serialized_start=71
   _globals['_ARSERVICEGETLIMITSREQUEST']._serialized_end=98
   _globals['_ARSERVICEGETLIMITSRESPONSE']._serialized_start=100
-  _globals['_ARSERVICEGETLIMITSRESPONSE']._serialized_end=204
-  _globals['_GENERATEREQUEST']._serialized_start=207
-  _globals['_GENERATEREQUEST']._serialized_end=432
-  _globals['_PRIOROUTPUT']._serialized_start=434
-  _globals['_PRIOROUTPUT']._serialized_end=535
-  _globals['_GENERATERESPONSE']._serialized_start=538
-  _globals['_GENERATERESPONSE']._serialized_end=756
-  _globals['_GENERATEBATCHREQUEST']._serialized_start=758
-  _globals['_GENERATEBATCHREQUEST']._serialized_end=828
-  _globals['_GENERATEBATCHRESPONSE']._serialized_start=830
-  _globals['_GENERATEBATCHRESPONSE']._serialized_end=926
-  _globals['_ARSERVICE']._serialized_start=929
-  _globals['_ARSERVICE']._serialized_end=1195
+  _globals['_ARSERVICEGETLIMITSRESPONSE']._serialized_end=220
+  _globals['_GENERATEREQUEST']._serialized_start=223
+  _globals['_GENERATEREQUEST']._serialized_end=448
+  _globals['_PRIOROUTPUT']._serialized_start=450
+  _globals['_PRIOROUTPUT']._serialized_end=551
+  _globals['_GENERATERESPONSE']._serialized_start=554
+  _globals['_GENERATERESPONSE']._serialized_end=772
+  _globals['_GENERATEBATCHREQUEST']._serialized_start=774
+  _globals['_GENERATEBATCHREQUEST']._serialized_end=844
+  _globals['_GENERATEBATCHRESPONSE']._serialized_start=846
+  _globals['_GENERATEBATCHRESPONSE']._serialized_end=942
+  _globals['_ARSERVICE']._serialized_start=945
+  _globals['_ARSERVICE']._serialized_end=1211
 # @@protoc_insertion_point(module_scope)

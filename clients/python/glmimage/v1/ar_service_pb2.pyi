@@ -12,12 +12,14 @@ class ArServiceGetLimitsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ArServiceGetLimitsResponse(_message.Message):
-    __slots__ = ("limits", "build")
+    __slots__ = ("limits", "build", "device")
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     BUILD_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     limits: _common_pb2.Limits
     build: _common_pb2.BuildInfo
-    def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ...) -> None: ...
+    device: str
+    def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "n", "height", "width", "seed", "sampling", "request_id", "reference_images")

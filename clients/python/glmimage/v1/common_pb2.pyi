@@ -131,6 +131,14 @@ class Limits(_message.Message):
     max_lora_bytes: int
     def __init__(self, max_prompt_chars: _Optional[int] = ..., max_n: _Optional[int] = ..., max_pixels: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_guidance: _Optional[float] = ..., max_batch_outputs: _Optional[int] = ..., max_partial_images: _Optional[int] = ..., max_reference_images: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_reference_pixels: _Optional[int] = ..., max_reference_total_bytes: _Optional[int] = ..., step_cache: _Optional[bool] = ..., max_loras_per_request: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_lora_bytes: _Optional[int] = ...) -> None: ...
 
+class ImageSize(_message.Message):
+    __slots__ = ("width", "height")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    width: int
+    height: int
+    def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
+
 class BuildInfo(_message.Message):
     __slots__ = ("version", "git_commit", "proto_revision", "min_proto_revision")
     VERSION_FIELD_NUMBER: _ClassVar[int]

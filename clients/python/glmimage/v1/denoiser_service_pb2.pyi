@@ -70,12 +70,16 @@ class DenoiserServiceGetLimitsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DenoiserServiceGetLimitsResponse(_message.Message):
-    __slots__ = ("limits", "build")
+    __slots__ = ("limits", "build", "device", "compiled_sizes")
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     BUILD_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    COMPILED_SIZES_FIELD_NUMBER: _ClassVar[int]
     limits: _common_pb2.Limits
     build: _common_pb2.BuildInfo
-    def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ...) -> None: ...
+    device: str
+    compiled_sizes: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageSize]
+    def __init__(self, limits: _Optional[_Union[_common_pb2.Limits, _Mapping]] = ..., build: _Optional[_Union[_common_pb2.BuildInfo, _Mapping]] = ..., device: _Optional[str] = ..., compiled_sizes: _Optional[_Iterable[_Union[_common_pb2.ImageSize, _Mapping]]] = ...) -> None: ...
 
 class DenoiseRequest(_message.Message):
     __slots__ = ("prompt", "prior_tokens", "height", "width", "num_inference_steps", "guidance_scale", "seed", "output_format", "output_compression", "request_id", "reference_images", "references", "owner", "step_cache", "loras")
