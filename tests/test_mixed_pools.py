@@ -8,6 +8,10 @@ each of them. In every pair the requests that need what the weak one lacks all s
 busy and the weak one idle; plain requests use both; GetLimits serves what the pool can do (the union). A fourth
 gateway, behind a REST front, pairs two that each lack something (``nolora``, ``small``): each runs what only it
 can, and a request that needs both at once is refused as before, the field named (REST: its OpenAI ``param``).
+
+The AR stage too: a second AR, ``smallar`` (a lower --max-pixels), beside ``ar`` behind a fifth gateway with
+``full``: the larger requests all succeed and run only on ``ar`` (each AR's own glmimage_ar_requests_total), even
+sent at once while ``ar`` is busy and ``smallar`` idle; plain requests use both; GetLimits serves the larger budget.
 """
 
 from __future__ import annotations
@@ -42,20 +46,25 @@ def pools(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     loras = ["--lora-dir", str(tiny_lora_dir(tiny_checkpoint))]
     channels: list[grpc.Channel] = []
     try:
-        procs.start("ar", "ar", ["--model-path", str(tiny_checkpoint)], wait=False)
+        procs.start("ar", "ar", ["--model-path", str(tiny_checkpoint)], metrics=True, wait=False)
+        procs.start("smallar", "ar", ["--model-path", str(tiny_checkpoint), "--max-pixels", str(SMALL_PIXELS)],
+                    metrics=True, wait=False)
         procs.start("full", "denoiser", [*model, *loras], metrics=True, wait=False)
         procs.start("nolora", "denoiser", model, metrics=True, wait=False)
         procs.start("nocache", "denoiser", [*model, *loras], metrics=True, wait=False,
                     module="tests.support.no_step_cache_denoiser")
         procs.start("small", "denoiser", [*model, *loras, "--max-pixels", str(SMALL_PIXELS)], metrics=True,
                     wait=False)
-        for name in ("ar", "full", *WEAK):
+        for name in ("ar", "smallar", "full", *WEAK):
             procs.wait_ready(name)
         stubs = {}
-        for weak, pair in (*((w, ("full", w)) for w in WEAK), ("combo", ("nolora", "small"))):
-            gateway = procs.start(f"g-{weak}", "gateway", ["--ar", procs.procs["ar"].address,
-                                                           "--denoiser", procs.procs[pair[0]].address,
-                                                           "--denoiser", procs.procs[pair[1]].address])
+        pools = [(weak, ("ar", "full", weak)) for weak in WEAK]
+        pools += [("combo", ("ar", "nolora", "small")), ("ar", ("ar", "smallar", "full"))]
+        for weak, members in pools:
+            flags = [f"--{procs.procs[m].role}={procs.procs[m].address}" for m in members]
+            if weak == "ar":  # a batch per request: with one in flight per AR, requests sent at once need both
+                flags += ["--ar-batch-max-outputs", "1"]
+            gateway = procs.start(f"g-{weak}", "gateway", flags)
             channel = grpc.insecure_channel(gateway.address)
             channels.append(channel)
             stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
@@ -70,14 +79,20 @@ def pools(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         procs.close()
 
 
-def _served(procs: Cluster) -> dict[str, float]:
-    """Each denoiser's finished jobs (glmimage_denoiser_jobs_total{outcome="ok"}), by name."""
+def _served(procs: Cluster, names: tuple[str, ...] = ("full", *WEAK),
+            metric: str = "glmimage_denoiser_jobs_total") -> dict[str, float]:
+    """What each worker of ``names`` finished (its own ``metric``{outcome="ok"}: a denoiser's jobs), by name."""
     counts = {}
-    for name in ("full", *WEAK):
+    for name in names:
         text = httpx.get(f"http://127.0.0.1:{procs.procs[name].metrics_port}/metrics", timeout=10).text
         counts[name] = sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-                           if s.name == "glmimage_denoiser_jobs_total" and s.labels.get("outcome") == "ok")
+                           if s.name == metric and s.labels.get("outcome") == "ok")
     return counts
+
+
+def _ar_served(procs: Cluster) -> dict[str, float]:
+    """Each AR's finished requests (every request of a batch counts), by name."""
+    return _served(procs, ("ar", "smallar"), "glmimage_ar_requests_total")
 
 
 def _request(weak: str, *, plain: bool = False, n: int = 2, seed: int = 1) -> pb.GenerateImagesRequest:
@@ -173,3 +188,20 @@ def test_a_pool_of_two_partial_denoisers_runs_what_each_can_and_refuses_what_nei
     reply = httpx.post(f"http://{procs.procs['rest'].address}/v1/images/generations", json=body, timeout=TIMEOUT)
     assert reply.status_code == 200, reply.text
     assert _served(procs)["small"] == after["small"] + 1
+
+
+def test_what_only_one_ar_can_run_runs_there_and_plain_requests_use_both(pools) -> None:
+    procs, stubs = pools
+    stub = stubs["ar"]
+    assert stub.GetLimits(pb.GetLimitsRequest()).limits.max_pixels == Limits.max_pixels  # the larger AR's
+    before = _ar_served(procs)
+    replies = _run(stub, [_request("small", n=1, seed=s) for s in range(3)])  # 320x320: past smallar's budget
+    assert [len(r.images) for r in replies] == [1, 1, 1]
+    after = _ar_served(procs)
+    assert {name: after[name] - before[name] for name in after} == {"ar": 3, "smallar": 0}
+    before = after
+    plain = _run(stub, [_request("small", plain=True, n=1, seed=s) for s in range(4)])
+    assert [len(r.images) for r in plain] == [1] * 4
+    after = _ar_served(procs)
+    moved = {name: after[name] - before[name] for name in after}
+    assert moved["ar"] >= 1 and moved["smallar"] >= 1 and sum(moved.values()) == 4, moved
