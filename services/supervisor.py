@@ -180,7 +180,12 @@ class Supervisor:
         self._changed = asyncio.Event()  # set (then replaced) whenever a child's state changes: see _until
         self.on_restart: Callable[[], None] | None = None  # after a child is back (new PID) or stopped: the ready file
         # Only where a test names one (runtime.forkclient); production starts are plain processes.
-        self._forks: Client | None = connect(path) if (path := os.environ.get(ENV_SOCKET)) else None
+        self._forks: Client | None = None
+        if path := os.environ.get(ENV_SOCKET):
+            try:
+                self._forks = connect(path)
+            except OSError as exc:  # gone (its test ended): every start is a plain process, as without one
+                log.warning("no fork server at %s (%s): starting every server as a plain process", path, exc)
 
     def child(self, name: str, module: str, port: int, flags: list[str], health: str | None,
               env: dict[str, str] | None = None, metrics_port: int | None = None,
@@ -205,8 +210,12 @@ class Supervisor:
         env = {**os.environ, **child.env}
         if self._forks is not None and forkable(child.argv):
             # The tests' fork server (runtime.forkclient): a forked child dies with this process's connection.
-            forked = await asyncio.to_thread(self._forks.spawn, child.argv, env, sys.stdout.fileno(),
-                                             sys.stderr.fileno())
+            try:
+                forked = await asyncio.to_thread(self._forks.spawn, child.argv, env, sys.stdout.fileno(),
+                                                 sys.stderr.fileno())
+            except (OSError, RuntimeError) as exc:  # it went away, or stopped answering: plain processes from now on
+                log.warning("the fork server failed (%s): starting every server as a plain process", exc)
+                self._forks, forked = None, None
             if forked is not None:
                 child.process = AsyncForked(forked, asyncio.get_running_loop())
                 return

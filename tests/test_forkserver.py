@@ -105,3 +105,23 @@ def test_a_launcher_forks_its_model_servers_and_starts_the_rest_itself(tmp_path:
     model, model_code, other, other_code = asyncio.run(scenario())
     assert isinstance(model, AsyncForked) and model_code == 0 and model.returncode == 0
     assert not isinstance(other, AsyncForked) and other_code == 0
+
+
+def test_a_launcher_whose_fork_server_is_gone_starts_plain_processes(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A socket that names no fork server (its test ended, say) costs the launcher nothing but the fork."""
+    import asyncio
+
+    from runtime.forkclient import ENV_SOCKET, AsyncForked
+    from services.supervisor import Child, Supervisor
+
+    monkeypatch.setenv(ENV_SOCKET, str(tmp_path / "no-such-socket"))
+
+    async def scenario() -> tuple[object, int]:
+        sup = Supervisor("127.0.0.1", "INFO")
+        model = Child("ar", [sys.executable, "-m", "services.ar", "--help"], tmp_path / "ar.port", None)
+        await sup._spawn(model)
+        return model.process, await model.process.wait()
+
+    process, code = asyncio.run(scenario())
+    assert not isinstance(process, AsyncForked) and code == 0
