@@ -1,8 +1,10 @@
-"""The client side of a fork server: a process that has imported the model libraries once and forks a child per
-server start, so that a start costs the model load and not the imports (about 4.5 of a model server's 6
-CPU-seconds). The test suite runs one per pytest worker (tests/support/forkserver.py, where the protocol is
-described); the launcher uses it when GLMIMAGE_TEST_FORKSERVER_SOCKET names one (services/supervisor.py), as the
-tests' launchers do, and never otherwise: production starts are plain processes.
+"""The client side of a fork server: a process that has imported a server's libraries once and forks a child per
+server start, so that a start costs the server's own work and not the imports (about 4.5 of a model server's 6
+CPU-seconds; about 1 of a gateway's or a REST front's 1.5). The test suite runs two per pytest worker
+(tests/support/forkserver.py, where the protocol is described): one with the model libraries for the ARs and
+denoisers, one with the web and gRPC libraries (and no torch) for gateways and REST fronts. The launcher uses them
+when GLMIMAGE_TEST_FORKSERVER_SOCKET (and GLMIMAGE_TEST_FORKSERVER_LIGHT_SOCKET) name them
+(services/supervisor.py), as the tests' launchers do, and never otherwise: production starts are plain processes.
 
 A forked child is a real process of its own (its own pid, signals, SIGSTOP, SIGKILL and exit status) whose parent
 is the fork server, so ``Client.spawn`` hands back a ``Forked``, the part of ``subprocess.Popen`` that callers use,
@@ -22,16 +24,25 @@ import subprocess
 import threading
 from collections.abc import Callable
 
-# The fork server's socket, for the launchers a test starts; unset or empty: every start is a plain process.
-ENV_SOCKET = "GLMIMAGE_TEST_FORKSERVER_SOCKET"
-# The servers a launcher asks it to fork: those that import the model libraries (a gateway or a REST front forked
-# from it would hold torch's pages, which they never import).
+# The fork servers' sockets, for the launchers a test starts; unset or empty: those starts are plain processes.
+ENV_SOCKET = "GLMIMAGE_TEST_FORKSERVER_SOCKET"  # the model servers'
+ENV_LIGHT_SOCKET = "GLMIMAGE_TEST_FORKSERVER_LIGHT_SOCKET"  # the gateways' and REST fronts'
+# The servers a launcher asks the first to fork: those that import the model libraries.
 MODEL_SERVERS = frozenset({"services.ar", "services.denoiser"})
+# Those it asks the second: they never import torch, so they are not forked from a process that has (they would
+# hold its pages, and torch in their sys.modules).
+LIGHT_SERVERS = frozenset({"gateway", "rest"})
 
 
-def forkable(argv: list[str]) -> bool:
-    """Whether a launcher asks the fork server for ``argv`` (it may still refuse: another environment, ...)."""
-    return argv[1:2] == ["-m"] and len(argv) > 2 and argv[2] in MODEL_SERVERS
+def socket_env(argv: list[str]) -> str | None:
+    """The variable naming the fork server a launcher asks for ``argv`` (which may still refuse it: another
+    environment, ...), or None: a plain process."""
+    module = argv[2] if argv[1:2] == ["-m"] and len(argv) > 2 else None
+    if module in MODEL_SERVERS:
+        return ENV_SOCKET
+    if module in LIGHT_SERVERS:
+        return ENV_LIGHT_SOCKET
+    return None
 
 
 class Forked:
@@ -91,14 +102,16 @@ class Client:
         self.refused: list[str] = []  # what ran as a plain subprocess instead, and why
         threading.Thread(target=self._read, name="forkserver-replies", daemon=True).start()
 
-    def spawn(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> Forked | None:
-        """`argv` forked, with `stdout` and `stderr` as its fds 1 and 2; None if the fork server refused it."""
+    def spawn(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int,
+              pass_fds: tuple[int, ...] = ()) -> Forked | None:
+        """`argv` forked, with `stdout` and `stderr` as its fds 1 and 2 and each of ``pass_fds`` under its own number
+        (as subprocess's pass_fds); None if the fork server refused it."""
         with self._lock:
             self._next += 1
             request_id = self._next
             answered = self._answered[request_id] = threading.Event()
-            message = {"id": request_id, "argv": argv, "env": env, "cwd": os.getcwd()}
-            socket.send_fds(self._sock, [json.dumps(message).encode()], [stdout, stderr])
+            message = {"id": request_id, "argv": argv, "env": env, "cwd": os.getcwd(), "fds": list(pass_fds)}
+            socket.send_fds(self._sock, [json.dumps(message).encode()], [stdout, stderr, *pass_fds])
         if not answered.wait(60):
             raise RuntimeError("the fork server did not answer")
         with self._lock:

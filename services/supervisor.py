@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime.forkclient import ENV_SOCKET, AsyncForked, Client, connect, forkable
+from runtime.forkclient import ENV_LIGHT_SOCKET, ENV_SOCKET, AsyncForked, Client, connect, socket_env
 from runtime.sockets import listen_socket
 
 log = logging.getLogger("services.supervisor")
@@ -179,13 +179,14 @@ class Supervisor:
         self.run_dir = Path(tempfile.mkdtemp(prefix="glmimage-stack-"))
         self._changed = asyncio.Event()  # set (then replaced) whenever a child's state changes: see _until
         self.on_restart: Callable[[], None] | None = None  # after a child is back (new PID) or stopped: the ready file
-        # Only where a test names one (runtime.forkclient); production starts are plain processes.
-        self._forks: Client | None = None
-        if path := os.environ.get(ENV_SOCKET):
-            try:
-                self._forks = connect(path)
-            except OSError as exc:  # gone (its test ended): every start is a plain process, as without one
-                log.warning("no fork server at %s (%s): starting every server as a plain process", path, exc)
+        # Only where a test names them (runtime.forkclient); production starts are plain processes.
+        self._forks: dict[str, Client] = {}
+        for name in (ENV_SOCKET, ENV_LIGHT_SOCKET):
+            if path := os.environ.get(name):
+                try:
+                    self._forks[name] = connect(path)
+                except OSError as exc:  # gone (its test ended): its starts are plain processes, as without one
+                    log.warning("no fork server at %s (%s): starting its servers as plain processes", path, exc)
 
     def child(self, name: str, module: str, port: int, flags: list[str], health: str | None,
               env: dict[str, str] | None = None, metrics_port: int | None = None,
@@ -208,14 +209,17 @@ class Supervisor:
     async def _spawn(self, child: Child) -> None:
         log.info("starting %s", child.name)
         env = {**os.environ, **child.env}
-        if self._forks is not None and forkable(child.argv):
-            # The tests' fork server (runtime.forkclient): a forked child dies with this process's connection.
+        pass_fds = (child.listener.fileno(),) if child.listener else ()
+        which = socket_env(child.argv)
+        if which is not None and (forks := self._forks.get(which)) is not None:
+            # A test's fork server (runtime.forkclient): a forked child dies with this process's connection.
             try:
-                forked = await asyncio.to_thread(self._forks.spawn, child.argv, env, sys.stdout.fileno(),
-                                                 sys.stderr.fileno())
+                forked = await asyncio.to_thread(forks.spawn, child.argv, env, sys.stdout.fileno(),
+                                                 sys.stderr.fileno(), pass_fds)
             except (OSError, RuntimeError) as exc:  # it went away, or stopped answering: plain processes from now on
-                log.warning("the fork server failed (%s): starting every server as a plain process", exc)
-                self._forks, forked = None, None
+                log.warning("the fork server failed (%s): starting its servers as plain processes", exc)
+                del self._forks[which]
+                forked = None
             if forked is not None:
                 child.process = AsyncForked(forked, asyncio.get_running_loop())
                 return
@@ -223,7 +227,7 @@ class Supervisor:
         # a preexec_fn).
         child.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "runtime.die_with_parent", str(os.getpid()), "--", *child.argv,
-            env=env, pass_fds=(child.listener.fileno(),) if child.listener else ())
+            env=env, pass_fds=pass_fds)
 
     async def start(self, group: list[Child], deadline: float) -> None:
         """Spawn `group` at once, then wait until every member has bound its port and reports healthy."""

@@ -83,27 +83,52 @@ def test_a_start_a_fork_cannot_reproduce_runs_as_a_subprocess(tmp_path: Path) ->
     assert child.wait(60) == 0 and seen(tmp_path / "plain.log")["argv"][1:] == ["exit", "0"]
 
 
-def test_a_launcher_forks_its_model_servers_and_starts_the_rest_itself(tmp_path: Path) -> None:
-    """The launcher's supervisor asks the fork server that ENV_SOCKET names for its AR and denoisers only; the child
-    it gets back ends with the status a plain one would, seen through asyncio."""
+def test_the_light_fork_server_has_no_torch_and_passes_fds(tmp_path: Path) -> None:
+    """Gateways and REST fronts come from the light fork server, which never imported torch; a start's passed fds
+    (a REST front's listening socket, from the launcher) arrive under the numbers the command line names."""
+    read, write = os.pipe()
+    os.write(write, b"through the fork server")
+    os.close(write)
+    log = tmp_path / "light.log"
+    with open(log, "ab") as out:  # the fork server receives it under another number: the child gets this one
+        child = forkserver.server("light").client.spawn([*ARGV, "read", str(read)], env(), out.fileno(),
+                                                        out.fileno(), (read,))
+    os.close(read)
+    assert isinstance(child, forkserver.Forked) and child.wait(60) == 0, log.read_text()
+    first, second = (json.loads(line) for line in log.read_text().splitlines()[:2])
+    assert not first["torch"] and not first["runtime"]
+    assert second == {"read": "through the fork server"}
+    assert forkserver.kind_of([sys.executable, "-m", "rest"]) == "light"
+    assert forkserver.kind_of([sys.executable, "-m", "services.ar"]) == "model"
+    assert forkserver.kind_of([sys.executable, "-m", "services.launcher"]) is None
+
+
+def test_a_launcher_forks_its_servers_from_the_right_fork_server(tmp_path: Path) -> None:
+    """The launcher's supervisor asks the fork server that ENV_SOCKET names for its AR and denoisers, the one that
+    ENV_LIGHT_SOCKET names for gateways and REST fronts, and neither for anything else; the child it gets back ends
+    with the status a plain one would, seen through asyncio."""
     import asyncio
 
-    from runtime.forkclient import ENV_SOCKET, AsyncForked
+    from runtime.forkclient import ENV_LIGHT_SOCKET, ENV_SOCKET, AsyncForked
     from services.supervisor import Child, Supervisor
 
     forkserver.export()
     assert os.environ[ENV_SOCKET] == str(forkserver.server().path)
+    assert os.environ[ENV_LIGHT_SOCKET] == str(forkserver.server("light").path)
 
-    async def scenario() -> tuple[object, int, object, int]:
+    async def scenario() -> list[tuple[object, int]]:
         sup = Supervisor("127.0.0.1", "INFO")
-        model = Child("ar", [sys.executable, "-m", "services.ar", "--help"], tmp_path / "ar.port", None)
-        other = Child("gw", [sys.executable, "-m", "gateway", "--help"], tmp_path / "gw.port", None)
-        await sup._spawn(model)
-        await sup._spawn(other)
-        return model.process, await model.process.wait(), other.process, await other.process.wait()
+        children = [Child(name, [sys.executable, "-m", module, "--help"], tmp_path / f"{name}.port", None)
+                    for name, module in (("ar", "services.ar"), ("gw", "gateway"),
+                                         ("other", "services.launcher"))]
+        for child in children:
+            await sup._spawn(child)
+        return [(child.process, await child.process.wait()) for child in children]
 
-    model, model_code, other, other_code = asyncio.run(scenario())
+    (model, model_code), (gateway, gateway_code), (other, other_code) = asyncio.run(scenario())
     assert isinstance(model, AsyncForked) and model_code == 0 and model.returncode == 0
+    assert isinstance(gateway, AsyncForked) and gateway_code == 0
+    assert forkserver.started_by(os.getpid()) == {}  # both exited: no record left
     assert not isinstance(other, AsyncForked) and other_code == 0
 
 

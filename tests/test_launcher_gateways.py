@@ -18,7 +18,7 @@ import pytest
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
 from services.launcher import gateway_names, parse_args, port_problem, ready_map
-from tests.support.cluster import launcher_child, launcher_tree, running_stack, wait_serving
+from tests.support.cluster import launcher_child, launcher_child_argv, launcher_tree, running_stack, wait_serving
 from tests.support.waiting import until as _until
 
 BURST = 16
@@ -78,7 +78,7 @@ def test_two_gateways_one_killed_mid_burst(tiny_checkpoint: Path, tmp_path: Path
         assert [line.split()[0] for line in run.banner[1:7]] == ["ar", "denoiser-0", "denoiser-1", *names, "rest"]
         assert addr["gateway"] == addr["gateway-1"] != addr["gateway-2"]  # the old key: the first gateway
         assert addr["gateways"] == f"{addr['gateway-1']},{addr['gateway-2']}"
-        rest_argv = psutil.Process(launcher_child(launcher, "rest")).cmdline()
+        _, rest_argv = launcher_child_argv(launcher, "rest")
         assert rest_argv[rest_argv.index("--gateway-address") + 1] == addr["gateways"]
         seen = {p.pid for p in launcher_tree(launcher)}
 
@@ -120,7 +120,7 @@ def test_two_gateways_one_killed_mid_burst(tiny_checkpoint: Path, tmp_path: Path
 
         _until(replaced, 30, f"the launcher to restart {victim}")
         wait_serving(addr[victim], "glmimage.v1.GatewayService", timeout=60)  # on the same port
-        back = psutil.Process(launcher_child(launcher, victim)).cmdline()
+        _, back = launcher_child_argv(launcher, victim)
         assert back[back.index("--port") + 1] == addr[victim].rsplit(":", 1)[1]
         _until(lambda: members(victim) == workers, 30, f"the restarted {victim} to see every worker available")
         again = stubs[victim].GenerateImages(pb.GenerateImagesRequest(prompt="back", n=1, height=64, width=64,

@@ -185,9 +185,16 @@ def launcher_tree(launcher: int) -> list[psutil.Process]:
 
 def launcher_child(launcher: int, name: str) -> int | None:
     """The pid of the launcher's child `name` (recognised by its --port-file), if one is running."""
+    found = launcher_child_argv(launcher, name)
+    return found[0] if found else None
+
+
+def launcher_child_argv(launcher: int, name: str) -> tuple[int, list[str]] | None:
+    """The pid and command line of the launcher's child `name`, if one is running (a forked child's /proc cmdline
+    is its fork server's: this is the one it was started with)."""
     for pid, argv in launcher_children(launcher).items():
         if any(arg.endswith(f"/{name}.port") for arg in argv):
-            return pid
+            return pid, argv
     return None
 
 

@@ -23,6 +23,8 @@ def main() -> None:
         raise RuntimeError("an error nobody caught")
     if mode == "interrupt":
         raise KeyboardInterrupt
+    if mode == "read":  # what the fd numbered ARG (passed to it, as subprocess's pass_fds would) holds
+        print(json.dumps({"read": os.read(int(sys.argv[2]), 1024).decode()}), flush=True)
     if mode == "wait":  # until a signal ends it; SIGTERM by its default action unless ARG is "handle"
         if sys.argv[2:] == ["handle"]:
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))

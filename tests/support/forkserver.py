@@ -1,9 +1,11 @@
-"""Model servers for the tests, forked from one process that has already imported torch, transformers and diffusers.
+"""Servers for the tests, forked from processes that have already imported their libraries: torch, transformers and
+diffusers for the model servers, gRPC, aiohttp, FastAPI and the like (and no torch) for gateways and REST fronts.
 
 Most of an AR's or a denoiser's start is importing those libraries (about 4.5 of its 6 CPU-seconds, a third of it
-torch._dynamo, which diffusers imports unconditionally), and the suite starts well over a hundred such processes on
-a 2-core machine. So each pytest worker keeps one fork server: a plain `python -m tests.support.forkserver` that
-imports the libraries once, before any thread or gRPC state exists, and forks a child per start. The child is still
+torch._dynamo, which diffusers imports unconditionally), and of a gateway's or a REST front's about 1 of 1.5; the
+suite starts well over a hundred of each on a 2-core machine. So each pytest worker keeps two fork servers (`model`
+and `light`): each a plain `python -m tests.support.forkserver` that imports its libraries once, before any thread
+or gRPC state exists, and forks a child per start. The child is still
 a real process of its own (its own pid, signals, SIGSTOP, SIGKILL and exit status) that runs the server's module as
 `python -m` would; only its parent is the fork server rather than the test, so `spawn` hands back a `Forked`, a
 `subprocess.Popen` look-alike whose exit status the fork server reports.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import fcntl
 import gc
 import json
 import os
@@ -33,22 +36,50 @@ import threading
 import traceback
 from pathlib import Path
 
-from runtime.forkclient import ENV_SOCKET, MODEL_SERVERS, Client, Forked
+from runtime.forkclient import ENV_LIGHT_SOCKET, ENV_SOCKET, LIGHT_SERVERS, MODEL_SERVERS, Client, Forked
 
 REPO = Path(__file__).resolve().parents[2]
 _ENVIRONMENT = dict(os.environ)  # the test process's, before any test changed it: what the fork server runs with
 PR_SET_PDEATHSIG = 1
-# The servers that import the model libraries anyway (runtime.forkclient.MODEL_SERVERS, what launchers ask for) and
-# the tests' own. A gateway or REST front forked from here would hold torch's pages, which they never import: they
-# keep starting as themselves.
-FORKED = MODEL_SERVERS | {"tests.support.no_step_cache_denoiser", "tests.support.forked_child"}
+MAX_FDS = 8  # a start's: its stdout, its stderr and what it passes (a REST front its listening socket)
+# What each fork server forks: the servers that import its libraries anyway (runtime.forkclient's, what launchers ask
+# for) and the tests' own. A gateway or REST front forked from the model server would hold torch's pages, which it
+# never imports: it has the light one.
+FORKED = {
+    "model": MODEL_SERVERS | {"tests.support.no_step_cache_denoiser", "tests.support.forked_child"},
+    "light": LIGHT_SERVERS | {"tests.support.forked_child"},
+}
 # This project's packages: a child imports them afresh (see _preload), so the fork server's own are dropped.
 OWN_PACKAGES = frozenset({"runtime", "services", "gateway", "rest", "glmimage", "tests"})
 
 
-def _preload() -> None:
-    """What every AR and denoiser imports and nothing of this project's: its modules are imported afresh in each
-    child, so that what they read or register while importing (logging, prometheus_client) is the child's own."""
+def _preload(kind: str) -> None:
+    """What every server of ``kind`` imports and nothing of this project's: its modules are imported afresh in each
+    child, so that what they read or register while importing (logging, prometheus_client, the protobuf descriptor
+    pool) is the child's own."""
+    if kind == "light":
+        _preload_light()
+    else:
+        _preload_model()
+
+
+def _preload_light() -> None:
+    """The libraries of a gateway and a REST front (most of their import time; their own modules are the rest)."""
+    import aiohttp  # noqa: F401
+    import fastapi  # noqa: F401
+    import grpc  # noqa: F401
+    import grpc.aio  # noqa: F401
+    import opentelemetry.trace  # noqa: F401
+    import prometheus_client  # noqa: F401
+    import pydantic  # noqa: F401
+    import standardwebhooks  # noqa: F401
+    import uvicorn  # noqa: F401
+    from grpc_health.v1 import health  # noqa: F401
+    from grpc_reflection.v1alpha import reflection  # noqa: F401
+    from grpc_status import rpc_status  # noqa: F401
+
+
+def _preload_model() -> None:
     import grpc  # noqa: F401
     import numpy  # noqa: F401
     import PIL.Image  # noqa: F401
@@ -77,15 +108,15 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _acceptable(request: dict, own_env: dict[str, str], added: dict[str, str]) -> str | None:
+def _acceptable(request: dict, kind: str, own_env: dict[str, str], added: dict[str, str]) -> str | None:
     """Why a fork would not reproduce the request's `python -m` exactly, or None (see the module's docstring).
     ``added``: what the libraries set in the environment while the fork server imported them; a client that has
     imported them too has the same, one that has not lacks it, and neither is another environment."""
     argv, env = request["argv"], request["env"]
     if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
         return "not this interpreter's python -m"
-    if argv[2] not in FORKED:
-        return "not a model server"
+    if argv[2] not in FORKED[kind]:
+        return f"not a server the {kind} fork server starts"
     if Path(request["cwd"]).resolve() != REPO:
         return "another directory"
     differ = sorted(k for k in set(env) | set(own_env) if env.get(k) != own_env.get(k)
@@ -94,9 +125,21 @@ def _acceptable(request: dict, own_env: dict[str, str], added: dict[str, str]) -
     return f"another environment ({', '.join(differ)})" if differ else None
 
 
-def _run_child(request: dict, stdout: int, stderr: int, inherited: list[int]) -> None:
-    """In the forked child: become `python -m MODULE ARGS` with the request's environment and output. Never
-    returns."""
+def _place_fds(sources: list[int], targets: list[int]) -> None:
+    """dup2 each of ``sources`` onto the same place in ``targets`` (inheritable, as pass_fds makes them) and close
+    the sources; by way of copies above every number in play, so that no target overwrites a source not yet moved."""
+    floor = max([*sources, *targets, 2]) + 1
+    copies = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor) for fd in sources]
+    for fd in set(sources) - set(targets):
+        os.close(fd)
+    for copy, target in zip(copies, targets, strict=True):
+        os.dup2(copy, target)  # inheritable unless the target is 0-2, which dup2 makes inheritable anyway
+        os.close(copy)
+
+
+def _run_child(request: dict, fds: list[int], inherited: list[int]) -> None:
+    """In the forked child: become `python -m MODULE ARGS` with the request's environment, output (``fds``' first
+    two) and passed fds (the rest, under the numbers the request names). Never returns."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -105,12 +148,7 @@ def _run_child(request: dict, stdout: int, stderr: int, inherited: list[int]) ->
             os.close(fd)
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # no server outlives the fork server
         os.chdir(request["cwd"])
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(stdout, 1)
-        os.dup2(stderr, 2)
-        for fd in {null, stdout, stderr} - {0, 1, 2}:
-            os.close(fd)
+        _place_fds([os.open(os.devnull, os.O_RDONLY), *fds], [0, 1, 2, *request.get("fds", [])])
         os.environ.clear()
         os.environ.update(request["env"])
         for name in [m for m in sys.modules if m.split(".")[0] in OWN_PACKAGES]:
@@ -148,7 +186,7 @@ def _send(conn: socket.socket, message: dict) -> None:
         conn.send(json.dumps(message).encode())
 
 
-def serve(control: socket.socket, listener: socket.socket) -> None:
+def serve(control: socket.socket, listener: socket.socket, kind: str) -> None:
     """The fork server's loop. Clients (the test process on `control`, a launcher on `listener`) send one message
     per start: JSON with the argv, environment and directory, and the child's stdout and stderr as passed fds. The
     reply is the child's pid (or why it was refused), and later its wait status. A client's EOF SIGKILLs its
@@ -156,7 +194,7 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
     command line and client pid are kept in `records` (see `started_by`), since its /proc cmdline is the fork
     server's."""
     own_env = dict(os.environ)
-    _preload()
+    _preload(kind)
     gc.freeze()  # the children share these pages instead of copying them when the collector touches them
     # What the libraries set while importing (torch: TORCHINDUCTOR_CACHE_DIR): a fresh process would set it too, and
     # a client that has imported them since it started has it already, which is no other environment.
@@ -171,7 +209,6 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
     peer_pid = {control: os.getppid()}
     records = Path(listener.getsockname()).parent / "children"
     records.mkdir(exist_ok=True)
-    children_cpu = 0.0  # CPU seconds of every child reaped so far (tests/support/cpu_profile.py reads them)
     _send(control, {"ready": listener.getsockname()})
     while True:
         readable, _, _ = select.select([*clients, listener, wake_r], [], [])
@@ -181,14 +218,12 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
                     pass
         while owner:
             try:
-                pid, status, usage = os.wait4(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
             (records / f"{pid}.json").unlink(missing_ok=True)
-            children_cpu += usage.ru_utime + usage.ru_stime
-            (records.parent / "children-cpu").write_text(f"{children_cpu:.3f}")
             conn = owner.pop(pid)
             if conn in clients:  # else gone, its children killed
                 clients[conn].discard(pid)
@@ -200,7 +235,7 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
                                                                  struct.calcsize("3i")))[0]
         for conn in [c for c in readable if c in clients]:
             try:
-                data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+                data, fds, _, _ = socket.recv_fds(conn, 1 << 20, MAX_FDS)
             except OSError:
                 data, fds = b"", []
             if not data:
@@ -213,7 +248,8 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
                     return
                 continue
             request = json.loads(data)
-            refused = _acceptable(request, own_env, added) if len(fds) == 2 else "no stdout and stderr"
+            refused = (_acceptable(request, kind, own_env, added) if len(fds) == 2 + len(request.get("fds", []))
+                       else "not stdout, stderr and the fds named")
             if refused:
                 _send(conn, {"id": request["id"], "refused": refused})
             else:
@@ -221,7 +257,7 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
                 pid = os.fork()
                 if pid == 0:
                     request["env"] = added | request["env"]
-                    _run_child(request, fds[0], fds[1], inherited)
+                    _run_child(request, fds, inherited)
                 clients[conn].add(pid)
                 owner[pid] = conn
                 (records / f"{pid}.json").write_text(json.dumps({"argv": request["argv"], "client": peer_pid[conn]}))
@@ -231,18 +267,18 @@ def serve(control: socket.socket, listener: socket.socket) -> None:
 
 
 class ForkServer:
-    """The fork server of one test process, and that process's connection to it. Launchers the tests start reach
-    it on `path` (runtime.forkclient.ENV_SOCKET, which `export` sets). Started at once; `client` waits until it has
-    imported the libraries."""
+    """A fork server of one test process (``kind``: "model" or "light"), and that process's connection to it.
+    Launchers the tests start reach it on `path` (runtime.forkclient's ENV_SOCKET or ENV_LIGHT_SOCKET, which
+    `export` sets). Started at once; `client` waits until it has imported the libraries."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.path = Path(tempfile.mkdtemp(prefix="glmimage-forkserver-")) / "socket"
+        self.path = Path(tempfile.mkdtemp(prefix=f"glmimage-forkserver-{kind}-")) / "socket"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(str(self.path))
         listener.listen(64)  # a launcher that connects before the fork server's loop runs waits in the backlog
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.forkserver", str(theirs.fileno()), str(listener.fileno())],
+            [sys.executable, "-m", "tests.support.forkserver", str(theirs.fileno()), str(listener.fileno()), kind],
             pass_fds=[theirs.fileno(), listener.fileno()], cwd=REPO, env=_ENVIRONMENT, stdin=subprocess.DEVNULL)
         theirs.close()
         listener.close()
@@ -269,48 +305,43 @@ class ForkServer:
         shutil.rmtree(self.path.parent, ignore_errors=True)
 
 
-_server: ForkServer | None = None
+_servers: dict[str, ForkServer] = {}
 _server_lock = threading.Lock()
+KINDS = {"model": ENV_SOCKET, "light": ENV_LIGHT_SOCKET}  # each fork server, and the variable naming its socket
 
 
-def server() -> ForkServer:
-    """This test process's fork server, started on first use."""
-    global _server
+def server(kind: str = "model") -> ForkServer:
+    """This test process's fork server of ``kind``, started on first use."""
     with _server_lock:
-        if _server is None:
-            _server = ForkServer()
-            atexit.register(_server.close)
-        return _server
+        if kind not in _servers:
+            _servers[kind] = ForkServer(kind)
+            atexit.register(_servers[kind].close)
+        return _servers[kind]
+
+
+def kind_of(argv: list[str]) -> str | None:
+    """Which fork server would start ``argv``, if any would (it may still refuse: see the module's docstring)."""
+    if argv[1:2] != ["-m"] or len(argv) < 3:
+        return None
+    return next((kind for kind, modules in FORKED.items() if argv[2] in modules), None)
 
 
 def started_by(client: int) -> dict[int, list[str]]:
-    """The running children that process ``client`` (a launcher) had forked by this test process's fork server,
+    """The running children that process ``client`` (a launcher) had forked by this test process's fork servers,
     by pid, with the command line each was started with."""
-    if _server is None:
-        return {}
     found = {}
-    for record in (_server.path.parent / "children").glob("*.json"):
-        with contextlib.suppress(FileNotFoundError, ValueError):  # it exited meanwhile
-            data = json.loads(record.read_text())
-            if data["client"] == client:
-                found[int(record.stem)] = data["argv"]
+    for forks in list(_servers.values()):
+        for record in (forks.path.parent / "children").glob("*.json"):
+            with contextlib.suppress(FileNotFoundError, ValueError):  # it exited meanwhile
+                data = json.loads(record.read_text())
+                if data["client"] == client:
+                    found[int(record.stem)] = data["argv"]
     return found
-
-
-def children_cpu_seconds() -> float:
-    """The CPU seconds of every child this test process's fork server has reaped, whoever asked for it (a test or
-    a launcher): the CPU that RUSAGE_CHILDREN does not see, since they are not this process's children."""
-    if _server is None:
-        return 0.0
-    try:
-        return float((_server.path.parent / "children-cpu").read_text())
-    except (FileNotFoundError, ValueError):
-        return 0.0
 
 
 def without() -> dict[str, str]:
     """This process's environment for a launcher that must start its servers as plain processes."""
-    return {k: v for k, v in os.environ.items() if k != ENV_SOCKET}
+    return {k: v for k, v in os.environ.items() if k not in KINDS.values()}
 
 
 def enabled() -> bool:
@@ -318,24 +349,25 @@ def enabled() -> bool:
 
 
 def export() -> None:
-    """Start this test process's fork server now (it imports the libraries while the first tests run) and name its
-    socket in the environment, where the launchers the tests start find it (services/supervisor.py). A test whose
-    launcher must start its servers as plain processes (it reads their command lines or environments, which a
-    forked child inherits from the fork server) removes ENV_SOCKET from the launcher's environment."""
+    """Start this test process's fork servers now (they import the libraries while the first tests run) and name
+    their sockets in the environment, where the launchers the tests start find them (services/supervisor.py). A test
+    whose launcher must start its servers as plain processes (it reads their command lines or environments, which a
+    forked child inherits from its fork server) removes both from the launcher's environment (`without`)."""
     if enabled():
-        os.environ[ENV_SOCKET] = str(server().path)
+        for kind, variable in KINDS.items():
+            os.environ[variable] = str(server(kind).path)
 
 
 def spawn(argv: list[str], log: Path, env: dict[str, str]) -> Forked | subprocess.Popen:
-    """`argv` as a child of the fork server when a fork reproduces it (see the module's docstring), else as a
-    subprocess; stdout and stderr appended to `log`. GLMIMAGE_TEST_FORKSERVER=0 turns the fork server off."""
+    """`argv` as a child of a fork server when a fork reproduces it (see the module's docstring), else as a
+    subprocess; stdout and stderr appended to `log`. GLMIMAGE_TEST_FORKSERVER=0 turns the fork servers off."""
     with open(log, "ab") as out:
-        if enabled() and argv[1:2] == ["-m"]:
-            child = server().client.spawn(argv, env, out.fileno(), out.fileno())
+        if enabled() and (kind := kind_of(argv)) is not None:
+            child = server(kind).client.spawn(argv, env, out.fileno(), out.fileno())
             if child is not None:
                 return child
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 if __name__ == "__main__":
-    serve(socket.socket(fileno=int(sys.argv[1])), socket.socket(fileno=int(sys.argv[2])))
+    serve(socket.socket(fileno=int(sys.argv[1])), socket.socket(fileno=int(sys.argv[2])), sys.argv[3])
