@@ -291,3 +291,23 @@ def test_metrics_pass_promtool_lint() -> None:
     assert b"glmimage_ar_requests_total" in text and b"glmimage_ar_queue_seconds_bucket" in text
     lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=30)
     assert lint.returncode == 0, lint.stdout.decode() + lint.stderr.decode()
+
+
+def test_warm_up_runs_the_prefill_and_a_few_decoding_steps_not_a_whole_image(ar_engine) -> None:
+    """The warm-up runs every path a request does (prefill, then decoding with a KV cache behind it) but only
+    WARM_UP_TOKENS of a 64x64 image's ~260 tokens: an AR's start should not cost a whole image."""
+    from services.ar.domain import ArRequest
+    from services.ar.engine import WARM_UP_TOKENS
+
+    calls = []
+    handle = ar_engine.model.register_forward_hook(lambda _m, args, kwargs, _out: calls.append(
+        kwargs["input_ids"].shape[1] if kwargs.get("input_ids") is not None else 1), with_kwargs=True)
+    try:
+        ar_engine.warm_up()
+        warm = list(calls)
+        calls.clear()
+        (result,) = ar_engine.generate([ArRequest(prompt="warm-up", n=1, height=64, width=64, seed=0)])
+    finally:
+        handle.remove()
+    assert len(warm) == WARM_UP_TOKENS and warm[0] > 1 and set(warm[1:]) == {1}  # the prefill, then one at a time
+    assert len(calls) > 200 and len(result.outputs) == 1  # a request decodes the whole preview and target grid

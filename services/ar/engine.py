@@ -59,6 +59,11 @@ class _Row:
     params: RowParams
 
 
+# Decoding steps of the warm-up: enough to run the decoding step's kernels with a KV cache behind them, not a whole
+# image's worth.
+WARM_UP_TOKENS = 8
+
+
 class ArEngine:
     def __init__(self, processor, model, device: torch.device, limits: Limits = DEFAULT_LIMITS) -> None:
         self.processor = processor
@@ -160,13 +165,7 @@ class ArEngine:
         rows = self._rows(requests, prompts)
         plan = rows[0].prompt.plan
         inputs = self._batch_inputs(rows)
-        generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in rows]
-        config = copy.deepcopy(self._greedy)
-        config.max_new_tokens = plan.max_new_tokens
-        stopping = StoppingCriteriaList([ControlStop(control)] if control is not None else [])
-        out = self.model.generate(
-            **inputs, generation_config=config, stopping_criteria=stopping,
-            logits_processor=LogitsProcessorList([RowSampler([r.params for r in rows], generators, self.device)]))
+        out = self._generate_tokens(inputs, rows, plan.max_new_tokens, control)
         if control is not None:
             control.check()
         generated = out[:, inputs["input_ids"].shape[1]:].tolist()
@@ -183,5 +182,24 @@ class ArEngine:
         return [ArResult(outputs=o, height=r.height, width=r.width, references=refs)
                 for o, r, refs in zip(outputs, requests, references, strict=True)]
 
+    def _generate_tokens(self, inputs: dict[str, torch.Tensor], rows: Sequence[_Row], max_new_tokens: int,
+                         control: RunControl | None) -> torch.Tensor:
+        generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in rows]
+        config = copy.deepcopy(self._greedy)
+        config.max_new_tokens = max_new_tokens
+        stopping = StoppingCriteriaList([ControlStop(control)] if control is not None else [])
+        return self.model.generate(
+            **inputs, generation_config=config, stopping_criteria=stopping,
+            logits_processor=LogitsProcessorList([RowSampler([r.params for r in rows], generators, self.device)]))
+
+    @torch.inference_mode()
     def warm_up(self) -> None:
-        self.generate([ArRequest(prompt="warm-up", n=1, height=64, width=64, seed=0)])
+        """A text-to-image prompt's prefill and its first WARM_UP_TOKENS decoding steps: every kernel and path a
+        request runs (its other tokens repeat the decoding step), for a few percent of even a 64x64 image's some 260
+        tokens (the ~256-token preview grid is generated at every size)."""
+        t0 = time.perf_counter()
+        request = ArRequest(prompt="warm-up", n=1, height=64, width=64, seed=0)
+        prompts = self._encode([request])
+        rows = self._rows([request], prompts)
+        self._generate_tokens(self._batch_inputs(rows), rows, WARM_UP_TOKENS, None)
+        log.info("AR warmed up (%d tokens) in %.2fs", WARM_UP_TOKENS, time.perf_counter() - t0)
