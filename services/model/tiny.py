@@ -3,7 +3,7 @@
 It is written once with `save_pretrained` in the real checkpoint layout, so both services load it through
 exactly the code path used for `--model-path /path/to/GLM-Image`. Nothing is downloaded.
 
-Image editing (tiny-v2; tests/test_tiny_edit.py), as the installed diffusers/transformers do it:
+Image editing (since tiny-v2; tests/test_tiny_edit.py), as the installed diffusers/transformers do it:
 - AR: a chat of one user turn, content = the reference image items, then the text, through
   `processor.apply_chat_template(chats, tokenize=True, target_h=H, target_w=W, padding=..., return_dict=True,
   return_tensors="pt")`. A reference of h x w (sides multiples of 32) adds (h/32)*(w/32) `<|image|>` tokens plus its
@@ -29,7 +29,7 @@ from runtime.paths import cache_root
 log = logging.getLogger(__name__)
 
 # Bump when the architecture below changes, so stale caches are rebuilt rather than half-loaded.
-TINY_VERSION = "tiny-v2"
+TINY_VERSION = "tiny-v3"  # v3: one AR decoder layer (v2: two), a third less CPU a token
 # Visual codebook: AR lm_head vision vocab == VQ codebook == DiT prior embedding size (real: 16512 / 16384 / 16384).
 CODEBOOK = 128
 # Vision patch edge, as the real model: the processor halves a reference then cuts it into 16-pixel patches, so one
@@ -104,7 +104,7 @@ def build_tiny_pipeline(seed: int = 0):
     processor = GlmImageProcessor(image_processor=image_processor, tokenizer=ar_tok, chat_template=CHAT_TEMPLATE)
     torch.manual_seed(seed)
     ar = GlmImageForConditionalGeneration(GlmImageConfig(
-        text_config=dict(vocab_size=len(ar_tok), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        text_config=dict(vocab_size=len(ar_tok), hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
                          vision_vocab_size=CODEBOOK, rope_parameters={"mrope_section": (4, 2, 2)},
                          pad_token_id=ar_tok.pad_token_id, eos_token_id=ar_tok.eos_token_id),
