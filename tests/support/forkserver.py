@@ -12,7 +12,8 @@ a real process of its own (its own pid, signals, SIGSTOP, SIGKILL and exit statu
 
 A start the fork server could not reproduce exactly runs as a plain subprocess instead: anything but
 `sys.executable -m MODULE ...` in this directory, or an environment that differs from the fork server's in
-anything but GLMIMAGE_* settings (the interpreter and the libraries read the others while they start).
+anything but GLMIMAGE_* and OTEL_BSP_* settings (the interpreter and the libraries read the others while they start;
+OpenTelemetry reads OTEL_BSP_* when a server builds its span processor).
 """
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ FORKED = {
     "model": MODEL_SERVERS | {"tests.support.no_step_cache_denoiser", "tests.support.forked_child"},
     "light": LIGHT_SERVERS | {"tests.support.forked_child"},
 }
+# Settings that may differ between a start and its fork server, since nothing reads them before the child does: this
+# project's own, OpenTelemetry's span processor's (read when a server builds it), and for the light one torch's (its
+# children never import torch; a test process that has, carries what torch set, such as TORCHINDUCTOR_CACHE_DIR).
+UNREAD_AT_START = {"model": ("GLMIMAGE_", "OTEL_BSP_"), "light": ("GLMIMAGE_", "OTEL_BSP_", "TORCH")}
 # This project's packages: a child imports them afresh (see _preload), so the fork server's own are dropped.
 OWN_PACKAGES = frozenset({"runtime", "services", "gateway", "rest", "glmimage", "tests"})
 
@@ -120,7 +125,7 @@ def _acceptable(request: dict, kind: str, own_env: dict[str, str], added: dict[s
     if Path(request["cwd"]).resolve() != REPO:
         return "another directory"
     differ = sorted(k for k in set(env) | set(own_env) if env.get(k) != own_env.get(k)
-                    and not k.startswith("GLMIMAGE_") and k != "PYTEST_CURRENT_TEST"
+                    and not k.startswith(UNREAD_AT_START[kind]) and k != "PYTEST_CURRENT_TEST"
                     and not (k in added and env.get(k, added[k]) == added[k]))
     return f"another environment ({', '.join(differ)})" if differ else None
 
