@@ -25,6 +25,7 @@ from glmimage.v1 import ar_service_pb2, ar_service_pb2_grpc, common_pb2, denoise
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc as pb_grpc
 from runtime.version import PROTO_REVISION, package_version
+from tests.support import forkserver
 from tests.support.cluster import SERVICES, reap, wait_serving
 from tests.support.waiting import until
 
@@ -47,7 +48,7 @@ UNSPOKEN_DENOISER = ("import runpy, runtime.version as v; "
 class Server:
     name: str
     role: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | forkserver.Forked
     port_file: Path
     metrics_file: Path
     log: Path
@@ -86,9 +87,13 @@ class Servers:
             argv += ["--metrics-port", "0", "--metrics-port-file", str(metrics_file)]
         if role != "gateway":
             argv += ["--torch-threads", "1", "--device", "cpu"]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "clients" / "python")])}
-        with open(log, "ab") as out:
-            popen = subprocess.Popen(argv, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
+        popen: subprocess.Popen | forkserver.Forked
+        if tree == REPO and code is None:  # this tree's own servers: as the rest of the suite starts them
+            popen = forkserver.spawn(argv, log, dict(os.environ))
+        else:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "clients" / "python")])}
+            with open(log, "ab") as out:
+                popen = subprocess.Popen(argv, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
         server = Server(name, role, popen, port_file, metrics_file, log)
         self.all.append(server)
         self.by_name[name] = server
