@@ -48,7 +48,9 @@ from tests.support.net import free_port
 from tests.support.tenants_stack import sample
 from tests.support.waiting import until
 
-STEPS = 40  # under a second an image at 256x256 on one denoiser: a kill finds jobs queued, denoising and done
+# About a second a job (its AR, then under half a second an image at 64x64 on one denoiser): a kill finds jobs
+# queued, denoising and done.
+STEPS, SIZE = 40, 64
 PNG = b"\x89PNG\r\n\x1a\n"
 # Four runner slots: of 16 jobs, some wait queued in the store while others run.
 CONCURRENCY = "--gateway-arg=--job-concurrency=4"
@@ -82,7 +84,7 @@ def test_sixteen_jobs_survive_sigkill_of_the_whole_stack(tiny_checkpoint: Path, 
     client = JobClient()
     stack = start(argv, tmp_path)
     try:
-        ids = [client.submit(stack.rest(), body(10 * i, 1 + i % 2, STEPS)) for i in range(16)]
+        ids = [client.submit(stack.rest(), body(10 * i, 1 + i % 2, STEPS, SIZE)) for i in range(16)]
         until(lambda: _mid_work(read_sqlite(db)), 60, "jobs done, denoising and queued at once", step=0.05)
     finally:
         killed = stack.kill_everything()
@@ -133,7 +135,7 @@ def test_the_gateway_killed_three_times_under_the_launcher(tiny_checkpoint: Path
         for round_ in range(KILLS):
             victim = stack.pids["gateway"]
             # Fresh work each round, so every kill finds a job denoising under the gateway killed.
-            ids += [client.submit(stack.rest(), body(1000 * round_ + 10 * i, 1 + i % 2, STEPS))
+            ids += [client.submit(stack.rest(), body(1000 * round_ + 10 * i, 1 + i % 2, STEPS, SIZE))
                     for i in range(PER_ROUND)]
             until(lambda victim=victim: any(r.denoising and r.owner_pid() == victim
                                             for r in read_sqlite(db).jobs.values()),

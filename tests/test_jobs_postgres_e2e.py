@@ -31,7 +31,9 @@ from tests.support.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
-JOBS, STEPS = 64, 16  # 80 images of 256x256 at 16 steps: half a minute on one denoiser of a loaded 2-core machine
+# 80 images of 64x64 at 16 steps: half a minute on one AR and one denoiser of a loaded 2-core machine (an image
+# costs its AR most: some 260 tokens, the preview grid's, at any size).
+JOBS, STEPS, SIZE = 64, 16, 64
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def test_two_fronts_two_gateways_one_of_each_killed(tiny_checkpoint: Path, tmp_p
             front_b = f"http://{side.procs['rest-b'].address}"
 
             fronts = (front_a, front_b)
-            specs = {client.submit(fronts[i % 2], body(10 * i, 1 + (i % 4 == 0), STEPS)): 1 + (i % 4 == 0)
+            specs = {client.submit(fronts[i % 2], body(10 * i, 1 + (i % 4 == 0), STEPS, SIZE)): 1 + (i % 4 == 0)
                      for i in range(JOBS)}
             # One store behind both: each front lists every job, whichever front accepted it.
             assert set(client.jobs(front_a)) == set(client.jobs(front_b)) == set(specs)

@@ -31,7 +31,7 @@ from tests.support.reconnect import restart_gateway
 
 PROMPT = 'idle "then" busy'
 SIZE = "64x64"
-BURST = 8  # concurrent requests per burst, half through REST, half through the SDK
+BURST = 4  # concurrent requests per burst, half through REST, half through the SDK (a connection each way)
 KEEPALIVE_S = keepalive.KEEPALIVE_TIME_MS / 1000
 # Idle gaps between the bursts, each longer than every keepalive interval in play. The first is also longer than
 # three client pings: a server at grpc's default ping policy answers the third ping since it last sent data GOAWAY.

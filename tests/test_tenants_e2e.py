@@ -42,6 +42,9 @@ FLOOD = 48
 ALONE_RUNS, FLOOD_RUNS = 5, 8  # light's requests: 13 in all, under its quota of 16
 QUOTA = 16  # light's requests_per_minute and images_per_minute
 QUICK = 2  # steps of the quota test's requests: what they are refused or admitted for is not their work
+# Steps of the fairness test's requests: at 64x64 half a second's denoising each, as long as their AR's share, so the
+# flood queues at both stages (the stack's STEPS, twice this, doubles the denoisers' work and shows nothing more).
+FLOOD_STEPS = 48
 # The issue's figure is light under the flood within 3x its time alone (measured here at 1.5-2.8x on a loaded 2-core
 # machine, printed by the test; the scheduler's own figure is bench/tenants_sim's). A timing bound in a test carries
 # a 3x margin on such a machine, so the hard bound is 9x; FIFO, behind the whole flood, is some 40x. The order itself
@@ -72,7 +75,8 @@ def test_light_tenant_beside_a_flood_finishes_within_3x_its_time_alone(stack: Te
 
     def timed(i: int) -> float:
         t0 = time.monotonic()
-        reply = light.GenerateImages(request("a light tenant's lamp", seed=i), metadata=bearer(LIGHT), timeout=120)
+        reply = light.GenerateImages(request("a light tenant's lamp", seed=i, steps=FLOOD_STEPS),
+                                     metadata=bearer(LIGHT), timeout=120)
         assert len(reply.images) == 1
         return time.monotonic() - t0
 
@@ -80,8 +84,8 @@ def test_light_tenant_beside_a_flood_finishes_within_3x_its_time_alone(stack: Te
     alone = [timed(1 + i) for i in range(ALONE_RUNS - 1)]
 
     t0 = time.monotonic()
-    flood = [heavy.GenerateImages.future(request("a heavy tenant's flood", seed=i), metadata=bearer(HEAVY),
-                                         timeout=300) for i in range(FLOOD)]
+    flood = [heavy.GenerateImages.future(request("a heavy tenant's flood", seed=i, steps=FLOOD_STEPS),
+                                         metadata=bearer(HEAVY), timeout=300) for i in range(FLOOD)]
     before = _tenant(heavy, HEAVY).requests_total
     # Every one of the flood admitted (running, queued or done) before light asks again.
     until(lambda: (s := _tenant(heavy, HEAVY)).active_requests + s.requests_total - before >= FLOOD, 60,
