@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from glmimage.v1 import common_pb2, denoiser_service_pb2_grpc
 from glmimage.v1 import denoiser_service_pb2 as pb
-from tests.conftest import REPO
+from tests.support import forkserver
 
 pytestmark = pytest.mark.e2e
 log = logging.getLogger(__name__)
@@ -52,11 +53,10 @@ def _metric(text: str, name: str) -> float:
 
 async def test_sigterm_finishes_the_running_job_then_exits_zero(tiny_checkpoint: Path, tmp_path: Path) -> None:
     port_file, log_file = tmp_path / "port", tmp_path / "denoiser.log"
-    with log_file.open("w") as out:  # GLMIMAGE_CACHE (set by tiny_checkpoint) leads the child to the same model
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.denoiser", "--port", "0", "--port-file", str(port_file),
-             "--metrics-port", "0", "--png-compress-level", "0", "--drain-seconds", "120"],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    # GLMIMAGE_CACHE (set by tiny_checkpoint) leads the child to the same model.
+    proc = forkserver.spawn([sys.executable, "-m", "services.denoiser", "--port", "0", "--port-file", str(port_file),
+                             "--metrics-port", "0", "--png-compress-level", "0", "--drain-seconds", "120"],
+                            log_file, dict(os.environ))
     try:
         await _wait_for(port_file.exists, proc, "the port file")
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port_file.read_text()}") as channel:

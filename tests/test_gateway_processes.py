@@ -24,6 +24,7 @@ from gateway.servicer import GatewayServicer
 from glmimage.v1 import gateway_service_pb2 as pb
 from glmimage.v1 import gateway_service_pb2_grpc
 from runtime.server import start_server
+from tests.support import forkserver
 
 pytestmark = pytest.mark.e2e
 
@@ -34,15 +35,15 @@ LONG = {"prompt": 'a "SLOW" sign', "height": 64, "width": 64, "num_inference_ste
 
 class DenoiserProcess:
     def __init__(self, workdir: Path, name: str) -> None:
-        self.port_file = workdir / f"{name}.port"
+        self.port_file, self.log = workdir / f"{name}.port", workdir / f"{name}.log"
         self.port = 0
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | forkserver.Forked | None = None
 
     def start(self) -> None:
         self.port_file.unlink(missing_ok=True)
-        self.proc = subprocess.Popen(
+        self.proc = forkserver.spawn(
             [sys.executable, "-m", "services.denoiser", "--port", str(self.port), "--port-file", str(self.port_file),
-             "--torch-threads", "1", "--log-level", "WARNING"])
+             "--torch-threads", "1", "--log-level", "WARNING"], self.log, dict(os.environ))
 
     async def bound(self) -> str:
         async with asyncio.timeout(120):
