@@ -103,14 +103,15 @@ class Client:
         threading.Thread(target=self._read, name="forkserver-replies", daemon=True).start()
 
     def spawn(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int,
-              pass_fds: tuple[int, ...] = ()) -> Forked | None:
-        """`argv` forked, with `stdout` and `stderr` as its fds 1 and 2 and each of ``pass_fds`` under its own number
-        (as subprocess's pass_fds); None if the fork server refused it."""
+              pass_fds: tuple[int, ...] = (), cwd: str | os.PathLike | None = None) -> Forked | None:
+        """`argv` forked in ``cwd`` (default this process's), with `stdout` and `stderr` as its fds 1 and 2 and each
+        of ``pass_fds`` under its own number (as subprocess's pass_fds); None if the fork server refused it."""
         with self._lock:
             self._next += 1
             request_id = self._next
             answered = self._answered[request_id] = threading.Event()
-            message = {"id": request_id, "argv": argv, "env": env, "cwd": os.getcwd(), "fds": list(pass_fds)}
+            message = {"id": request_id, "argv": argv, "env": env, "cwd": os.fspath(cwd or os.getcwd()),
+                       "fds": list(pass_fds)}
             socket.send_fds(self._sock, [json.dumps(message).encode()], [stdout, stderr, *pass_fds])
         if not answered.wait(60):
             raise RuntimeError("the fork server did not answer")

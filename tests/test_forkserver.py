@@ -153,3 +153,22 @@ def test_a_launcher_whose_fork_server_is_gone_starts_plain_processes(tmp_path: P
 
     process, code = asyncio.run(scenario())
     assert not isinstance(process, AsyncForked) and code == 0
+
+
+def test_a_child_in_another_tree_imports_that_trees_code_as_python_m_there_would(tmp_path: Path) -> None:
+    """Another checkout of the project (the version-skew test's previous release): the child's sys.path is built as
+    the interpreter builds it there (the directory, then PYTHONPATH), so its code is that tree's, not this one's."""
+    tree, extra = tmp_path / "tree", tmp_path / "extra"
+    (tree / "tests" / "support").mkdir(parents=True)
+    extra.mkdir()
+    for package in (tree / "tests", tree / "tests" / "support"):
+        (package / "__init__.py").write_text("")
+    (tree / "tests" / "support" / "forked_child.py").write_text(
+        "import json, sys\nprint(json.dumps({'file': __file__, 'path': sys.path[:2]}))\n")
+    log = tmp_path / "tree.log"
+    child = forkserver.spawn([*ARGV], log, env(PYTHONPATH=str(extra)), cwd=tree)
+    assert isinstance(child, forkserver.Forked), forkserver.server().client.refused
+    assert child.wait(60) == 0, log.read_text()
+    view = seen(log)
+    assert view["file"] == str(tree / "tests" / "support" / "forked_child.py")
+    assert view["path"] == [str(tree), str(extra)]

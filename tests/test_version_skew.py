@@ -87,13 +87,10 @@ class Servers:
             argv += ["--metrics-port", "0", "--metrics-port-file", str(metrics_file)]
         if role != "gateway":
             argv += ["--torch-threads", "1", "--device", "cpu"]
-        popen: subprocess.Popen | forkserver.Forked
-        if tree == REPO and code is None:  # this tree's own servers: as the rest of the suite starts them
-            popen = forkserver.spawn(argv, log, dict(os.environ))
-        else:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "clients" / "python")])}
-            with open(log, "ab") as out:
-                popen = subprocess.Popen(argv, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "clients" / "python")])}
+        # From the fork servers, as the rest of the suite's servers start, in the release's tree with its path (the
+        # previous release's code is imported afresh there); `-c` code runs as a plain process.
+        popen = forkserver.spawn(argv, log, env, cwd=tree)
         server = Server(name, role, popen, port_file, metrics_file, log)
         self.all.append(server)
         self.by_name[name] = server

@@ -11,8 +11,9 @@ a real process of its own (its own pid, signals, SIGSTOP, SIGKILL and exit statu
 `subprocess.Popen` look-alike whose exit status the fork server reports.
 
 A start the fork server could not reproduce exactly runs as a plain subprocess instead: anything but
-`sys.executable -m MODULE ...` in this directory, or an environment that differs from the fork server's in
-anything but GLMIMAGE_* and OTEL_BSP_* settings (the interpreter and the libraries read the others while they start;
+`sys.executable -m MODULE ...` (in any directory, with any PYTHONPATH: the child's sys.path is built from them as
+the interpreter would), or an environment that differs from the fork server's in anything but GLMIMAGE_* and
+OTEL_BSP_* settings (the interpreter and the libraries read the others while they start;
 OpenTelemetry reads OTEL_BSP_* when a server builds its span processor).
 """
 from __future__ import annotations
@@ -122,10 +123,8 @@ def _acceptable(request: dict, kind: str, own_env: dict[str, str], added: dict[s
         return "not this interpreter's python -m"
     if argv[2] not in FORKED[kind]:
         return f"not a server the {kind} fork server starts"
-    if Path(request["cwd"]).resolve() != REPO:
-        return "another directory"
     differ = sorted(k for k in set(env) | set(own_env) if env.get(k) != own_env.get(k)
-                    and not k.startswith(UNREAD_AT_START[kind]) and k != "PYTEST_CURRENT_TEST"
+                    and not k.startswith(UNREAD_AT_START[kind]) and k not in ("PYTEST_CURRENT_TEST", "PYTHONPATH")
                     and not (k in added and env.get(k, added[k]) == added[k]))
     return f"another environment ({', '.join(differ)})" if differ else None
 
@@ -142,9 +141,15 @@ def _place_fds(sources: list[int], targets: list[int]) -> None:
         os.close(copy)
 
 
-def _run_child(request: dict, fds: list[int], inherited: list[int]) -> None:
-    """In the forked child: become `python -m MODULE ARGS` with the request's environment, output (``fds``' first
-    two) and passed fds (the rest, under the numbers the request names). Never returns."""
+def _python_path(env: dict[str, str]) -> list[str]:
+    return [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+
+
+def _run_child(request: dict, fds: list[int], inherited: list[int], library_path: list[str]) -> None:
+    """In the forked child: become `python -m MODULE ARGS` with the request's directory, environment, output
+    (``fds``' first two) and passed fds (the rest, under the numbers the request names); its sys.path as `python -m`
+    there would build it: the directory, the request's PYTHONPATH, then ``library_path`` (the interpreter's own).
+    Never returns."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -156,6 +161,7 @@ def _run_child(request: dict, fds: list[int], inherited: list[int]) -> None:
         _place_fds([os.open(os.devnull, os.O_RDONLY), *fds], [0, 1, 2, *request.get("fds", [])])
         os.environ.clear()
         os.environ.update(request["env"])
+        sys.path[:] = [os.getcwd(), *_python_path(request["env"]), *library_path]
         for name in [m for m in sys.modules if m.split(".")[0] in OWN_PACKAGES]:
             del sys.modules[name]
         module, args = request["argv"][2], request["argv"][3:]
@@ -199,6 +205,8 @@ def serve(control: socket.socket, listener: socket.socket, kind: str) -> None:
     command line and client pid are kept in `records` (see `started_by`), since its /proc cmdline is the fork
     server's."""
     own_env = dict(os.environ)
+    # What `python -m` put before the interpreter's own entries: this directory, then PYTHONPATH's.
+    library_path = sys.path[1 + len(_python_path(own_env)):]
     _preload(kind)
     gc.freeze()  # the children share these pages instead of copying them when the collector touches them
     # What the libraries set while importing (torch: TORCHINDUCTOR_CACHE_DIR): a fresh process would set it too, and
@@ -262,7 +270,7 @@ def serve(control: socket.socket, listener: socket.socket, kind: str) -> None:
                 pid = os.fork()
                 if pid == 0:
                     request["env"] = added | request["env"]
-                    _run_child(request, fds, inherited)
+                    _run_child(request, fds, inherited, library_path)
                 clients[conn].add(pid)
                 owner[pid] = conn
                 (records / f"{pid}.json").write_text(json.dumps({"argv": request["argv"], "client": peer_pid[conn]}))
@@ -363,15 +371,16 @@ def export() -> None:
             os.environ[variable] = str(server(kind).path)
 
 
-def spawn(argv: list[str], log: Path, env: dict[str, str]) -> Forked | subprocess.Popen:
-    """`argv` as a child of a fork server when a fork reproduces it (see the module's docstring), else as a
-    subprocess; stdout and stderr appended to `log`. GLMIMAGE_TEST_FORKSERVER=0 turns the fork servers off."""
+def spawn(argv: list[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> Forked | subprocess.Popen:
+    """`argv` (in ``cwd``, default this process's) as a child of a fork server when a fork reproduces it (see the
+    module's docstring), else as a subprocess; stdout and stderr appended to `log`. GLMIMAGE_TEST_FORKSERVER=0 turns
+    the fork servers off."""
     with open(log, "ab") as out:
         if enabled() and (kind := kind_of(argv)) is not None:
-            child = server(kind).client.spawn(argv, env, out.fileno(), out.fileno())
+            child = server(kind).client.spawn(argv, env, out.fileno(), out.fileno(), cwd=cwd)
             if child is not None:
                 return child
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
 
 
 if __name__ == "__main__":
