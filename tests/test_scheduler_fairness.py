@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections import Counter, deque
 
 from gateway.scheduler.core import Scheduler
-from gateway.scheduler.fairness import DenoiseQueue, Shares
+from gateway.scheduler.fair_queue import DenoiseQueue
+from gateway.scheduler.fairness import Shares
 from gateway.scheduler.types import (
     BATCH,
     DEFAULT,

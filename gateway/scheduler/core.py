@@ -37,7 +37,8 @@ from runtime.errors import ErrorKind
 from .arrival import refusal
 from .capability import Capability, Fits
 from .containers import ArQueue, MinQueue
-from .fairness import QueueKey, Shares
+from .fair_queue import QueueKey
+from .fairness import Shares
 from .placement import Placement
 from .pool import Pool, Worker
 from .records import Output, Request
@@ -81,7 +82,7 @@ __all__ = ["Scheduler"]
 _EVENT_TYPES: tuple[type, ...] = get_args(Event)
 
 
-# A denoise queue entry (fairness.QueueKey): (priority class, requeued?, admission seq, index, request_id); requeued
+# A denoise queue entry (fair_queue.QueueKey): (priority class, requeued?, admission seq, index, request_id); requeued
 # ones (_FRONT) go first within their class and tenant.
 _FRONT, _FRESH = 0, 1
 
@@ -541,7 +542,7 @@ class Scheduler:
         """Remove an active request from every queue and cancel its in-flight denoise jobs."""
         del self._active[req.request_id]
         self._ended = True
-        t = req.flow.tenant  # its share's figures (fairness.Tenant)
+        t = req.flow.tenant  # its share's figures (fair_queue.Tenant)
         del t.requests[req.seq]
         t.active_outputs -= req.n
         if not t.requests:

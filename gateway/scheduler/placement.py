@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .fairness import DenoiseQueue, QueueKey
+from .fair_queue import DenoiseQueue, QueueKey
 from .pool import Pool, Worker
 from .records import Output, Request
 from .speed import NEVER
@@ -47,7 +47,7 @@ class Placement:
         where it can run, and waits while those are busy; the jobs behind it go on, a window at a time). Without
         ``affinity`` (SchedulerConfig.lora_affinity off) no job waits for a holder: each goes at its turn.
 
-        In queue order (the fair order of fairness.DenoiseQueue), over a window of the queue at a time, while a
+        In queue order (the fair order of fair_queue.DenoiseQueue), over a window of the queue at a time, while a
         denoiser is free:
         1. a job goes to a free denoiser that holds all its adapters (a hit), even past jobs ahead of it that would
            have to load: that saves a load, and a denoiser that holds nothing they need serves them as well;

@@ -61,7 +61,7 @@ class Request:
     ar_outputs: tuple[object, ...] = ()
     done: int = 0
     loras: frozenset[str] = frozenset()  # the adapters its denoise jobs name
-    # Fair share (fairness.py): its class; its tenant's flow of its level (a fairness.Flow); whether it has an entry
+    # Fair share (fairness.py): its class; its tenant's flow of its level (a fair_queue.Flow); whether it has an entry
     # among its tenant's requests that may have queued work (BATCH ones never need one).
     priority: int = 1
     flow: Any = None
