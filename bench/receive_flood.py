@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         procs.start("denoiser", "denoiser", ["--internal-token-file", str(work / "token")],
                     env={"GLMIMAGE_INTERNAL_TOKEN": ""})
         unreachable = ["--ar", "127.0.0.1:1", "--denoiser", "127.0.0.1:2"]
-        procs.start("keyed", "gateway", [*unreachable, "--api-key", key])
+        procs.start("keyed", "gateway", [*unreachable, f"--api-key={key}"])
         procs.start("open", "gateway", unreachable)
         methods = {"ar": AR_BATCH, "denoiser": DENOISE, "keyed": GENERATE, "open": GENERATE}
         credentials = {"ar": bearer(token), "denoiser": bearer(token), "keyed": bearer(key), "open": ()}

@@ -169,6 +169,13 @@ def test_gateway_flags_refuse_a_key_that_is_both_user_and_admin() -> None:
     assert config.api_keys == ("k",) and config.admin_keys == ("a",) and config.worker_allow == ()
 
 
+def test_a_key_that_begins_with_a_dash_is_given_with_an_equals_sign() -> None:
+    # About one urlsafe token in 64 begins with "-": as a separate word argparse takes it for a flag.
+    config = config_from(gateway_args(["--api-key=-k1", "--admin-key=-a1"]))
+    assert config.api_keys == ("-k1",) and config.admin_keys == ("-a1",)
+    assert rest_main.parse_args(["--api-key=-r"]).api_key == ["-r"]
+
+
 
 # ---- the REST front: credentials per hop ----------------------------------------------------------------------
 

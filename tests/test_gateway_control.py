@@ -312,8 +312,10 @@ async def test_metrics_follow_queues_workers_and_outcomes(cluster: SimCluster) -
     ar, dns = cluster.address(cluster.ar), [cluster.address(d) for d in cluster.denoisers]
     async with running_gateway([ar], dns, metrics=GatewayMetrics(registry), max_queued_outputs=6) as gw:
         # The driver publishes the metrics once per turn of the loop, after the events of that turn: wait for it.
+        # Each worker's health arrives as an event of its own, so wait for the snapshot that has them all.
         ar_available = ("glmimage_gateway_workers", (("role", "ar"), ("state", "available")))
-        m = await scraped(registry, lambda m: m.get(ar_available))
+        dn_available = ("glmimage_gateway_workers", (("role", "denoiser"), ("state", "available")))
+        m = await scraped(registry, lambda m: m.get(ar_available) == 1 and m.get(dn_available) == 3)
         assert m["glmimage_gateway_workers", (("role", "denoiser"), ("state", "available"))] == 3
         assert m["glmimage_gateway_workers", (("role", "ar"), ("state", "available"))] == 1
         cluster.gate.clear()

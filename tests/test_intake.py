@@ -40,7 +40,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> 
         procs.start("denoiser", "denoiser", ["--internal-token-file", str(work / "token"), "--default-steps", "2"],
                     env=env)
         unreachable = ["--ar", "127.0.0.1:1", "--denoiser", "127.0.0.1:2"]
-        procs.start("keyed", "gateway", [*unreachable, "--api-key", key])
+        procs.start("keyed", "gateway", [*unreachable, f"--api-key={key}"])
         procs.start("open", "gateway", unreachable)
         yield {"procs": procs, "token": token, "key": key}
     finally:
