@@ -2,8 +2,9 @@
 and the tasks, and feeds back how each ended.
 
 Every decision lives in gateway.scheduler; the calls to workers (requests, streaming, reading failures back) in
-gateway.downstream; the pool's members and their health in gateway.workers; metric observations in
-gateway.observe. All scheduler calls happen on the event loop thread, so the state machine needs no locks.
+gateway.downstream; each member and its health in gateway.workers, the pool of them and what it can run in
+gateway.members; metric observations in gateway.observe. All scheduler calls happen on the event loop thread, so the
+state machine needs no locks.
 
 Streaming is not the scheduler's concern: a streamed request's denoise jobs run as ``DenoiseStream`` and relay
 progress and previews to the caller, while the scheduler sees the same DispatchDenoise and DenoiseSucceeded.
@@ -22,18 +23,19 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.downstream import Downstream, StreamOptions
+from gateway.members import Members
 from gateway.membership import DnsMembership
 from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer, Timing
 from gateway.scheduler import types as sch
 from gateway.scheduler.core import Scheduler
 from gateway.traces import RequestTrace, ar_call, traced
-from gateway.workers import Platform, Worker, WorkerHealth
-from glmimage.v1 import ar_service_pb2, common_pb2, denoiser_service_pb2
+from gateway.workers import Worker, WorkerHealth
+from glmimage.v1 import ar_service_pb2, denoiser_service_pb2
 from runtime.admission import Admitted
-from runtime.capability import Capabilities, Needs, fits, refusal
-from runtime.errors import ErrorKind, InvalidArgument
-from runtime.limits import Limits, limits_in_force, round_up
+from runtime.capability import Capabilities, Needs, fits
+from runtime.errors import ErrorKind
+from runtime.limits import round_up
 from runtime.logs import spawn, without_request_id
 
 log = logging.getLogger(__name__)
@@ -65,8 +67,7 @@ class Driver:
         self.scheduler = scheduler or Scheduler(config.scheduler, pick_seed=config.instance_id, fits=fits)
         self.observe = Observer(metrics)
         self._pending: dict[str, _Pending] = {}
-        self._workers: dict[str, Worker] = {}
-        self._removed: set[str] = set()  # removed from the scheduler, maybe still draining
+        self.members = Members(config.own_limits)
         self._ar_calls: dict[int, asyncio.Task] = {}
         self._ar_on: dict[int, str] = {}  # the worker each AR batch call went to
         self._abandoned_batches: set[int] = set()  # cancelled because nobody waits: report their end
@@ -79,11 +80,7 @@ class Driver:
         self._duplicates = itertools.count(1)
         self.dns: list[DnsMembership] = []
         self.downstream = Downstream(config, self.observe, self._sideline)
-        self._limits: Limits | None = None  # in force; recomputed after any change of members or their limits
-        self._loras: dict[str, common_pb2.LoraInfo] | None = None  # the catalogue, recomputed with the limits
         self._told_caps: dict[str, Capabilities] = {}  # what the scheduler was last told each worker can run
-        # The distinct kinds of member per role, in the order they joined: recomputed with the limits.
-        self._kinds: dict[sch.WorkerRole, list[Capabilities]] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -105,11 +102,11 @@ class Driver:
         if self._timer:
             self._timer.cancel()
         tasks = [*self._ar_calls.values(), *self._denoise_calls.values(), *self._background,
-                 *(t for w in self._workers.values() for t in w.tasks())]
+                 *(t for w in self.members.all() for t in w.tasks())]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(w.channel.close() for w in self._workers.values()), return_exceptions=True)
+        await asyncio.gather(*(w.channel.close() for w in self.members.all()), return_exceptions=True)
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         task = spawn(coro, name=name)
@@ -117,116 +114,53 @@ class Driver:
         task.add_done_callback(self._background.discard)
         return task
 
-    # ---- membership ------------------------------------------------------------------------------------------
-
-    def worker_role(self, address: str) -> sch.WorkerRole | None:
-        worker = self._workers.get(address)
-        return None if worker is None else worker.role
+    # ---- membership (what the members are and can run: gateway.members) ----------------------------------------
 
     def add_worker(self, address: str, role: sch.WorkerRole) -> bool:
         """Add a worker; it gets work once its health watch sees SERVING. False if it already was a member."""
-        worker = self._workers.get(address)
+        worker = self.members.get(address)
         if worker is not None:
-            if address in self._removed and worker.role is role:
-                self._removed.discard(address)  # re-added while draining: the scheduler keeps it
-                self._limits_changed()
+            if self.members.draining(address) and worker.role is role:
+                self.members.undrain(address)  # re-added while draining: the scheduler keeps it
                 self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
                 return True
             return False
-        if len(self._workers) >= self.config.max_workers:
+        if len(self.members) >= self.config.max_workers:
             log.warning("%s worker %s not added: the pool already has %d workers (--max-workers)",
-                        role.value.lower(), address, len(self._workers))
+                        role.value.lower(), address, len(self.members))
             return False
         worker = Worker(address, role, self.config)
-        self._workers[address] = worker
+        self.members.add(worker)
         log.info("%s worker %s added", role.value.lower(), address)
         self._feed(sch.WorkerAdded(now=time.monotonic(), worker=address, role=role))
         worker.watch(self._from_watch, lambda: self._closed, functools.partial(self._capabilities_changed, worker))
         return True
 
-    def _known(self, role: sch.WorkerRole | None = None) -> list[Worker]:
-        """The members (not removed) that have said what they can run, in the order they joined."""
-        return [w for a, w in self._workers.items() if a not in self._removed and w.limits is not None
-                and (role is None or w.role is role)]
-
-    def limits(self) -> Limits:
-        """What admission refuses past, and GetLimits serves: what some member of each stage can do (the union of
-        their limits; a member down for a moment still counts, so its restart turns no feature into a refusal),
-        never more than the gateway's own flags. Whether one member serves all a request asks: ``capable``."""
-        if self._limits is None:
-            self._limits = limits_in_force(dict(self.config.own_limits),
-                                           [w.limits for w in self._known(sch.WorkerRole.AR)],
-                                           [w.limits for w in self._known(sch.WorkerRole.DENOISER)])
-        return self._limits
-
-    def capable(self, needs: Needs) -> InvalidArgument | None:
-        """Why no member of some stage can run a request of ``needs`` (runtime.capability.refusal, the
-        field named), or None: it is admitted, and the scheduler places it where it can run."""
-        if self._kinds is None:
-            self._kinds = {role: list(dict.fromkeys(w.capabilities() for w in self._known(role)))
-                           for role in sch.WorkerRole}
-        for role in (sch.WorkerRole.AR, sch.WorkerRole.DENOISER):
-            why = refusal(needs, self._kinds[role])
-            if why is not None:
-                return why
-        return None
-
-    def _limits_changed(self) -> None:
-        self._limits = None
-        self._loras = None
-        self._kinds = None
-
     def _capabilities_changed(self, worker: Worker) -> None:
         """Its limits or its adapter directory changed: the union is recomputed, and the scheduler told what it can
         run (before it is first healthy: its limits are read before its health is)."""
-        self._limits_changed()
-        if self._workers.get(worker.address) is not worker or worker.limits is None:
+        self.members.changed()
+        if self.members.get(worker.address) is not worker or worker.limits is None:
             return
         caps = worker.capabilities()
         if self._told_caps.get(worker.address) != caps:
             self._told_caps[worker.address] = caps
             self._feed(sch.WorkerCapabilities(now=time.monotonic(), worker=worker.address, capabilities=caps))
 
-    def worker_progress(self, address: str) -> tuple[int, int]:
-        """The steps done of the job a denoiser runs, and of how many (0, 0: none, or not known yet)."""
-        worker = self._workers.get(address)
-        return (0, 0) if worker is None else worker.progress
-
-    def denoisers(self) -> list[Worker]:
-        """The denoisers of the pool, not those removed (draining), in the order they joined."""
-        return [w for a, w in self._workers.items() if a not in self._removed and w.role is sch.WorkerRole.DENOISER]
-
-    def lora_catalogue(self) -> dict[str, common_pb2.LoraInfo]:
-        """The adapters a request may name, by name: those some denoiser lists (its jobs go only to denoisers that
-        list all they name), as the first of them to list each describes it."""
-        if self._loras is None:
-            catalogue: dict[str, common_pb2.LoraInfo] = {}
-            for w in self.denoisers():
-                for name, info in (w.loras or {}).items():
-                    catalogue.setdefault(name, info)
-            self._loras = {name: catalogue[name] for name in sorted(catalogue)}
-        return self._loras
-
-    def pool_size(self) -> int:
-        """Workers held, both roles, draining ones included (what --max-workers bounds)."""
-        return len(self._workers)
-
     def remove_worker(self, address: str) -> bool:
         """Drain and remove a worker: its current job finishes, no new job is sent. False if unknown."""
-        if address not in self._workers:
+        if self.members.get(address) is None:
             return False
-        if address not in self._removed:
-            self._removed.add(address)
-            self._limits_changed()
+        if not self.members.draining(address):
+            self.members.drain(address)
             log.info("worker %s removed; draining", address)
             self._feed(sch.WorkerRemoved(now=time.monotonic(), worker=address))
         return True
 
     def _reap(self) -> None:
         """Close what the scheduler has let go of (a removed worker that has drained)."""
-        for address in [a for a in self._removed if not self.scheduler.has_worker(a)]:
-            self._removed.discard(address)
-            worker = self._workers.pop(address)
+        for address in [a for a in self.members.drained() if not self.scheduler.has_worker(a)]:
+            worker = self.members.pop(address)
             self._told_caps.pop(address, None)
             for task in worker.tasks():
                 task.cancel()
@@ -244,7 +178,7 @@ class Driver:
         deadline, the request ends as a deadline. ``tenant`` (its weight then) and ``priority``: its place in the
         scheduler's fair share (GetStatus shows a caller the requests of its own tenant only)."""
         needs = Needs.of(admitted, stream.partial_images if stream is not None else 0)
-        if (why := self.capable(needs)) is not None:  # (the pool changed since admission, or a job's request)
+        if (why := self.members.capable(needs)) is not None:  # (the pool changed since admission, or a job's request)
             return sch.RequestError(ErrorKind.INVALID_ARGUMENT, why.message, why.field)
         loop = asyncio.get_running_loop()
         now = time.monotonic()
@@ -278,7 +212,7 @@ class Driver:
     async def first_checks(self, timeout: float) -> None:
         """Wait (at most ``timeout``) until every member's first health check has an answer: a gateway that says
         SERVING before it knows its workers would fail-fast its first requests with 503."""
-        events = [w.checked.wait() for w in self._workers.values()]
+        events = [w.checked.wait() for w in self.members.all()]
         if events:
             try:
                 await asyncio.wait_for(asyncio.gather(*events), timeout)
@@ -312,7 +246,7 @@ class Driver:
             return
         for action in actions:
             self._perform(action)
-        if self._removed:
+        if self.members.any_draining():
             self._reap()
         self._publish_soon()
         self._arm_timer()
@@ -333,9 +267,9 @@ class Driver:
 
     def _publish(self) -> None:
         self._publish_due = False
-        self.observe.publish(self.scheduler, (w.role for w in self._workers.values() if w.health.stuck),
-                             (w.role for w in self._workers.values() if w.health is WorkerHealth.CREDENTIAL_REFUSED),
-                             (w.role for w in self._workers.values() if w.health is WorkerHealth.INCOMPATIBLE))
+        self.observe.publish(self.scheduler, (w.role for w in self.members.all() if w.health.stuck),
+                             (w.role for w in self.members.all() if w.health is WorkerHealth.CREDENTIAL_REFUSED),
+                             (w.role for w in self.members.all() if w.health is WorkerHealth.INCOMPATIBLE))
 
     def _from_watch(self, event: sch.Event, quiet: bool = False) -> None:
         """A worker's health change, from its watch. A draining worker (it said NOT_SERVING) that goes away has
@@ -355,7 +289,7 @@ class Driver:
         self._feed(event, quiet)
 
     def _gone_after_drain(self, address: str) -> None:
-        worker = self._workers.get(address)
+        worker = self.members.get(address)
         if worker is not None and worker.health is not WorkerHealth.SERVING:  # not back in the meantime
             self._feed(sch.WorkerUnhealthy(now=time.monotonic(), worker=address, why=worker.health.down))
 
@@ -434,7 +368,7 @@ class Driver:
         waiting = [(rid, p) for rid in action.request_ids if (p := self._pending.get(rid))]
         members = [(rid, p.admitted, p.timing) for rid, p in waiting]
         span = ar_call([p.trace for _, p in waiting], action.batch_id, action.worker)
-        return await traced(span, self.downstream.ar_batch(self._workers.get(action.worker), action, members))
+        return await traced(span, self.downstream.ar_batch(self.members.get(action.worker), action, members))
 
     def _ar_task_done(self, action: sch.DispatchArBatch, task: asyncio.Task) -> None:
         if self._ar_calls.get(action.batch_id) is task:
@@ -453,7 +387,7 @@ class Driver:
                                            message="internal error in the gateway"))
 
     async def _run_denoise(self, action: sch.DispatchDenoise) -> sch.Event:
-        worker = self._workers.get(action.worker)
+        worker = self.members.get(action.worker)
         pending = self._pending.get(action.job.request_id)
         if pending is None or worker is None:  # ended between dispatch and now: hand the slot straight back
             return sch.DenoiseFailed(now=time.monotonic(), job=action.job, worker=action.worker,
@@ -489,29 +423,10 @@ class Driver:
 
     # ---- health (the watches themselves are gateway.workers') -------------------------------------------------
 
-    def worker_health(self, address: str) -> WorkerHealth:
-        worker = self._workers.get(address)
-        return WorkerHealth.UNKNOWN if worker is None else worker.health
-
-    def worker_health_detail(self, address: str) -> str:
-        """What the worker said when that says more than its health (its refusal of the credential); else ""."""
-        worker = self._workers.get(address)
-        return "" if worker is None else worker.health_detail
-
-    def worker_build(self, address: str) -> common_pb2.BuildInfo:
-        """Its release and contract revisions, as its GetLimits last said (gateway.compat); empty if unknown."""
-        worker = self._workers.get(address)
-        return common_pb2.BuildInfo() if worker is None else worker.build
-
-    def worker_platform(self, address: str) -> Platform:
-        """What it runs on (its device, a denoiser's compiled sizes), as its GetLimits last said; empty if unknown."""
-        worker = self._workers.get(address)
-        return Platform() if worker is None else worker.platform
-
     def _sideline(self, worker: Worker, health: WorkerHealth, code: grpc.StatusCode, detail: str = "") -> None:
         """A call to it timed out or broke (or it refused the credential: ``detail``, what it said): unavailable
         until it answers a health check again (for a refusal, a check with the credential)."""
-        if self._closed or self._workers.get(worker.address) is not worker:
+        if self._closed or self.members.get(worker.address) is not worker:
             return
         if health is not WorkerHealth.CREDENTIAL_REFUSED:  # (a refusal is logged by the worker, with its words)
             log.warning("%s %s is suspect (%s on a call): unavailable until it answers a health check",

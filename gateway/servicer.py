@@ -126,7 +126,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         self.gate = gate or TenantGate(Quotas(LocalStore()), driver.observe.metrics)
         if self.gate.metrics is not None:  # (python -m gateway tells it again after each reload)
             self.gate.metrics.tenants(self.tenants.current.by_name)
-        self.loras = PoolLoras(driver.denoisers, config.worker_metadata)
+        self.loras = PoolLoras(driver.members.denoisers, config.worker_metadata)
 
     @property
     def _keyless(self) -> bool:
@@ -196,7 +196,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
                                       sum(p.usage.completion_tokens for p in outcome.priors)))
 
     async def GenerateImages(self, request, context: grpc.aio.ServicerContext):
-        admitted, ticket, priority = await self._admit(request, context, self.driver.limits())
+        admitted, ticket, priority = await self._admit(request, context, self.driver.members.limits())
         outcome = None
         try:
             outcome = await self._generate(admitted, ticket, priority, context)
@@ -222,7 +222,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
     async def GenerateImagesStream(self, request, context: grpc.aio.ServicerContext
                                    ) -> AsyncIterator[gateway_service_pb2.GenerateImagesStreamResponse]:
-        limits = self.driver.limits()
+        limits = self.driver.members.limits()
         check_partial_images(request.partial_images, limits)
         admitted, ticket, priority = await self._admit(request.request, context, limits, request.partial_images)
         relay = StreamRelay()
@@ -257,14 +257,14 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         stage (the driver's ``capable``): else INVALID_ARGUMENT naming the field, before any quota is charged."""
         admitted = check_generate(request, limits, default_height=self.config.default_height,
                                   default_width=self.config.default_width,
-                                  known_loras=self.driver.lora_catalogue() if request.loras else None)
-        if (why := self.driver.capable(Needs.of(admitted, partial_images))) is not None:
+                                  known_loras=self.driver.members.lora_catalogue() if request.loras else None)
+        if (why := self.driver.members.capable(Needs.of(admitted, partial_images))) is not None:
             raise why
         return admitted
 
     async def GetLimits(self, request, context: grpc.aio.ServicerContext):
         """What the pool can do: the union of its workers' limits, within the gateway's flags (Driver.limits)."""
-        return gateway_service_pb2.GetLimitsResponse(limits=self.driver.limits().to_proto())
+        return gateway_service_pb2.GetLimitsResponse(limits=self.driver.members.limits().to_proto())
 
     async def GetStatus(self, request, context: grpc.aio.ServicerContext):
         """The queues and the pool. The workers' addresses, what they said and every request's id are the admin
@@ -281,17 +281,17 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
         workers = []
         for w in snap.workers:
-            health = self.driver.worker_health(w.address)
+            health = self.driver.members.health(w.address)
             # (Only while it runs a job, as the scheduler sees it: the stream may say a step of a job just ended.)
-            step, total_steps = self.driver.worker_progress(w.address) if w.inflight or w.held_elsewhere else (0, 0)
-            platform = self.driver.worker_platform(w.address) if full else Platform()
+            step, total_steps = self.driver.members.progress(w.address) if w.inflight or w.held_elsewhere else (0, 0)
+            platform = self.driver.members.platform(w.address) if full else Platform()
             workers.append(gateway_service_pb2.WorkerStatus(
                 address=w.address if full else "", role=ROLE_TO_PROTO[w.role], state=STATE_TO_PROTO[w.state],
                 inflight=w.inflight, current_job=shown(w.current_job), health=health.value, stuck=health.stuck,
                 held_elsewhere=w.held_elsewhere, loras_loaded=sorted(w.loras), step=step, total_steps=total_steps,
-                health_detail=self.driver.worker_health_detail(w.address) if full else "",
+                health_detail=self.driver.members.health_detail(w.address) if full else "",
                 incompatible=health is WorkerHealth.INCOMPATIBLE,
-                build=self.driver.worker_build(w.address) if full else None, device=platform.device,
+                build=self.driver.members.build(w.address) if full else None, device=platform.device,
                 compiled_sizes=[common_pb2.ImageSize(width=width, height=height)
                                 for height, width in platform.compiled_sizes]))
         return gateway_service_pb2.GetStatusResponse(
@@ -343,18 +343,18 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             log.warning("admin: AddWorker %s refused: outside --worker-allow", address)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"address: {address} matches no --worker-allow pattern of this gateway")
-        known = self.driver.worker_role(address)
+        known = self.driver.members.role(address)
         if known is not None and known is not role:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"address: {address} is already a {known.value.lower()} worker; remove it first")
         # The same worker dialled another way (tls:// or plaintext://, or neither) would be two members sending
         # it two jobs at once.
-        if (other := next((a for a in parsed.spellings if a != address and self.driver.worker_role(a)), None)):
+        if (other := next((a for a in parsed.spellings if a != address and self.driver.members.role(a)), None)):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"address: {address} is already a worker as {other}; remove it first")
-        if known is None and self.driver.pool_size() >= self.config.max_workers:
+        if known is None and len(self.driver.members) >= self.config.max_workers:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"the pool is full: it holds {self.driver.pool_size()} workers, the most "
+                                f"the pool is full: it holds {len(self.driver.members)} workers, the most "
                                 f"--max-workers={self.config.max_workers} allows; remove one first")
         self.driver.add_worker(address, role)
         log.info("admin: added %s worker %s (allowed by %s)", role.value.lower(), address, rule.text)
@@ -378,18 +378,18 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         gateway that checks no keys) also what each denoiser holds loaded."""
         placement = await self.loras.listing()
         full = self._keyless or self._auth.caller(context.invocation_metadata()).holds(ADMIN)
-        return gateway_service_pb2.ListLorasResponse(loras=list(self.driver.lora_catalogue().values()),
+        return gateway_service_pb2.ListLorasResponse(loras=list(self.driver.members.lora_catalogue().values()),
                                                      placement=placement if full else [])
 
     async def LoadLoras(self, request, context: grpc.aio.ServicerContext):
         await self.loras.listing()  # a file just added to the adapter directory may be named at once
-        check_names(request.names, self.driver.limits(), self.driver.lora_catalogue())
-        workers = pick_workers(request.workers, self.driver.denoisers())
+        check_names(request.names, self.driver.members.limits(), self.driver.members.lora_catalogue())
+        workers = pick_workers(request.workers, self.driver.members.denoisers())
         placement = await self.loras.load(list(request.names), workers, self._timeout(context))
         return gateway_service_pb2.LoadLorasResponse(placement=placement)
 
     async def UnloadLoras(self, request, context: grpc.aio.ServicerContext):
         check_names(request.names, None, None)
-        workers = pick_workers(request.workers, self.driver.denoisers())
+        workers = pick_workers(request.workers, self.driver.members.denoisers())
         placement = await self.loras.load(list(request.names), workers, self._timeout(context), unload=True)
         return gateway_service_pb2.UnloadLorasResponse(placement=placement)

@@ -127,7 +127,7 @@ async def test_get_status_shows_addresses_and_other_callers_ids_to_the_admin_rol
         """))
     async with running_gateway([ar], [d0], tenants=tenants) as gw:
         # (The simulated workers say no device: as a GPU denoiser compiled for two sizes would say it.)
-        gw.driver.worker_platform = lambda address: Platform("cuda:0", ((64, 64), (256, 512)))  # type: ignore
+        gw.driver.members.platform = lambda address: Platform("cuda:0", ((64, 64), (256, 512)))  # type: ignore
         sims.gate.clear()  # the job holds d0 after its first step
         mine = asyncio.ensure_future(gw.stub.GenerateImages(request(), metadata=USER + (("x-request-id", "mine"),)))
         whole = await gw.until(lambda st: any(w.current_job for w in st.workers))  # the admin's view

@@ -49,8 +49,8 @@ async def running_gateway(ar_server, denoisers, scheduler: SchedulerConfig, *, l
         scheduler=scheduler, request_timeout=60, **config_fields)
     driver = Driver(config) if lifted is None else Driver(config, Scheduler(config.scheduler))
     if lifted is not None:
-        driver.limits = lambda: lifted  # type: ignore[method-assign]
-        driver.capable = lambda needs: None  # type: ignore[method-assign]
+        driver.members.limits = lambda: lifted  # type: ignore[method-assign]
+        driver.members.capable = lambda needs: None  # type: ignore[method-assign]
     servicer = GatewayServicer(driver, config)
     server = await start_server(lambda s: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
                                 ["glmimage.v1.GatewayService"], "127.0.0.1:0")

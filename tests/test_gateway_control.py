@@ -432,7 +432,7 @@ async def test_background_work_never_logs_with_the_id_of_the_request_that_starte
     async with sim_cluster() as sims:
         denoisers = [f"127.0.0.1:{d.port}" for d in sims.denoisers]
         async with running_gateway([f"127.0.0.1:{sims.ar.port}"], denoisers) as gw:
-            worker = gw.driver._workers[denoisers[0]]
+            worker = gw.driver.members.get(denoisers[0])
             done = len(caplog.records)
             token = request_id_var.set("rid-started-it")  # as inside that request's call
             try:

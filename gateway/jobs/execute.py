@@ -86,9 +86,9 @@ class JobExecutor:
         return self.tenants.current.by_name.get(name) or Tenant(name)
 
     def check(self, request: gateway_service_pb2.GenerateImagesRequest) -> Admitted:
-        return check_generate(request, self.driver.limits(), default_height=self.default_height,
+        return check_generate(request, self.driver.members.limits(), default_height=self.default_height,
                               default_width=self.default_width,
-                              known_loras=self.driver.lora_catalogue() if request.loras else None)
+                              known_loras=self.driver.members.lora_catalogue() if request.loras else None)
 
     async def run(self, request: gateway_service_pb2.GenerateImagesRequest, tenant_name: str, timeout: float,
                   progress: Progress) -> gateway_service_pb2.GenerateImagesResponse | Failure:
