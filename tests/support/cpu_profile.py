@@ -1,5 +1,5 @@
-"""A pytest plugin that writes, per test file and per test, the CPU seconds it cost and its wall seconds, one JSON
-line each (``{"file": ...}`` or ``{"test": ...}``).
+"""A pytest plugin that writes, per test file and per test, the CPU seconds it cost (``cpu``; ``own``: the part the
+worker itself spent) and its wall seconds, one JSON line each (``{"file": ...}`` or ``{"test": ...}``).
 
 The suite is CPU-bound on CI's 2-core machine (its workers together keep both cores busy), so a file's wall time on
 a loaded worker says little about what it costs; its CPU does. Counted: the worker's own CPU and that of the child
@@ -37,11 +37,19 @@ def _cpu_seconds() -> float:
     return total
 
 
+def _own_seconds() -> float:
+    """This process's CPU alone: what a file's tests cost in the worker itself (in-process engines, gateways,
+    hypothesis), apart from its servers."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_utime + own.ru_stime
+
+
 @dataclass
 class _File:
     name: str
     cpu0: float
     wall0: float
+    own0: float
 
 
 _current: _File | None = None
@@ -49,7 +57,7 @@ _current: _File | None = None
 
 def _write(key: str, span: _File) -> None:
     line = {key: span.name, "cpu": round(_cpu_seconds() - span.cpu0, 2),
-            "wall": round(time.monotonic() - span.wall0, 2)}
+            "own": round(_own_seconds() - span.own0, 2), "wall": round(time.monotonic() - span.wall0, 2)}
     with open(os.environ.get("GLMIMAGE_TEST_CPU_LOG", "test-cpu.jsonl"), "a", encoding="utf-8") as out:
         out.write(json.dumps(line) + "\n")
 
@@ -64,8 +72,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
     global _current
     if _current is None or _current.name != item.path.name:
         _finish()
-        _current = _File(item.path.name, _cpu_seconds(), time.monotonic())
-    test = _File(item.nodeid, _cpu_seconds(), time.monotonic())
+        _current = _File(item.path.name, _cpu_seconds(), time.monotonic(), _own_seconds())
+    test = _File(item.nodeid, _cpu_seconds(), time.monotonic(), _own_seconds())
     yield
     _write("test", test)
 
