@@ -58,11 +58,15 @@ help:
 
 venv: $(DEV_STAMP)
 
+# pip compiles what it installs, but not an editable install's sources: they are compiled here, once (about a
+# second), so that no server of `make run` or of the tests compiles them at its start, even where the environment
+# forbids writing bytecode.
 define install
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e ".[$(1)]"
+	$(BIN)/python -m compileall -q services gateway rest runtime clients/python bench tests
 endef
 
 $(RUN_STAMP): pyproject.toml
@@ -95,9 +99,9 @@ tools:
 
 # Whole test files on PYTEST_WORKERS pytest-xdist workers, the longest files first (tests/conftest.py's
 # LONGEST_FILES; --no-loadscope-reorder keeps that order): much of the suite's time is spent waiting on server
-# processes, idle gaps and timeouts, which more workers fill. On a 2-core machine with 1450 tests: 489 s on two
-# workers (a clean clone), 419 s on three; the process tests' timing bounds carry the margin for three. PYTEST_WORKERS=0
-# runs everything in one process. Bytecode is written even where the environment says not to (Docker images often set
+# processes, idle gaps and timeouts, which more workers fill (with 1450 tests on a 2-core machine: 489 s on two workers,
+# 419 s on three; with 2280, three: 644 s, a clean clone, 2026-12-08). The process tests' timing bounds carry the margin
+# for three. PYTEST_WORKERS=0 runs everything in one process. Bytecode is written even where the environment says not to (Docker images often set
 # PYTHONDONTWRITEBYTECODE=1): the suite starts hundreds of Python processes, and each would compile the project's
 # modules again (a gateway's start: 0.80 CPU-s uncached, 0.55 cached), every xdist worker the rewritten tests again.
 test: $(DEV_STAMP) tools
