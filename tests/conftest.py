@@ -197,26 +197,25 @@ def promtool() -> str:
     return found
 
 
-# The longest test files, in seconds of one worker (a 3-worker run of `make test` on a 2-core machine, 2026-12-02),
+# The longest test files, in seconds of one worker (a 3-worker run of `make test` on a 2-core machine, 2026-12-08),
 # longest first. `make test` runs whole files on workers (--dist loadfile) in this order, not in xdist's default one
 # (by number of tests, which sends the long files of a few process tests last, one worker finishing them alone while
 # the others idle): longest first, every worker ends within about a short file of the others. A file missing here
 # runs after these, in collection order; an outdated figure only costs a little balance.
 LONGEST_FILES = {
-    "test_chaos.py": 103, "test_keepalive.py": 84, "test_heavy_edits.py": 73, "test_signals.py": 63,
-    "test_credentials.py": 62, "test_e2e.py": 65, "test_denoiser_compile.py": 45, "test_launcher_restarts.py": 42,
-    "test_intake.py": 40, "test_authz_internal_token.py": 40, "test_status_page.py": 39, "test_dashboard.py": 38,
-    "test_lora_gateway.py": 29, "test_node_client.py": 27, "test_gateway_processes.py": 23, "test_fuzz_workers.py": 23,
-    "test_launcher_gateways.py": 23, "test_grpcurl.py": 21, "test_fuzz_extremes.py": 19, "test_promtool.py": 18,
-    "test_limits.py": 18, "test_tracing.py": 18, "test_denoiser_lifecycle.py": 16, "test_openai_sdk.py": 16,
-    "test_fuzz_gateway.py": 15, "test_rest_connections.py": 15, "test_cli.py": 15, "test_readme_commands.py": 14,
-    "test_denoiser_lora.py": 13, "test_edits_e2e.py": 12, "test_gateway.py": 12, "test_several_gateways.py": 11,
-    "test_scheduler_machine.py": 30, "test_tenants_e2e.py": 50, "test_tenants_redis_e2e.py": 45,
-    "test_tenants_reload.py": 32, "test_rest_tenants.py": 20,
-    "test_jobs_durability.py": 80, "test_jobs_postgres_e2e.py": 60, "test_jobs_clients_e2e.py": 55,
-    "test_jobs_attack.py": 60, "test_jobs_e2e.py": 50, "test_jobs_s3_e2e.py": 40, "test_jobs_webhooks_e2e.py": 35,
-    "test_job_store.py": 10, "test_launcher_stop.py": 70, "test_version_skew.py": 40,
-    "test_bench_rolling.py": 45, "test_mixed_pools.py": 55,
+    "test_keepalive.py": 124, "test_chaos.py": 97, "test_tenants_e2e.py": 86, "test_heavy_edits.py": 82,
+    "test_denoiser_compile.py": 80, "test_jobs_durability.py": 74, "test_dashboard.py": 57, "test_e2e.py": 49,
+    "test_lora_gateway.py": 48, "test_scheduler_machine.py": 47, "test_jobs_attack.py": 46, "test_status_page.py": 42,
+    "test_rolling_restart.py": 42, "test_version_skew.py": 41, "test_mixed_pools.py": 36,
+    "test_jobs_postgres_e2e.py": 34, "test_jobs_clients_e2e.py": 32, "test_fuzz_workers.py": 31,
+    "test_authz_internal_token.py": 31, "test_jobs_s3_e2e.py": 30, "test_fuzz_extremes.py": 28,
+    "test_tenants_reload.py": 27, "test_fuzz_gateway.py": 27, "test_intake.py": 25, "test_bench_rolling.py": 24,
+    "test_jobs_e2e.py": 23, "test_grpcurl.py": 21, "test_cli.py": 17, "test_ar_service.py": 17,
+    "test_scheduler_replay.py": 16, "test_rest_connections.py": 16, "test_node_client.py": 16, "test_gateway.py": 16,
+    "test_bench_smoke.py": 16, "test_rest_ranges.py": 15, "test_readme_commands.py": 15,
+    "test_launcher_restarts.py": 15, "test_tenants_redis_e2e.py": 14, "test_rolling_restart_workers.py": 13,
+    "test_gateway_processes.py": 13, "test_openai_sdk.py": 12, "test_k8s.py": 12, "test_credentials.py": 12,
+    "test_several_gateways.py": 11, "test_signals.py": 10, "test_cli_jobs.py": 10,
 }
 
 

@@ -40,3 +40,19 @@ def test_make_help_lists_every_phony_target() -> None:
     phony = {t for line in re.findall(r"^\.PHONY:(.*)$", makefile, re.M) for t in line.split()}
     listed = set(re.findall(r"^make (\S+)", _make("-s", "help"), re.M))
     assert phony and phony <= listed, f"not in `make help`: {sorted(phony - listed)}"
+
+
+def test_make_test_compiles_the_sources_once_and_writes_bytecode(tmp_path: Path) -> None:
+    """Where the environment forbids bytecode (PYTHONDONTWRITEBYTECODE=1), every process the suite starts would
+    compile the project again: the install compiles it, and the test run writes what it compiles."""
+    recipe = _make("-n", "test", venv=tmp_path / "v")
+    assert re.search(r"-m compileall -q .*\bgateway\b.*\btests\b", recipe), recipe
+    (pytest_line,) = [line for line in recipe.splitlines() if "-m pytest -n" in line]
+    assert pytest_line.startswith("PYTHONDONTWRITEBYTECODE= "), pytest_line
+
+
+def test_the_longest_files_named_for_the_order_exist() -> None:
+    from tests.conftest import LONGEST_FILES
+
+    names = {p.name for p in (REPO / "tests").rglob("test_*.py")}
+    assert set(LONGEST_FILES) <= names, sorted(set(LONGEST_FILES) - names)
