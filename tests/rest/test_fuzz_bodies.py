@@ -4,6 +4,7 @@ and a normal request still served after them.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import httpx
@@ -25,12 +26,6 @@ from tests.support.rest_gateway import (
     generate,
     parse_sse,
 )
-
-try:
-    import schemathesis
-    from schemathesis import GenerationMode
-except ImportError:  # without it the hypothesis fuzz below still runs
-    schemathesis = None
 
 # --- fuzz ------------------------------------------------------------------------------------------
 
@@ -76,24 +71,28 @@ async def test_fuzz_never_5xx(client: httpx.AsyncClient, body: Any) -> None:
     check_answer(await generate(client, body))
 
 
-if schemathesis is not None:
-    # Cases generated from our own OpenAPI document: valid ones (which must still be answered sensibly) and
-    # schema-violating ones (which must all be 4xx).
-    _GENERATIONS = schemathesis.openapi.from_dict(create_app(RestSettings()).openapi())["/v1/images/generations"]
-    _CASES = (_GENERATIONS["POST"].as_strategy(GenerationMode.POSITIVE)
-              | _GENERATIONS["POST"].as_strategy(GenerationMode.NEGATIVE))
+def _schemathesis_cases() -> st.SearchStrategy:
+    """Cases generated from our own OpenAPI document: valid ones (which must still be answered sensibly) and
+    schema-violating ones (which must all be 4xx). Built at the first draw (st.deferred), so that only the worker
+    running this file imports schemathesis, not every one collecting it."""
+    import schemathesis
+    from schemathesis import GenerationMode
 
-    @hyp_settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(case=_CASES)
-    async def test_schemathesis_never_5xx(client: httpx.AsyncClient, case: Any) -> None:
-        kwargs = case.as_transport_kwargs(base_url="http://test")
-        if "data" in kwargs:  # raw bytes (not JSON); httpx calls that `content`
-            kwargs["content"] = kwargs.pop("data")
-        kwargs.pop("cookies", None)  # always empty: the API has no cookie parameters
-        check_answer(await client.request(**kwargs))
-else:
-    def test_schemathesis_never_5xx() -> None:
-        pytest.skip("schemathesis is not installed (it comes with the dev extra)")
+    generations = schemathesis.openapi.from_dict(create_app(RestSettings()).openapi())["/v1/images/generations"]
+    return (generations["POST"].as_strategy(GenerationMode.POSITIVE)
+            | generations["POST"].as_strategy(GenerationMode.NEGATIVE))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("schemathesis") is None,
+                    reason="schemathesis is not installed (it comes with the dev extra)")
+@hyp_settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=st.deferred(_schemathesis_cases))
+async def test_schemathesis_never_5xx(client: httpx.AsyncClient, case: Any) -> None:
+    kwargs = case.as_transport_kwargs(base_url="http://test")
+    if "data" in kwargs:  # raw bytes (not JSON); httpx calls that `content`
+        kwargs["content"] = kwargs.pop("data")
+    kwargs.pop("cookies", None)  # always empty: the API has no cookie parameters
+    check_answer(await client.request(**kwargs))
 
 
 async def test_normal_request_after_fuzz(client: httpx.AsyncClient) -> None:
