@@ -64,7 +64,8 @@ LAYERS = (
     Layer("supervisor", "the supervisor spawns processes by command line; it imports no server module",
           modules=("services.supervisor",), may_import=frozenset({"runtime", "protocol"})),
     Layer("launcher", "the launcher sees the supervisor, the runtime, the model (the tiny checkpoint) and the jobs' "
-          "defaults and secrets; it starts servers by command line, never by import", modules=("services.launcher",),
+          "defaults and secrets; it starts servers by command line, never by import",
+          modules=("services.launcher", "services.launcher_control"),
           may_import=frozenset({"runtime", "model", "supervisor", "protocol", "jobs"})),
     Layer("root", "the services package itself imports nothing", modules=("services",)),
 )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import restart_targets, role_of
+from services.launcher_control import restart_targets, role_of
 from services.supervisor import Supervisor
 from tests.support.cluster import StackRun, launcher_child, running_stack
 from tests.support.rolling import CLIENTS, ctl, steady_load
