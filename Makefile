@@ -103,7 +103,7 @@ tools:
 # 419 s on three; with 2280, three: 644 s, a clean clone, 2026-12-08). The process tests' timing bounds carry the margin
 # for three. PYTEST_WORKERS=0 runs everything in one process. Bytecode is written even where the environment says not to (Docker images often set
 # PYTHONDONTWRITEBYTECODE=1): the suite starts hundreds of Python processes, and each would compile the project's
-# modules again (a gateway's start: 0.80 CPU-s uncached, 0.55 cached), every xdist worker the rewritten tests again.
+# modules again (a gateway's imports: 0.80 CPU-s uncached, 0.55 cached), every xdist worker the rewritten tests again.
 test: $(DEV_STAMP) tools
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 

@@ -2,7 +2,7 @@
 re-read (coalesced, so a burst of callers costs the denoisers one round), and the admin's loads and unloads fanned
 out to the denoisers, each answering for itself.
 
-Which adapters a request may name (the catalogue) is the driver's (Driver.lora_catalogue, merged from the listings
+Which adapters a request may name (the catalogue) is the pool's (Members.lora_catalogue, merged from the listings
 kept on each worker); where jobs go is the scheduler's (it follows what each denoiser holds from its occupancy
 stream). This module only performs the calls.
 """

@@ -254,7 +254,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
     def _check(self, request: gateway_service_pb2.GenerateImagesRequest, limits: Limits,
                partial_images: int = 0) -> Admitted:
         """Within what the pool can do (``limits``: the union of its workers'), and run whole by one worker of each
-        stage (the driver's ``capable``): else INVALID_ARGUMENT naming the field, before any quota is charged."""
+        stage (``Members.capable``): else INVALID_ARGUMENT naming the field, before any quota is charged."""
         admitted = check_generate(request, limits, default_height=self.config.default_height,
                                   default_width=self.config.default_width,
                                   known_loras=self.driver.members.lora_catalogue() if request.loras else None)
@@ -263,7 +263,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         return admitted
 
     async def GetLimits(self, request, context: grpc.aio.ServicerContext):
-        """What the pool can do: the union of its workers' limits, within the gateway's flags (Driver.limits)."""
+        """What the pool can do: the union of its workers' limits, within the gateway's flags (Members.limits)."""
         return gateway_service_pb2.GetLimitsResponse(limits=self.driver.members.limits().to_proto())
 
     async def GetStatus(self, request, context: grpc.aio.ServicerContext):

@@ -3,7 +3,7 @@
 A pool is rarely uniform for long (a rolling upgrade, an adapter directory on half the denoisers, a larger GPU
 beside the old ones), so the gateway keeps each worker's capabilities apart instead of merging them into the
 tightest of all: admission accepts what some member of each stage can run (``limits_in_force`` is then the union,
-bounded by the gateway's own flags, and ``Driver.capable`` asks ``unmet`` of each member), and the scheduler places
+bounded by the gateway's own flags, and ``Members.capable`` asks ``unmet`` of each member), and the scheduler places
 each AR batch only on an AR server, and each denoise job only on a denoiser, for which ``unmet`` says nothing of
 any request in it (the driver hands it ``fits``).
 

@@ -149,7 +149,7 @@ def limits_in_force(own: Mapping[str, float], ar: Iterable[Mapping[str, float]],
 
     Each role's union, not its tightest: each worker's limits are kept apart (runtime.capability), a request
     within the union but past every single worker of a stage (a combination none serves) is refused by
-    ``Driver.capable``, and the scheduler places each AR batch and each denoise job only on a worker that can run
+    ``Members.capable``, and the scheduler places each AR batch and each denoise job only on a worker that can run
     every request in it.
     """
     bounds: dict[str, float] = {}

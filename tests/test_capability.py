@@ -282,7 +282,7 @@ def test_a_free_ar_server_with_nothing_due_holds_up_no_other() -> None:
 def test_a_request_whose_only_capable_ar_server_left_waits_and_fails_at_its_deadline() -> None:
     # As a denoise job whose capable denoisers left: it waits (never on a server that cannot run it, never failing
     # while one may come back), runs if a capable one comes back or joins, else ends at its deadline. (A new such
-    # request is refused at admission, the field named: Driver.capable.)
+    # request is refused at admission, the field named: Members.capable.)
     s = _ar_pool(BIG_AR, SMALL_AR)
     (first,) = _arrive(s, "big1", LARGE)
     assert _arrive(s, "big2", LARGE, now=0.1, deadline=5.0) == []

@@ -24,24 +24,24 @@ import psutil
 import pytest
 
 
-def _cpu_seconds() -> float:
-    """This process's CPU, its reaped children's, and every live descendant's with what each has reaped: a process
-    that ends between two readings moves from the live sum to its parent's reaped figure, and is counted once. The
-    fork server is a live descendant: its reaped figure holds the forked servers'."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-    for proc in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            t = proc.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
-    return total
-
-
 def _own_seconds() -> float:
     """This process's CPU alone: what a file's tests cost in the worker itself (in-process engines, gateways,
     hypothesis), apart from its servers."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     return own.ru_utime + own.ru_stime
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU, its reaped children's, and every live descendant's with what each has reaped: a process
+    that ends between two readings moves from the live sum to its parent's reaped figure, and is counted once. The
+    fork server is a live descendant: its reaped figure holds the forked servers'."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = _own_seconds() + children.ru_utime + children.ru_stime
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 @dataclass
